@@ -1,0 +1,109 @@
+"""The UNet model (Ronneberger et al., 2015) with milesial/Pytorch-UNet's parameter names."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .unet_parts import DoubleConv, Down, OutConv, Up
+
+# The smallest side that survives the four 2x2 poolings.
+MIN_SIDE = 16
+
+
+class UNet(nn.Module):
+    """Encoder-decoder segmentation network producing ``n_classes`` logit maps of the input's height and width.
+
+    ``n_classes == 1`` is binary segmentation (one logit, sigmoid); ``n_classes >= 2`` is softmax over classes.
+    ``base_channels`` scales the width; 64 reproduces the classic model and its ``state_dict`` exactly.
+    """
+
+    def __init__(self, n_channels: int, n_classes: int, bilinear: bool = False, base_channels: int = 64) -> None:
+        super().__init__()
+        if n_channels < 1 or n_classes < 1 or base_channels < 1:
+            raise ValueError(
+                f"UNet needs positive sizes, got n_channels={n_channels}, n_classes={n_classes}, "
+                f"base_channels={base_channels}"
+            )
+        self.n_channels = n_channels
+        self.n_classes = n_classes
+        self.bilinear = bilinear
+        self.base_channels = base_channels
+        self._checkpointing = False
+
+        c = base_channels
+        # With bilinear upsampling the deepest block is halved, exactly as in the classic model.
+        factor = 2 if bilinear else 1
+        self.inc = DoubleConv(n_channels, c)
+        self.down1 = Down(c, c * 2)
+        self.down2 = Down(c * 2, c * 4)
+        self.down3 = Down(c * 4, c * 8)
+        self.down4 = Down(c * 8, c * 16 // factor)
+        self.up1 = Up(c * 16, c * 8 // factor, bilinear)
+        self.up2 = Up(c * 8, c * 4 // factor, bilinear)
+        self.up3 = Up(c * 4, c * 2 // factor, bilinear)
+        self.up4 = Up(c * 2, c, bilinear)
+        self.outc = OutConv(c, n_classes)
+
+    def constructor_args(self) -> dict[str, Any]:
+        """The arguments that rebuild this model; stored in checkpoints so inference needs no repeated flags."""
+        return {
+            "n_channels": self.n_channels,
+            "n_classes": self.n_classes,
+            "bilinear": self.bilinear,
+            "base_channels": self.base_channels,
+        }
+
+    def use_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute block activations in the backward pass instead of storing them (less memory, more compute)."""
+        self._checkpointing = enabled
+
+    def _run(self, block: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        if self._checkpointing and self.training and torch.is_grad_enabled():
+            # The recomputation in the backward pass runs BatchNorm in training mode a second time; restoring its
+            # buffers afterwards keeps running statistics identical to a run without checkpointing.
+            return checkpoint(
+                block,
+                *inputs,
+                use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), _preserve_norm_buffers(block)),
+            )
+        return block(*inputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        height, width = x.shape[-2:]
+        # Four 2x2 poolings need at least 16 pixels per side; pad smaller inputs and crop the logits back, so any size
+        # works while inputs of 16 pixels or more run exactly as in the classic model.
+        pad_bottom, pad_right = max(0, MIN_SIDE - height), max(0, MIN_SIDE - width)
+        if pad_bottom or pad_right:
+            x = F.pad(x, [0, pad_right, 0, pad_bottom])
+        x1 = self._run(self.inc, x)
+        x2 = self._run(self.down1, x1)
+        x3 = self._run(self.down2, x2)
+        x4 = self._run(self.down3, x3)
+        x5 = self._run(self.down4, x4)
+        x = self._run(self.up1, x5, x4)
+        x = self._run(self.up2, x, x3)
+        x = self._run(self.up3, x, x2)
+        x = self._run(self.up4, x, x1)
+        return self.outc(x)[..., :height, :width]
+
+
+@contextlib.contextmanager
+def _preserve_norm_buffers(block: nn.Module) -> Iterator[None]:
+    """Snapshot the BatchNorm buffers of ``block`` and put them back when the context exits."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [{name: buf.clone() for name, buf in m.named_buffers(recurse=False) if buf is not None} for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, buffers in zip(norms, saved, strict=True):
+                for name, value in buffers.items():
+                    getattr(module, name).copy_(value)

@@ -1,0 +1,256 @@
+"""The one checkpoint format: key constants, atomic writes, safe reads, and foreign formats.
+
+Writes go to a temporary file in the same folder, are fsynced and then renamed over the final name, so a file under a
+final name is always complete, whatever moment a crash happens. Reads always use ``weights_only=True``: a checkpoint
+can hold tensors, numbers, strings and containers, never objects whose unpickling runs code.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unet import UNet
+
+from .errors import CheckpointError
+
+FORMAT_VERSION = 1
+
+KEY_FORMAT_VERSION = "format_version"
+KEY_MODEL = "model_state"
+KEY_MODEL_ARGS = "model_args"
+KEY_MASK_VALUES = "mask_values"
+KEY_OPTIMIZER = "optimizer"
+KEY_SCHEDULER = "scheduler"
+KEY_SCALER = "scaler"
+KEY_EPOCH = "epoch"
+KEY_GLOBAL_STEP = "global_step"
+KEY_STEP_IN_EPOCH = "step_in_epoch"
+KEY_RNG = "rng_state"
+KEY_ARGS = "args"
+KEY_BEST_DICE = "best_dice"
+KEY_WORLD_SIZE = "world_size"
+
+# Prefixes added by wrappers: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# Keys under which other training scripts nest the model's weights.
+_NESTED_WEIGHT_KEYS = ("model_state_dict", "state_dict", "model")
+
+
+@dataclass
+class LoadedWeights:
+    """Model weights read from any accepted checkpoint format."""
+
+    state_dict: dict[str, torch.Tensor]
+    model_args: dict[str, Any] | None
+    mask_values: list | None
+    raw: dict[str, Any]
+
+
+def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path) -> None:
+    """Write ``payload`` to ``path`` so that ``path`` is either the old file or the complete new one.
+
+    Raises CheckpointError (naming the folder and the fix) when the disk is full or the folder is not writable; the
+    previous file under ``path`` is then untouched.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot write checkpoint {path}: {error.strerror or error}. "
+            f"Choose a writable folder with --checkpoint-dir or fix the permissions of {path.parent}"
+        ) from error
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(dict(payload), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+        _fsync_directory(path.parent)
+    except OSError as error:
+        _remove_quietly(tmp_name)
+        raise CheckpointError(
+            f"could not save checkpoint {path}: {error.strerror or error}. The previous file (if any) is intact; "
+            f"free disk space or choose another --checkpoint-dir"
+        ) from error
+    except BaseException:
+        # KeyboardInterrupt or a crash mid-write: never leave the temporary file behind under any name.
+        _remove_quietly(tmp_name)
+        raise
+
+
+def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint safely; every way a file can be unusable becomes a CheckpointError naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; check the path given to --load/--model/--resume")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a folder; give the path of a .pth file inside it")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes), probably from an interrupted copy; use another")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights_only" in str(error) or "Unsupported global" in str(error):
+            raise CheckpointError(
+                f"refused to load {path}: it contains Python objects that could run code when unpickled "
+                f"(only tensors, numbers, strings and containers are accepted). If you trust its source, re-save "
+                f"its weights with torch.save(model.state_dict(), ...)"
+            ) from error
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file ({error}); use another") from error
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, IndexError, KeyError) as error:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({type(error).__name__}); use another checkpoint"
+        ) from error
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a checkpoint dictionary")
+    return obj
+
+
+def is_complete_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` loads safely and holds our format's model weights."""
+    try:
+        obj = load_checkpoint_file(path)
+    except CheckpointError:
+        return False
+    return KEY_MODEL in obj and KEY_FORMAT_VERSION in obj
+
+
+def read_model_weights(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedWeights:
+    """Model weights from our checkpoints, milesial/Pytorch-UNet files or the documented DDP script's files."""
+    raw = load_checkpoint_file(path, map_location)
+    if KEY_MODEL in raw and KEY_FORMAT_VERSION in raw:
+        version = raw[KEY_FORMAT_VERSION]
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"checkpoint {path} has format version {version!r}; this version of unet-ddp reads up to "
+                f"{FORMAT_VERSION}. Upgrade unet-ddp"
+            )
+        state_dict, model_args, mask_values = raw[KEY_MODEL], raw.get(KEY_MODEL_ARGS), raw.get(KEY_MASK_VALUES)
+    else:
+        state_dict, model_args, mask_values = _foreign_weights(raw), None, raw.get(KEY_MASK_VALUES)
+    if not state_dict or not all(isinstance(value, torch.Tensor) for value in state_dict.values()):
+        raise CheckpointError(f"{path} is not a model checkpoint: it holds no tensors of model weights")
+    return LoadedWeights(_strip_wrapper_prefixes(state_dict), model_args, mask_values, raw)
+
+
+def infer_model_args(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Recover UNet's constructor arguments from the shapes of its weights (for files that do not store them)."""
+    try:
+        first_conv = state_dict["inc.double_conv.0.weight"]
+        out_conv = state_dict["outc.conv.weight"]
+    except KeyError as error:
+        raise CheckpointError(f"the weights are not a UNet's: key {error.args[0]!r} is missing") from error
+    return {
+        "n_channels": int(first_conv.shape[1]),
+        "n_classes": int(out_conv.shape[0]),
+        # Only the transposed-convolution variant has weights in its upsampling layers.
+        "bilinear": "up1.up.weight" not in state_dict,
+        "base_channels": int(first_conv.shape[0]),
+    }
+
+
+def build_model_from_checkpoint(
+    path: str | Path,
+    *,
+    n_channels: int | None = None,
+    n_classes: int | None = None,
+    bilinear: bool | None = None,
+    base_channels: int | None = None,
+    map_location: str | torch.device = "cpu",
+) -> tuple[UNet, list | None]:
+    """Build a UNet from ``path`` and return it with the file's ``mask_values`` (None when the file has none).
+
+    The model's arguments come from the file; flags given here must agree with them, else the error names the flag.
+    """
+    loaded = read_model_weights(path, map_location)
+    stored_args = loaded.model_args or infer_model_args(loaded.state_dict)
+    requested = {"n_channels": n_channels, "n_classes": n_classes, "bilinear": bilinear, "base_channels": base_channels}
+    flag_names = {
+        "n_channels": "--channels",
+        "n_classes": "--classes",
+        "bilinear": "--bilinear",
+        "base_channels": "--base-channels",
+    }
+    for name, value in requested.items():
+        if value is not None and name in stored_args and stored_args[name] != value:
+            raise CheckpointError(
+                f"{path} was trained with {name}={stored_args[name]!r} but {flag_names[name]} asks for {value!r}; "
+                f"drop the flag or use a matching checkpoint"
+            )
+    model = UNet(**stored_args)
+    load_state_dict_checked(model, loaded.state_dict, path)
+    return model, loaded.mask_values
+
+
+def load_state_dict_checked(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], path: str | Path) -> None:
+    """``model.load_state_dict`` with a message that says which keys or shapes differ instead of a long traceback."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    mismatched = [key for key in own if key in state_dict and own[key].shape != state_dict[key].shape]
+    if missing or unexpected or mismatched:
+        details = []
+        if mismatched:
+            key = mismatched[0]
+            details.append(
+                f"{len(mismatched)} shape mismatches, e.g. {key}: file {tuple(state_dict[key].shape)} vs "
+                f"model {tuple(own[key].shape)}"
+            )
+        if missing:
+            details.append(f"{len(missing)} missing keys, e.g. {missing[0]}")
+        if unexpected:
+            details.append(f"{len(unexpected)} unexpected keys, e.g. {unexpected[0]}")
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the model ({'; '.join(details)}); check --classes, --bilinear, "
+            f"--base-channels and the number of image channels"
+        )
+    model.load_state_dict(state_dict)
+
+
+def _foreign_weights(raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+    for key in _NESTED_WEIGHT_KEYS:
+        if isinstance(raw.get(key), dict):
+            return dict(raw[key])
+    return {key: value for key, value in raw.items() if key != KEY_MASK_VALUES}
+
+
+def _strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    cleaned = {}
+    for key, value in state_dict.items():
+        for prefix in _WRAPPER_PREFIXES:
+            while key.startswith(prefix):
+                key = key[len(prefix) :]
+        cleaned[key] = value
+    return cleaned
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is only durable once the directory entry is on disk; not every platform can open a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(name: str) -> None:
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
