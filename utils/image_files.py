@@ -1,0 +1,218 @@
+"""Finding and opening image and mask files.
+
+This module deliberately does not import torch at module level: the mask scan runs it in worker processes, and
+importing torch there would cost seconds per worker. Only ``.pt`` files import torch, when one is opened.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from utils.errors import DatasetError
+
+logger = logging.getLogger(__name__)
+
+PIL_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".gif", ".bmp", ".tif", ".tiff"})
+ARRAY_EXTENSIONS = frozenset({".npy", ".pt"})
+# Every extension a dataset file may have, lower case; matching ignores case (``A.JPG`` counts).
+IMAGE_EXTENSIONS = PIL_EXTENSIONS | ARRAY_EXTENSIONS
+
+# What PIL, numpy and torch.load raise on a bad file. Catching these, and no more, turns unusable files into messages
+# that name them while real bugs keep their tracebacks.
+UNREADABLE_FILE_ERRORS = (
+    OSError,
+    ValueError,
+    SyntaxError,
+    EOFError,
+    RuntimeError,
+    pickle.UnpicklingError,
+    Image.DecompressionBombError,
+)
+
+# Channel counts an HxWxC array may have: grey, RGB, RGBA.
+_CHANNEL_COUNTS = (1, 3, 4)
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One dataset file and the stat fields that decide whether a cached scan of it is still valid."""
+
+    path: Path
+    size: int
+    mtime_ns: int
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """Return ``(stem, lower-case extension)`` for a supported file name, or ``None`` if the name is not one."""
+    stem, ext = os.path.splitext(name)
+    ext = ext.lower()
+    if not stem or ext not in IMAGE_EXTENSIONS:
+        return None
+    return stem, ext
+
+
+def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
+    """Map each file stem in ``folder`` to its file, reading the directory once.
+
+    Hidden files (``.DS_Store``, ``._a.jpg``), sub-folders and files with other extensions are ignored. ``role`` (e.g.
+    ``"image"``) only words the error messages. Raises ``DatasetError`` if the folder is missing or two files share a
+    stem (``a.jpg`` and ``a.png``), since either could be meant.
+    """
+    folder = Path(folder)
+    if not folder.exists():
+        raise DatasetError(f"{role} folder {folder} does not exist; create it or point the dataset at the right folder")
+    if not folder.is_dir():
+        raise DatasetError(f"{role} folder {folder} is not a folder; point the dataset at the folder holding the files")
+    files: dict[str, FileInfo] = {}
+    duplicates: dict[str, list[str]] = {}
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.is_file():
+                continue
+            parts = split_name(entry.name)
+            if parts is None:
+                logger.debug("ignoring %s: not a supported %s file", entry.path, role)
+                continue
+            stem = parts[0]
+            stat = entry.stat()
+            if stem in files:
+                duplicates.setdefault(stem, [files[stem].path.name]).append(entry.name)
+                continue
+            files[stem] = FileInfo(Path(entry.path), stat.st_size, stat.st_mtime_ns)
+    if duplicates:
+        examples = "; ".join(" and ".join(sorted(names)) for _, names in sorted(duplicates.items())[:5])
+        raise DatasetError(
+            f"{len(duplicates)} {role} name(s) in {folder} exist with several extensions ({examples}); "
+            "keep one file per name (delete or rename the others)"
+        )
+    return files
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Open an image or mask file as a PIL image.
+
+    PIL formats are opened lazily (pixels decode on first use). ``.npy`` and ``.pt`` files hold one array, HxW or
+    HxWxC (C in 1, 3, 4; a CxHxW tensor is accepted when only its first axis is a channel count), of uint8, bool
+    (→ 0/255) or float in [0, 1] (→ 0..255); single-channel integer arrays (masks) keep their values.
+    """
+    path = Path(path)
+    ext = path.suffix.lower()
+    if ext == ".npy":
+        return array_to_image(_load_npy(path), path)
+    if ext == ".pt":
+        return array_to_image(_load_pt(path), path)
+    return Image.open(path)
+
+
+def image_size(path: str | Path) -> tuple[int, int]:
+    """Return ``(width, height)`` of an image file, reading only its header where the format allows."""
+    path = Path(path)
+    ext = path.suffix.lower()
+    if ext == ".npy":
+        # mmap reads just the header; the pixels are never touched.
+        return _array_size(np.load(path, mmap_mode="r", allow_pickle=False).shape, path)
+    if ext == ".pt":
+        return _array_size(_load_pt(path).shape, path)
+    with Image.open(path) as img:
+        return img.size
+
+
+def array_to_image(array: np.ndarray, path: str | Path) -> Image.Image:
+    """Turn an array read from ``path`` into a PIL image (see ``load_image`` for the accepted arrays)."""
+    array = _to_hwc(np.asarray(array), path)
+    if array.dtype == np.bool_:
+        array = array.astype(np.uint8) * 255
+    elif np.issubdtype(array.dtype, np.floating):
+        array = _float_to_uint8(array, path)
+    elif array.dtype != np.uint8:
+        array = _wide_int_to_int32(array, path)
+    return Image.fromarray(np.ascontiguousarray(array))
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    # allow_pickle=False: an .npy file must hold plain numbers, never objects that could run code when loaded.
+    return np.load(path, allow_pickle=False)
+
+
+def _load_pt(path: Path) -> np.ndarray:
+    import torch  # here, not at the top: scan workers reading image files should not pay for importing torch
+
+    try:
+        # weights_only=True refuses pickled objects other than tensors and plain containers.
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's own message suggests weights_only=False, which is exactly what must not be done with data files.
+        raise DatasetError(
+            f"{path} cannot be loaded safely: it is corrupt or holds objects other than tensors; save one tensor "
+            "per file with torch.save"
+        ) from err
+    except (RuntimeError, EOFError) as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DatasetError(
+            f"{path} is not a readable torch file ({first_line}); save it again with torch.save"
+        ) from err
+    if not isinstance(loaded, torch.Tensor):
+        raise DatasetError(f"{path} holds a {type(loaded).__name__}, not a tensor; save one image tensor per file")
+    if loaded.is_floating_point() and loaded.dtype not in (torch.float32, torch.float64):
+        loaded = loaded.float()  # numpy has no bfloat16
+    return loaded.detach().numpy()
+
+
+def _layout(shape: tuple[int, ...], path: str | Path) -> str:
+    """Name the axis order of an array shape: ``"hw"``, ``"hwc"`` or ``"chw"`` (channels last wins a tie)."""
+    if len(shape) == 2:
+        return "hw"
+    if len(shape) == 3:
+        if shape[2] in _CHANNEL_COUNTS:
+            return "hwc"
+        if shape[0] in _CHANNEL_COUNTS:
+            return "chw"
+    raise DatasetError(
+        f"{path} holds an array of shape {tuple(shape)}; save images as HxW or HxWxC arrays with C in 1, 3 or 4"
+    )
+
+
+def _to_hwc(array: np.ndarray, path: str | Path) -> np.ndarray:
+    """Return the array as HxW or HxWxC (C in 3, 4), moving a leading channel axis to the end."""
+    layout = _layout(array.shape, path)
+    if layout == "chw":
+        array = np.moveaxis(array, 0, -1)
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    return array
+
+
+def _array_size(shape: tuple[int, ...], path: str | Path) -> tuple[int, int]:
+    layout = _layout(shape, path)
+    height, width = shape[1:3] if layout == "chw" else shape[:2]
+    return width, height
+
+
+def _float_to_uint8(array: np.ndarray, path: str | Path) -> np.ndarray:
+    if array.size and not np.isfinite(array).all():
+        raise DatasetError(f"{path} contains NaN or infinite values; save finite values in [0, 1]")
+    low, high = (float(array.min()), float(array.max())) if array.size else (0.0, 0.0)
+    if low < 0.0 or high > 1.0:
+        raise DatasetError(
+            f"{path} holds floats in [{low:g}, {high:g}]; save float images scaled to [0, 1] (or as uint8 0..255)"
+        )
+    return np.rint(array.astype(np.float64) * 255.0).astype(np.uint8)
+
+
+def _wide_int_to_int32(array: np.ndarray, path: str | Path) -> np.ndarray:
+    """Keep integer mask values (e.g. 16-bit label maps) exactly, as a 32-bit PIL image."""
+    if not np.issubdtype(array.dtype, np.integer) or array.ndim != 2:
+        raise DatasetError(
+            f"{path} holds a {array.ndim}-D {array.dtype} array; multi-channel arrays must be uint8, bool or float"
+        )
+    int32 = np.iinfo(np.int32)
+    if array.size and (array.min() < int32.min or array.max() > int32.max):
+        raise DatasetError(f"{path} holds integers outside the 32-bit range; store mask values as small integers")
+    return array.astype(np.int32)
