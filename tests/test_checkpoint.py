@@ -109,6 +109,7 @@ def test_weights_that_do_not_fit_are_explained(tmp_path: Path) -> None:
     [
         (b"", "is empty"),
         (b"this is not a checkpoint at all", "corrupt"),
+        (bytes(range(256)) * 8, "corrupt"),
     ],
 )
 def test_unusable_files_give_one_clear_error(tmp_path: Path, content: bytes, message: str) -> None:

@@ -105,6 +105,18 @@ def test_grey_0_255_masks_become_classes_0_1(tmp_path: Path, cache_dir: Path) ->
     assert torch.equal(dataset[1]["mask"], torch.from_numpy(masks["b"] // 255).long())
 
 
+def test_one_bit_masks_read_as_0_1_like_predicted_carvana_masks(tmp_path: Path, cache_dir: Path) -> None:
+    masks = {name: index_mask(seed, [0, 1]) for seed, name in enumerate(["a", "b"])}
+    images_dir, masks_dir = write_dataset(tmp_path, masks)
+    for name, mask in masks.items():
+        # predict.py writes Carvana's 0/1 masks as 1-bit PNGs; reading them back must give the same values.
+        Image.fromarray(mask.astype(bool)).convert("1").save(masks_dir / f"{name}.png")
+    dataset = build(images_dir, masks_dir, cache_dir)
+
+    assert dataset.mask_values == [0, 1]
+    assert torch.equal(dataset[0]["mask"], torch.from_numpy(masks["a"]).long())
+
+
 def test_grey_index_masks_map_sorted_values_to_consecutive_classes(tmp_path: Path, cache_dir: Path) -> None:
     masks = {"a": index_mask(0, [0, 2, 7]), "b": index_mask(1, [0, 2])}
     dataset = build(*write_dataset(tmp_path, masks), cache_dir, n_classes=3)

@@ -101,7 +101,8 @@ def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "c
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        if "weights_only" in str(error) or "Unsupported global" in str(error):
+        # Only a GLOBAL reference (a class or function to import) can run code; other refusals are just bad bytes.
+        if "Unsupported global" in str(error) or "GLOBAL" in str(error):
             raise CheckpointError(
                 f"refused to load {path}: it contains Python objects that could run code when unpickled "
                 f"(only tensors, numbers, strings and containers are accepted). If you trust its source, re-save "

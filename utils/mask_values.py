@@ -29,7 +29,7 @@ from utils.image_files import UNREADABLE_FILE_ERRORS, FileInfo, image_size, load
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it whenever decoding or the stored fields change, so older cache files stop matching.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 # Below this many masks a pool costs more to start than it saves.
 MIN_MASKS_FOR_POOL = 32
 MAX_DEFAULT_WORKERS = 8
@@ -80,7 +80,8 @@ def default_cache_dir() -> Path:
 def mask_array(img: Image.Image, path: str | Path = "<mask>") -> np.ndarray:
     """Return a mask's values as HxW integers or HxWx3 uint8 colours.
 
-    Palette images give their palette indices (as Carvana's GIFs: 0/1), bilevel images 0/255, alpha is dropped, and
+    Palette images give their palette indices (as Carvana's GIFs: 0/1), bilevel images 0/1 (as milesial reads them,
+    and as predict.py writes Carvana masks), alpha is dropped, and
     16/32-bit grey images keep their integer values. Float masks are refused: their values are not class labels.
     """
     mode = img.mode
@@ -88,7 +89,9 @@ def mask_array(img: Image.Image, path: str | Path = "<mask>") -> np.ndarray:
         return np.asarray(img)
     if mode == "PA":
         return np.asarray(img)[:, :, 0]
-    if mode in ("1", "LA"):
+    if mode == "1":
+        return np.asarray(img).astype(np.uint8)
+    if mode == "LA":
         return np.asarray(img.convert("L"))
     if mode == "F":
         raise DatasetError(f"mask {path} holds floating-point values; save masks as integer class indices (PNG/GIF)")

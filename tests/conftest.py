@@ -1,0 +1,167 @@
+"""Shared fixtures: tiny synthetic datasets and helpers to run ``train.py`` in-process or as real processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Launcher variables a test process might inherit; a child must only see the ones the test gives it.
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+@dataclass(frozen=True)
+class SyntheticData:
+    imgs: Path
+    masks: Path
+    n_images: int
+
+
+@pytest.fixture(scope="session")
+def carvana_data(tmp_path_factory: pytest.TempPathFactory) -> SyntheticData:
+    """16 Carvana-style 48x32 images (binary masks, '<id>_mask.gif' names), shared by the whole session."""
+    from utils.synthetic import generate_carvana_like
+
+    root = tmp_path_factory.mktemp("carvana")
+    generate_carvana_like(root, 16, size=(48, 32), seed=0)
+    return SyntheticData(root / "imgs", root / "masks", 16)
+
+
+@dataclass
+class TrainRunner:
+    """Builds train.py command lines for a tiny model on ``data`` with run folders under ``checkpoint_dir``."""
+
+    data: SyntheticData
+    checkpoint_dir: Path
+
+    def args(self, exp_name: str, *extra: str) -> list[str]:
+        return [
+            "--imgs", str(self.data.imgs),
+            "--masks", str(self.data.masks),
+            "--checkpoint-dir", str(self.checkpoint_dir),
+            "--exp_name", exp_name,
+            "--base-channels", "8",
+            "--scale", "1",
+            "--batch-size", "2",
+            "--learning-rate", "1e-3",
+            "--deterministic",
+            # One thread: on a busy machine (tests run in parallel) two threads per process wait for each other.
+            "--threads", "1",
+            *extra,
+        ]  # fmt: skip
+
+    def run_dir(self, exp_name: str) -> Path:
+        return self.checkpoint_dir / exp_name
+
+    def main(self, exp_name: str, *extra: str) -> int:
+        """``train.main`` in this process (fast: no interpreter start-up)."""
+        import train
+
+        try:
+            return train.main(self.args(exp_name, *extra))
+        finally:
+            # Global switches a run sets for itself must not leak into the other tests of the session.
+            torch.use_deterministic_algorithms(False)
+
+    def popen(self, prefix: Sequence[str], exp_name: str, *extra: str, env: dict[str, str] | None = None, **kw: Any):
+        """Start ``prefix + [train.py] + args`` as a real process (prefix: a python or launcher command)."""
+        return subprocess.Popen(
+            [*prefix, "train.py", *self.args(exp_name, *extra)],
+            cwd=REPO_ROOT,
+            env=child_env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **kw,
+        )
+
+
+@pytest.fixture
+def runner(carvana_data: SyntheticData, tmp_path: Path) -> TrainRunner:
+    return TrainRunner(carvana_data, tmp_path / "checkpoints")
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_prefix(nproc: int = 2) -> list[str]:
+    """``torchrun`` on a free local port (c10d rendezvous on 127.0.0.1), as the current interpreter's module."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+    ]  # fmt: skip
+
+
+def wait_for_step(metrics_path: Path, step: int, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Block until ``metrics.jsonl`` records a train event at ``step`` or later (the run is really training)."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            out, err = process.communicate()
+            raise AssertionError(f"training exited early with {process.returncode}:\n{out}\n{err}")
+        if metrics_path.exists():
+            for line in metrics_path.read_text().splitlines():
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if event.get("event") == "train" and event["global_step"] >= step:
+                    return
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"no training step {step} within {timeout_s} s")
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_training_state(first: Path, second: Path) -> None:
+    """Bit-identical model weights (every tensor), optimizer state and position of two checkpoints."""
+    a, b = load_checkpoint(first), load_checkpoint(second)
+    assert a["global_step"] == b["global_step"]
+    assert (a["epoch"], a["step_in_epoch"]) == (b["epoch"], b["step_in_epoch"])
+    assert a["model_state"].keys() == b["model_state"].keys()
+    for key, tensor in a["model_state"].items():
+        assert torch.equal(tensor, b["model_state"][key]), f"model tensor {key} differs"
+    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for name, value in state_a[index].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(state_b[index][name])), (
+                f"optimizer {index}.{name}"
+            )
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]

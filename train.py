@@ -1,0 +1,113 @@
+"""Train a UNet for semantic segmentation, on one device or with DistributedDataParallel.
+
+    python train.py --epochs 5 --batch-size 4 --scale 0.5 --amp
+    torchrun --nproc_per_node=4 train.py --ddp_mode --epochs 5 --batch-size 4
+    torchrun --nnodes=2 --node_rank=R --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --nproc_per_node=8 \\
+        train.py --ddp_mode ...
+    python train.py ... --resume auto        # continue the run in checkpoints/<exp_name>/
+
+Exit status: 0 when training finished (or stopped at --max-steps), 2 for a user error (one ``Error:`` line on
+stderr), 130/143 when SIGINT/SIGTERM stopped it (after INTERRUPTED.pth was written).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import torch
+
+from utils.config import TrainConfig, parse_config
+from utils.distributed import DistributedContext, plan_launch, setup, teardown
+from utils.errors import USER_ERROR_EXIT_CODE, UserError
+from utils.interrupts import InterruptFlag, exit_code_for
+from utils.run_logging import setup_logging
+from utils.train_setup import build_trainer
+from utils.trainer import TrainOutcome
+
+logger = logging.getLogger("train")
+
+OOM_MESSAGE = (
+    "CUDA ran out of memory; lower --batch-size or --scale, or use --amp and/or --checkpointing "
+    "(activation checkpointing)"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = sys.argv[1:] if argv is None else list(argv)
+    interrupts = InterruptFlag()
+    ctx: DistributedContext | None = None
+    try:
+        config = parse_config(raw_argv)
+        plan = plan_launch(
+            ddp_mode=config.ddp_mode,
+            rank=config.rank,
+            world_size=config.world_size,
+            dist_url=config.dist_url,
+            local_rank=config.local_rank,
+            argv=raw_argv,
+        )
+        setup_logging(plan.rank, plan.world_size)
+        # Installed before the process group exists, so that a signal during set-up is not lost either.
+        interrupts.install()
+        ctx = setup(plan, device_request=config.device, timeout_s=config.dist_timeout, threads=config.threads)
+        trainer = build_trainer(config, ctx, interrupts)
+        try:
+            outcome = trainer.train()
+        finally:
+            trainer.close()
+    except UserError as error:
+        print(f"Error: {error}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except torch.cuda.OutOfMemoryError:
+        print(f"Error: {OOM_MESSAGE}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except torch.distributed.DistError as error:
+        # A rank died or stopped answering (NCCL/store errors; gloo reports a dead peer as a RuntimeError).
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(
+            f"Error: lost contact with another training process ({first_line}); see the other processes' logs, "
+            "then continue with --resume auto",
+            file=sys.stderr,
+        )
+        return 1
+    except SystemExit as exit_request:  # --help
+        return exit_request.code if isinstance(exit_request.code, int) else 0
+    finally:
+        interrupts.restore()
+        if ctx is not None:
+            teardown(ctx)
+    return _report(config, ctx, outcome)
+
+
+def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome) -> int:
+    position = outcome.position
+    if outcome.interrupted_by:
+        name = signal.Signals(outcome.interrupted_by).name
+        if ctx.is_main:
+            logger.warning(
+                "Stopped by %s at epoch %d, step %d; saved %s. To continue, run the same command with --resume auto "
+                "(or --resume %s)",
+                name,
+                position.epoch + 1,
+                position.global_step,
+                outcome.checkpoint,
+                outcome.checkpoint,
+            )
+        else:
+            logger.warning("Stopped by %s at step %d together with rank 0", name, position.global_step)
+        return exit_code_for(outcome.interrupted_by)
+    if outcome.reached_max_steps:
+        logger.info(
+            "Stopped after --max-steps %d; %s holds the state (continue with --resume auto and a larger --max-steps)",
+            config.max_steps,
+            outcome.checkpoint,
+        )
+        return 0
+    logger.info("Training complete (%d steps); best validation Dice %.4f", position.global_step, position.best_dice)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

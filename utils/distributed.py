@@ -1,0 +1,285 @@
+"""Distributed set-up: the only module that reads the launcher's environment.
+
+Supported launches, all through the same ``train.py``:
+
+* ``python train.py``: one process, no process group;
+* ``torchrun [--nnodes M --node_rank R --rdzv-backend c10d --rdzv-endpoint HOST:PORT] --nproc_per_node N train.py
+  --ddp_mode``: rank, local rank and world size from ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``;
+* ``python -m torch.distributed.launch --nproc_per_node N train.py --ddp_mode`` (legacy): the same environment, plus
+  ``--local-rank`` on the command line unless ``--use-env``;
+* manual: one ``python train.py --ddp_mode --rank R --world-size W`` per GPU, rendezvous through ``MASTER_ADDR`` and
+  ``MASTER_PORT`` or ``--dist-url tcp://HOST:PORT``.
+
+A launcher that starts several processes without ``--ddp_mode`` switches DDP on (with a warning) rather than running
+N independent trainings that overwrite each other's checkpoints.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import errors
+from .errors import ConfigError, UserError
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Who this process is, decided from flags and the launcher's environment before anything is initialised."""
+
+    distributed: bool
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    init_method: str = "env://"
+    warning: str | None = None
+
+
+@dataclass
+class DistributedContext:
+    """This process's place in the job; ``is_main`` (global rank 0) is the only writer of files and logs."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None = None
+    # A second (gloo, CPU) group for small control messages, so they never wait behind gradient traffic or force a
+    # GPU synchronisation.
+    control_group: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+
+def plan_launch(
+    *,
+    ddp_mode: bool,
+    rank: int | None = None,
+    world_size: int | None = None,
+    dist_url: str | None = None,
+    local_rank: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    argv: Sequence[str] = (),
+) -> LaunchPlan:
+    """Decide single-process or DDP from the flags and the environment (pure: ``environ`` defaults to os.environ)."""
+    environ = os.environ if environ is None else environ
+    env_local_rank = _env_int(environ, "LOCAL_RANK")
+    env_local_world = _env_int(environ, "LOCAL_WORLD_SIZE")
+
+    if rank is not None and world_size is not None:
+        # Manual launch: the flags say who we are; the address comes from --dist-url or MASTER_ADDR/MASTER_PORT.
+        if dist_url is None and not ("MASTER_ADDR" in environ and "MASTER_PORT" in environ):
+            raise ConfigError(
+                "--rank/--world-size need a rendezvous address: set MASTER_ADDR and MASTER_PORT, or pass "
+                "--dist-url tcp://HOST:PORT (the same on every process)"
+            )
+        resolved_local = _first_set(env_local_rank, local_rank, rank)
+        # Without a launcher nobody says how many ranks share this machine; assuming all of them only makes the
+        # per-process CPU thread count smaller, never oversubscribed.
+        local_world = _first_set(env_local_world, world_size)
+        return LaunchPlan(
+            distributed=True,
+            rank=rank,
+            local_rank=resolved_local,
+            world_size=world_size,
+            local_world_size=local_world,
+            init_method=dist_url or "env://",
+            warning=None if ddp_mode else "--rank/--world-size given without --ddp_mode: DDP switched on",
+        )
+
+    env_rank, env_world = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
+    if env_rank is not None and env_world is not None:
+        resolved_local = _first_set(env_local_rank, local_rank, 0)
+        local_world = _first_set(env_local_world, env_world)
+        if env_world > 1 and not ddp_mode:
+            warning = (
+                f"launched as {env_world} processes without --ddp_mode: DDP switched on so the processes train one "
+                f"model together instead of {env_world} runs overwriting each other's checkpoints"
+            )
+            return LaunchPlan(True, env_rank, resolved_local, env_world, local_world, "env://", warning)
+        return LaunchPlan(ddp_mode, env_rank, resolved_local, env_world, local_world, "env://")
+
+    if ddp_mode:
+        shown = shlex.join([arg for arg in argv if not arg.startswith(("--local-rank", "--local_rank"))])
+        raise ConfigError(
+            "--ddp_mode needs a launcher that starts one process per GPU and sets RANK/WORLD_SIZE; run: "
+            f"torchrun --nproc_per_node=NUM_GPUS train.py {shown}".rstrip()
+            + " (or give each process --rank R --world-size W with --dist-url tcp://HOST:PORT)"
+        )
+    return LaunchPlan(distributed=False, local_rank=_first_set(env_local_rank, local_rank, 0))
+
+
+def pick_device(requested: str, plan: LaunchPlan) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is there, else MPS for a single process, else CPU."""
+    cuda_ok = torch.cuda.is_available()
+    mps_ok = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    if requested == "cuda" and not cuda_ok:
+        raise ConfigError("--device cuda but PyTorch sees no CUDA device; use --device cpu (or auto)")
+    if requested == "mps" and not mps_ok:
+        raise ConfigError("--device mps but MPS is not available here; use --device cpu (or auto)")
+    if requested == "mps" and plan.distributed:
+        raise ConfigError("DDP does not run on MPS; use --device cpu for a distributed run on this machine")
+    if requested == "cuda" or (requested == "auto" and cuda_ok):
+        count = torch.cuda.device_count()
+        if plan.local_rank >= count:
+            raise ConfigError(
+                f"local rank {plan.local_rank} needs GPU {plan.local_rank} but only {count} are visible; start at most "
+                f"{count} processes per machine (--nproc_per_node), and in a manual launch give each process its GPU "
+                f"with --local-rank (or LOCAL_RANK)"
+            )
+        return torch.device("cuda", plan.local_rank)
+    if requested == "mps" or (requested == "auto" and mps_ok and not plan.distributed):
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def threads_per_process(cpu_count: int, local_world_size: int) -> int:
+    """CPU threads per process so that the processes of one machine together use each core once."""
+    return max(1, cpu_count // max(1, local_world_size))
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def setup(
+    plan: LaunchPlan, *, device_request: str = "auto", timeout_s: float = 1800.0, threads: int = 0
+) -> DistributedContext:
+    """Pick the device, size the CPU thread pool, and join the process group when the plan is distributed."""
+    device = pick_device(device_request, plan)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads or threads_per_process(available_cpus(), plan.local_world_size))
+    if plan.warning:
+        logger.warning(plan.warning)
+    if not plan.distributed:
+        return DistributedContext(0, plan.local_rank, 1, 1, device)
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend=backend,
+        init_method=plan.init_method,
+        rank=plan.rank,
+        world_size=plan.world_size,
+        timeout=timeout,
+    )
+    control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.new_group()
+    return DistributedContext(
+        rank=plan.rank,
+        local_rank=plan.local_rank,
+        world_size=plan.world_size,
+        local_world_size=plan.local_world_size,
+        device=device,
+        backend=backend,
+        control_group=control_group,
+    )
+
+
+def teardown(ctx: DistributedContext) -> None:
+    if ctx.is_distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistributedContext) -> None:
+    """Wait for every rank (on the CPU control group, so no GPU stream is involved)."""
+    if ctx.is_distributed:
+        dist.barrier(group=ctx.control_group)
+
+
+def broadcast_from_main(ctx: DistributedContext, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (small picklable objects: paths, scores)."""
+    if not ctx.is_distributed:
+        return value
+    box = [value if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0, group=ctx.control_group)
+    return box[0]
+
+
+def sum_across_ranks(ctx: DistributedContext, values: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum over ranks of a small tensor (on the training device, at log steps only)."""
+    if ctx.is_distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def decide_on_main(ctx: DistributedContext, decide: Callable[[], _T]) -> _T:
+    """Run ``decide`` on global rank 0 only and return its result on every rank; its UserError is raised everywhere."""
+    outcome: tuple[str, Any, str] | None = None
+    if ctx.is_main:
+        try:
+            outcome = ("ok", decide(), "")
+        except UserError as error:
+            outcome = ("error", type(error).__name__, str(error))
+    outcome = broadcast_from_main(ctx, outcome)
+    if outcome[0] == "error":
+        raise _user_error(outcome[1], outcome[2])
+    return outcome[1]
+
+
+def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
+    """Run ``build`` on every rank; if it raises a UserError on any rank, raise the lowest such rank's on all."""
+    result, failure = None, None
+    try:
+        result = build()
+    except UserError as error:
+        failure = error
+    if not ctx.is_distributed:
+        if failure is not None:
+            raise failure
+        return result
+    reports: list[Any] = [None] * ctx.world_size
+    mine = None if failure is None else (type(failure).__name__, str(failure))
+    dist.all_gather_object(reports, mine, group=ctx.control_group)
+    for rank, report in enumerate(reports):
+        if report is not None:
+            if rank == ctx.rank:
+                raise failure
+            raise _user_error(report[0], f"rank {rank}: {report[1]}")
+    return result
+
+
+def _user_error(type_name: str, message: str) -> UserError:
+    error_type = getattr(errors, type_name, UserError)
+    if not (isinstance(error_type, type) and issubclass(error_type, UserError)):
+        error_type = UserError
+    return error_type(message)
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError as error:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer; check the launcher") from error
+
+
+def _first_set(*values: int | None) -> int:
+    for value in values:
+        if value is not None:
+            return value
+    raise AssertionError("the last value is always set")

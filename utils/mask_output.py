@@ -1,0 +1,80 @@
+"""Turning predicted class indices back into a mask image with the dataset's original values.
+
+Class ``k`` is written as ``mask_values[k]``, as in milesial/Pytorch-UNet's ``mask_to_image``, so a prediction can be
+compared with (or used in place of) the masks the model was trained on:
+
+* ``[0, 1]`` (Carvana) becomes a 1-bit PNG (PIL mode ``'1'``);
+* other grey values become an 8-bit ``'L'`` image, or 16-bit ``'I;16'`` when a value does not fit in a byte;
+* colour values (``[r, g, b]`` lists, one per class) become an ``'RGB'`` image (``'LA'``/``'RGBA'`` for 2/4 channels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image
+
+from utils.errors import CheckpointError
+
+# PIL modes for colour masks, by number of channels per value.
+_COLOUR_MODES = {2: "LA", 3: "RGB", 4: "RGBA"}
+
+
+def default_mask_values(n_classes: int) -> list[int]:
+    """Mask values to use when a checkpoint carries none: ``[0, 1]`` for binary models (milesial's default)."""
+    return [0, 1] if n_classes <= 2 else list(range(n_classes))
+
+
+def check_mask_values(mask_values: Sequence, n_classes: int) -> None:
+    """Raise ``CheckpointError`` when ``mask_values`` cannot name every class the model predicts."""
+    n_predicted = 2 if n_classes == 1 else n_classes
+    if len(mask_values) < n_predicted:
+        raise CheckpointError(
+            f"the checkpoint's mask_values {list(mask_values)} name {len(mask_values)} classes but the model predicts "
+            f"{n_predicted}; the checkpoint does not match its model"
+        )
+    is_colour = [isinstance(value, Sequence) for value in mask_values]
+    if any(is_colour) and not all(is_colour):
+        raise CheckpointError(f"the checkpoint's mask_values {list(mask_values)} mix grey values and colours")
+    if all(is_colour) and len({len(value) for value in mask_values}) != 1:
+        raise CheckpointError(f"the checkpoint's colour mask_values {list(mask_values)} have different lengths")
+
+
+def _value_table(mask_values: Sequence) -> tuple[np.ndarray, str]:
+    """A lookup table ``[K]`` or ``[K, channels]`` and the PIL mode to write it with."""
+    table = np.asarray(mask_values)
+    if table.dtype.kind == "f":
+        if not np.all(table == np.round(table)):
+            raise CheckpointError(f"mask_values {list(mask_values)} are not integers; cannot write them to an image")
+        table = table.astype(np.int64)
+    if table.dtype.kind not in "biu" or table.size and table.min() < 0:
+        raise CheckpointError(f"mask_values {list(mask_values)} must be non-negative integers or colours")
+    if table.ndim == 2:
+        mode = _COLOUR_MODES.get(table.shape[1])
+        if mode is None or table.max(initial=0) > 255:
+            raise CheckpointError(f"colour mask_values {list(mask_values)} must be 2-4 channels of 0..255")
+        return table.astype(np.uint8), mode
+    if table.ndim != 1:
+        raise CheckpointError(f"mask_values {list(mask_values)} must be a list of values or of colours")
+    if sorted(table.tolist()) == [0, 1] and len(table) == 2:
+        return table.astype(bool), "1"
+    if table.max(initial=0) > 255:
+        return table.astype(np.uint16), "I;16"
+    return table.astype(np.uint8), "L"
+
+
+def mask_to_image(class_mask: np.ndarray, mask_values: Sequence) -> Image.Image:
+    """Map a ``[H, W]`` array of class indices to a PIL image holding ``mask_values[class]`` per pixel."""
+    if class_mask.ndim != 2:
+        raise ValueError(f"expected a [H, W] class-index array, got shape {class_mask.shape}")
+    table, mode = _value_table(mask_values)
+    if class_mask.size and int(class_mask.max()) >= len(table):
+        raise CheckpointError(
+            f"the prediction uses class {int(class_mask.max())} but mask_values {list(mask_values)} "
+            f"name only {len(table)} classes"
+        )
+    image = Image.fromarray(table[class_mask])
+    # Pillow infers the mode from dtype and shape; make sure it is the one the table promised.
+    assert image.mode == mode, (image.mode, mode)
+    return image

@@ -1,0 +1,395 @@
+"""The training loop: ``Trainer.train()`` runs epochs of optimizer steps and returns how the run ended.
+
+Per optimizer step the loop does no host synchronisation: losses accumulate on the device and are read every
+``--log-every`` steps, and the ranks' stop decision travels on an asynchronous CPU all-reduce (``utils.interrupts``).
+Validation runs on global rank 0 with the unwrapped model while the other ranks wait for its Dice score, which every
+rank then uses (ReduceLROnPlateau must step identically everywhere). Checkpoints are written by global rank 0 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from .checkpoint import save_checkpoint_atomic
+from .config import TrainConfig
+from .curves import write_curves_if_possible
+from .distributed import DistributedContext, barrier, broadcast_from_main, sum_across_ranks
+from .evaluation import EvalResult, evaluate, predict_classes
+from .interrupts import InterruptFlag, StopAgreement
+from .losses import segmentation_loss
+from .run_logging import RunReporter, weight_and_grad_histograms
+from .sharding import ResumableDistributedSampler, batches_per_epoch
+from .train_data import TrainData
+from .train_state import (
+    BEST_NAME,
+    INTERRUPTED_NAME,
+    LAST_NAME,
+    TrainPosition,
+    build_payload,
+    epoch_checkpoint_name,
+    prune_epoch_checkpoints,
+)
+
+logger = logging.getLogger(__name__)
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainParts:
+    """Everything the loop works on, built (and restored from a checkpoint) by ``utils.train_setup``."""
+
+    raw_model: nn.Module
+    """The plain UNet: evaluated, and saved in checkpoints."""
+    model: nn.Module
+    """What the training step calls: raw_model, wrapped in DDP and/or compiled."""
+    ddp_model: DistributedDataParallel | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+    precision: str
+    data: TrainData
+    sampler: ResumableDistributedSampler
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    model_args: dict[str, Any]
+    position: TrainPosition
+    resume_images_in_epoch: int = 0
+    """Global images of epoch ``position.epoch`` already trained by the run this one resumes."""
+
+
+@dataclass
+class TrainOutcome:
+    """How ``train()`` ended: completed, stopped by --max-steps, or interrupted by a signal (then a checkpoint)."""
+
+    position: TrainPosition
+    interrupted_by: int = 0
+    checkpoint: Path | None = None
+    reached_max_steps: bool = False
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainConfig,
+        ctx: DistributedContext,
+        parts: TrainParts,
+        *,
+        run_dir: Path,
+        reporter: RunReporter,
+        interrupts: InterruptFlag,
+    ) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.parts = parts
+        self.run_dir = run_dir
+        self.reporter = reporter
+        self.position = parts.position
+        self._stop = StopAgreement(ctx, interrupts)
+        self._autocast_dtype = AUTOCAST_DTYPES.get(parts.precision)
+        self._n_classes = config.classes
+        self._global_batch = config.batch_size * ctx.world_size
+        self._loss_sum = torch.zeros((), device=ctx.device)
+        self._loss_count = 0
+        self._images_seen = self.position.global_step * self._global_batch * config.grad_accum
+        self._last_log = (time.perf_counter(), self._images_seen)
+        self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
+
+    # ---------------------------------------------------------------------------------------------------- public
+
+    def train(self) -> TrainOutcome:
+        outcome = None
+        self.parts.raw_model.train()
+        while outcome is None and self.position.epoch < self.config.epochs:
+            if self._max_steps_reached():
+                outcome = self._stop_for_max_steps()
+                break
+            outcome = self._run_epoch(self.position.epoch)
+            if outcome is None:
+                self._end_epoch(self.position.epoch)
+        self._stop.finish()
+        if self.reporter.enabled and write_curves_if_possible(self.reporter.metrics_path, self.reporter.curves_path):
+            logger.info("Curves written to %s", self.reporter.curves_path)
+        # Nobody leaves before rank 0 has written its files: a launcher may kill the others' siblings on exit.
+        barrier(self.ctx)
+        return outcome or TrainOutcome(self.position)
+
+    def close(self) -> None:
+        """Close metrics.jsonl and the wandb run."""
+        self.reporter.close()
+
+    # --------------------------------------------------------------------------------------------------- epochs
+
+    def _run_epoch(self, epoch: int) -> TrainOutcome | None:
+        """Train the remaining batches of ``epoch``; an outcome when the run must stop before the epoch's end."""
+        config, sampler = self.config, self.parts.sampler
+        images_done = self._images_done_in_epoch()
+        sampler.set_epoch(epoch, consumed=images_done)
+        self.parts.data.train_dataset.set_epoch(epoch)
+        batches_done = images_done // self._global_batch
+        total_batches = batches_done + math.ceil(len(sampler) / config.batch_size)
+        n_train = len(self.parts.data.train_set)
+        # The bar counts global images (all ranks), the unit users reason in.
+        progress = tqdm(
+            total=batches_per_epoch(n_train, world_size=self.ctx.world_size, batch_size=config.batch_size)
+            * self._global_batch,
+            initial=min(images_done, n_train),
+            desc=f"Epoch {epoch + 1}/{config.epochs}",
+            unit="img",
+            disable=not self.ctx.is_main,
+            dynamic_ncols=True,
+        )
+        try:
+            for offset, batch in enumerate(self.parts.train_loader):
+                index = batches_done + offset
+                group_start = index - index % config.grad_accum
+                group_size = min(config.grad_accum, total_batches - group_start)
+                closes_group = index + 1 == group_start + group_size
+                self._forward_backward(batch, group_size, sync_gradients=closes_group)
+                progress.update(batch["image"].shape[0] * self.ctx.world_size)
+                if not closes_group:
+                    continue
+                self._optimizer_step()
+                self.position.global_step += 1
+                self.position.step_in_epoch = index + 1
+                outcome = self._after_step(epoch, progress)
+                if outcome is not None:
+                    return outcome
+        finally:
+            progress.close()
+        return None
+
+    def _images_done_in_epoch(self) -> int:
+        """Global images of ``epoch`` trained before this process started (only the resumed epoch has any)."""
+        done, self.parts.resume_images_in_epoch = self.parts.resume_images_in_epoch, 0
+        return done
+
+    def _end_epoch(self, epoch: int) -> None:
+        epoch_number = epoch + 1
+        self.position.epoch = epoch_number
+        self.position.step_in_epoch = 0
+        improved = False
+        if self._should_validate(epoch_number):
+            dice = self._validate(epoch_number)
+            if self.config.scheduler == "plateau":
+                self.parts.scheduler.step(dice)
+            improved = dice > self.position.best_dice
+            if improved:
+                self.position.best_dice = dice
+        names = [LAST_NAME]
+        if self.config.save_every and epoch_number % self.config.save_every == 0:
+            names.append(epoch_checkpoint_name(epoch_number))
+        if improved:
+            names.append(BEST_NAME)
+        self._save(names)
+        if self.ctx.is_main and self.config.keep_last:
+            for path in prune_epoch_checkpoints(self.run_dir, self.config.keep_last):
+                logger.info("Removed %s (--keep-last %d)", path.name, self.config.keep_last)
+
+    def _should_validate(self, epoch_number: int) -> bool:
+        return epoch_number % self.config.val_every == 0 or epoch_number == self.config.epochs
+
+    # ---------------------------------------------------------------------------------------------------- steps
+
+    def _forward_backward(self, batch: dict[str, torch.Tensor], group_size: int, *, sync_gradients: bool) -> None:
+        device = self.ctx.device
+        memory_format = torch.channels_last if self.config.channels_last else torch.contiguous_format
+        images = batch["image"].to(device, non_blocking=True, memory_format=memory_format)
+        masks = batch["mask"].to(device, non_blocking=True)
+        # DDP all-reduces gradients only on the micro-batch that closes an accumulation group.
+        no_sync = self.parts.ddp_model.no_sync() if self.parts.ddp_model is not None and not sync_gradients else None
+        with no_sync or contextlib.nullcontext():
+            with torch.autocast(device.type, self._autocast_dtype or torch.float32, self._autocast_dtype is not None):
+                logits = self.parts.model(images)
+                loss = segmentation_loss(logits, masks, self._n_classes)
+            scaled = loss / group_size
+            if self.parts.scaler is not None:
+                self.parts.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+        self._loss_sum += loss.detach()
+        self._loss_count += 1
+        self._images_seen += images.shape[0] * self.ctx.world_size
+
+    def _optimizer_step(self) -> None:
+        parts = self.parts
+        if parts.scaler is not None:
+            parts.scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
+        if self.config.grad_clip:
+            nn.utils.clip_grad_norm_(parts.raw_model.parameters(), self.config.grad_clip)
+        if parts.scaler is not None:
+            parts.scaler.step(parts.optimizer)
+            parts.scaler.update()
+        else:
+            parts.optimizer.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+        if self.config.scheduler == "cosine":
+            parts.scheduler.step()
+
+    def _after_step(self, epoch: int, progress: tqdm) -> TrainOutcome | None:
+        """Logging, step checkpoints, and the stop decisions due at this optimizer-step boundary."""
+        step = self.position.global_step
+        if step % self.config.log_every == 0:
+            self._log_train(epoch, progress)
+        if self.config.save_every_steps and step % self.config.save_every_steps == 0:
+            self._save([LAST_NAME])
+        signum = self._stop.poll()
+        if signum:
+            return self._stop_for_signal(signum)
+        if self._max_steps_reached():
+            return self._stop_for_max_steps()
+        return None
+
+    def _max_steps_reached(self) -> bool:
+        return bool(self.config.max_steps) and self.position.global_step >= self.config.max_steps
+
+    # ---------------------------------------------------------------------------------------------------- stops
+
+    def _stop_for_signal(self, signum: int) -> TrainOutcome:
+        path = self.run_dir / INTERRUPTED_NAME
+        self._save([INTERRUPTED_NAME])
+        return TrainOutcome(self.position, interrupted_by=signum, checkpoint=path)
+
+    def _stop_for_max_steps(self) -> TrainOutcome:
+        logger.info("Reached --max-steps %d", self.config.max_steps)
+        if self._last_saved_at != (self.position.global_step, self.position.epoch):
+            self._save([LAST_NAME])
+        return TrainOutcome(self.position, reached_max_steps=True, checkpoint=self.run_dir / LAST_NAME)
+
+    # ---------------------------------------------------------------------------------------------- validation
+
+    def _validate(self, epoch_number: int) -> float:
+        """Validation Dice of the unwrapped model, computed on rank 0 and broadcast to every rank."""
+        dice = None
+        if self.ctx.is_main:
+            result = evaluate(
+                self.parts.raw_model,
+                self.parts.val_loader,
+                self.ctx.device,
+                n_classes=self._n_classes,
+                precision=self.parts.precision,
+                progress=True,
+            )
+            self._report_validation(epoch_number, result)
+            dice = result.dice
+        # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
+        return float(broadcast_from_main(self.ctx, dice))
+
+    def _report_validation(self, epoch_number: int, result: EvalResult) -> None:
+        per_class = ", ".join(
+            f"{k}: Dice {d:.4f} IoU {i:.4f}"
+            for k, (d, i) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True))
+        )
+        logger.info(
+            "Validation after epoch %d (step %d, %d images): Dice %.4f, IoU %.4f [%s]",
+            epoch_number,
+            self.position.global_step,
+            result.n_images,
+            result.dice,
+            result.iou,
+            per_class,
+        )
+        samples = self._wandb_samples() if self.reporter.wants_samples() else None
+        self.reporter.log_val(epoch=epoch_number, global_step=self.position.global_step, result=result, samples=samples)
+
+    @torch.inference_mode()
+    def _wandb_samples(self) -> dict[str, Any]:
+        """One validation image with its true and predicted masks, plus weight/gradient histograms."""
+        batch = next(iter(self.parts.val_loader))
+        model = self.parts.raw_model
+        model.eval()
+        try:
+            logits = model(batch["image"][:1].to(self.ctx.device))
+        finally:
+            model.train()
+        return {
+            "image": batch["image"][0],
+            "true": batch["mask"][0],
+            "pred": predict_classes(logits)[0],
+            "histograms": weight_and_grad_histograms(model),
+        }
+
+    # ------------------------------------------------------------------------------------------------- logging
+
+    def _log_train(self, epoch: int, progress: tqdm) -> None:
+        # The only host synchronisation of the loop: one small all-reduce and read every --log-every steps.
+        totals = torch.stack([self._loss_sum, torch.tensor(float(self._loss_count), device=self.ctx.device)])
+        loss_sum, count = sum_across_ranks(self.ctx, totals).tolist()
+        self._loss_sum.zero_()
+        self._loss_count = 0
+        now = time.perf_counter()
+        last_time, last_images = self._last_log
+        images_per_s = (self._images_seen - last_images) / max(now - last_time, 1e-9)
+        self._last_log = (now, self._images_seen)
+        loss = loss_sum / max(count, 1.0)
+        lr = self.parts.optimizer.param_groups[0]["lr"]
+        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+        self.reporter.log_train(
+            epoch=epoch + 1,
+            global_step=self.position.global_step,
+            loss=loss,
+            lr=lr,
+            images_per_s=images_per_s,
+            images_seen=self._images_seen,
+        )
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+
+    def _save(self, names: list[str]) -> None:
+        """Write the current state under ``names`` in the run folder (global rank 0 only)."""
+        if LAST_NAME in names:
+            self._last_saved_at = (self.position.global_step, self.position.epoch)
+        if not self.ctx.is_main:
+            return
+        parts = self.parts
+        payload = build_payload(
+            model=parts.raw_model,
+            model_args=parts.model_args,
+            mask_values=parts.data.mask_values,
+            optimizer=parts.optimizer,
+            scheduler=parts.scheduler,
+            scaler=parts.scaler,
+            position=self.position,
+            args=self.config.as_dict(),
+            world_size=self.ctx.world_size,
+        )
+        first = self.run_dir / names[0]
+        save_checkpoint_atomic(payload, first)
+        for name in names[1:]:
+            _link_or_save(first, self.run_dir / name, payload)
+        logger.info(
+            "Saved %s at step %d (%d epochs and %d batches done)",
+            ", ".join(names),
+            self.position.global_step,
+            self.position.epoch,
+            self.position.step_in_epoch,
+        )
+
+
+def _link_or_save(source: Path, target: Path, payload: dict[str, Any]) -> None:
+    """``target`` with the content of ``source``, without serialising the payload again where links are possible.
+
+    Checkpoints are never modified in place (every write renames a new file over the name), so two names sharing one
+    file stay independent: replacing ``last.pth`` later leaves ``best.pth`` as it was.
+    """
+    temporary = target.with_name(f".{target.name}.link.tmp")
+    try:
+        temporary.unlink(missing_ok=True)
+        os.link(source, temporary)
+        os.replace(temporary, target)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+        save_checkpoint_atomic(payload, target)
