@@ -11,13 +11,13 @@ if [ -z "$(find data/imgs -maxdepth 1 -type f ! -name '.*' -print -quit 2>/dev/n
 fi
 
 # A short CPU-sized run; on a GPU the same command just runs faster.
-"$PY" train.py --exp_name demo --epochs "${DEMO_EPOCHS:-6}" --batch-size 8 --scale 0.25 --base-channels 16 \
-    --learning-rate 3e-3 --validation 10 --classes 2 --amp --wandb disabled --resume auto
+"$PY" train.py --exp_name demo --epochs "${DEMO_EPOCHS:-4}" --batch-size 8 --scale 0.25 --base-channels 16 \
+    --learning-rate 3e-3 --validation 10 --classes 2 --wandb disabled --resume auto
 
 mapfile -t samples < <(find data/imgs -maxdepth 1 -type f ! -name '.*' | sort | head -n 8)
 "$PY" predict.py --model checkpoints/demo/best.pth --input "${samples[@]}" --output-dir outputs/demo --viz \
     --scale 0.25
-"$PY" evaluate.py --model checkpoints/demo/best.pth --imgs data/imgs --masks data/masks --scale 0.25 \
+"$PY" evaluate.py --model checkpoints/demo/best.pth --imgs data/imgs --masks data/masks --scale 0.25 --batch-size 8 \
     --json outputs/demo/evaluation.json
 
 echo
