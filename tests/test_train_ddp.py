@@ -146,3 +146,33 @@ def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(ddp_reference: Tr
     assert resumed.returncode == 0, out + err
     assert "DDP switched on" in out + err
     assert_same_training_state(runner.run_dir("reference") / "last.pth", run_dir / "last.pth")
+
+
+def test_two_torchrun_nodes_on_localhost_train_like_one_node(ddp_reference: TrainRunner) -> None:
+    """Multi-node rendezvous (c10d) with two 'nodes' on 127.0.0.1; only the node holding global rank 0 writes."""
+    runner = ddp_reference
+    endpoint = f"127.0.0.1:{free_port()}"
+    node_dirs = [runner.checkpoint_dir.parent / f"node{node}-checkpoints" for node in range(2)]
+    nodes = []
+    for node, node_dir in enumerate(node_dirs):
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node_rank={node}",
+            "--nproc_per_node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            "--rdzv-id=nodes",
+        ]
+        nodes.append(TrainRunner(runner.data, node_dir).popen(
+            launcher, "nodes", *COMMON, "-b", "2", "--sync-bn", "--max-steps", str(STOP_AT), "--ddp_mode"))  # fmt: skip
+    for process in nodes:
+        out, err = finish(process)
+        assert process.returncode == 0, out + err
+    # c10d assigns global ranks in joining order, so either node may hold rank 0; exactly one node wrote anything.
+    writers = [node_dir for node_dir in node_dirs if node_dir.exists() and any(node_dir.rglob("*.pth"))]
+    assert len(writers) == 1, writers
+    assert not any(other.exists() and any(other.rglob("*")) for other in node_dirs if other != writers[0])
+    assert_same_training_state(runner.run_dir("reference") / "last.pth", writers[0] / "nodes" / "last.pth")
