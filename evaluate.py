@@ -27,7 +27,7 @@ from utils.checkpoint import build_model_from_checkpoint
 from utils.data_loading import BasicDataset, detect_mask_suffix
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError, UserError
 from utils.evaluation import EvalResult, evaluate
-from utils.inference import PRECISIONS, resolve_device, warn_if_slow_precision
+from utils.inference import PRECISIONS, add_model_check_flags, resolve_device, warn_if_slow_precision
 from utils.run_logging import setup_logging
 
 __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "main", "run"]
@@ -72,19 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--imgs", required=True, metavar="DIR", help="folder of images")
     parser.add_argument("--masks", required=True, metavar="DIR", help="folder of true masks")
     parser.add_argument("--scale", "-s", type=float, default=0.5, help="downscaling factor of the images (0.5)")
-    parser.add_argument("--batch-size", "-b", type=int, default=1, help="images per forward pass (1)")
+    parser.add_argument("--batch-size", "-b", type=int, default=4, help="images per forward pass (4)")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="forward-pass precision")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
     parser.add_argument("--workers", "-j", type=int, default=2, help="data-loading worker processes (2)")
     parser.add_argument("--json", metavar="FILE", help="also write the scores as JSON to FILE")
-    parser.add_argument(
-        "--bilinear",
-        action="store_true",
-        help="expect bilinear upsampling (the checkpoint decides; a mismatch is an error)",
-    )
-    parser.add_argument(
-        "--classes", "-c", type=int, help="expected number of classes (the checkpoint decides; a mismatch is an error)"
-    )
+    add_model_check_flags(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 

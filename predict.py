@@ -35,6 +35,7 @@ from utils.inference import (
     Prediction,
     PredictionInputs,
     TileSettings,
+    add_model_check_flags,
     predict_items,
     resolve_device,
     warn_if_slow_precision,
@@ -143,14 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="probability above which a pixel is foreground (one-logit models; 0.5)",
     )
     parser.add_argument("--scale", "-s", type=float, default=0.5, help="downscaling factor of the images (0.5)")
-    parser.add_argument(
-        "--bilinear",
-        action="store_true",
-        help="expect bilinear upsampling (the checkpoint decides; a mismatch is an error)",
-    )
-    parser.add_argument(
-        "--classes", "-c", type=int, help="expected number of classes (the checkpoint decides; a mismatch is an error)"
-    )
+    add_model_check_flags(parser)
     parser.add_argument("--batch-size", "-b", type=int, default=4, help="images per forward pass (4)")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="forward-pass precision")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")

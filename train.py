@@ -28,6 +28,10 @@ from utils.trainer import TrainOutcome
 
 logger = logging.getLogger("train")
 
+# How gloo reports a process that died (closed connection) or stopped answering (--dist-timeout); NCCL and the
+# rendezvous store raise torch.distributed.DistError instead.
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
+
 OOM_MESSAGE = (
     "CUDA ran out of memory; lower --batch-size or --scale, or use --amp and/or --checkpointing "
     "(activation checkpointing)"
@@ -63,12 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     except torch.cuda.OutOfMemoryError:
         print(f"Error: {OOM_MESSAGE}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    except torch.distributed.DistError as error:
-        # A rank died or stopped answering (NCCL/store errors; gloo reports a dead peer as a RuntimeError).
+    except (torch.distributed.DistError, RuntimeError) as error:
+        # A rank died or stopped answering: NCCL and store errors are DistErrors, gloo's are RuntimeErrors.
+        if not _lost_contact(error):
+            raise
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(
             f"Error: lost contact with another training process ({first_line}); see the other processes' logs, "
-            "then continue with --resume auto",
+            "then continue with --resume auto (under torchrun, --max-restarts does that by itself)",
             file=sys.stderr,
         )
         return 1
@@ -81,11 +87,26 @@ def main(argv: list[str] | None = None) -> int:
     return _report(config, ctx, outcome)
 
 
+def _lost_contact(error: Exception) -> bool:
+    """Whether ``error`` says another process of the job died or stopped answering."""
+    if isinstance(error, torch.distributed.DistError):
+        return True
+    return any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
+
+
 def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome) -> int:
     position = outcome.position
     if outcome.interrupted_by:
         name = signal.Signals(outcome.interrupted_by).name
-        if ctx.is_main:
+        if ctx.is_main and outcome.checkpoint is None:
+            logger.warning(
+                "Stopped by %s at epoch %d, step %d, without saving (the latest step was skipped for NaN/inf "
+                "gradients). To continue from the newest checkpoint, run the same command with --resume auto",
+                name,
+                position.epoch + 1,
+                position.global_step,
+            )
+        elif ctx.is_main:
             logger.warning(
                 "Stopped by %s at epoch %d, step %d; saved %s. To continue, run the same command with --resume auto "
                 "(or --resume %s)",
@@ -102,7 +123,7 @@ def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome)
         logger.info(
             "Stopped after --max-steps %d; %s holds the state (continue with --resume auto and a larger --max-steps)",
             config.max_steps,
-            outcome.checkpoint,
+            outcome.checkpoint or "the newest checkpoint of the run folder",
         )
         return 0
     logger.info("Training complete (%d steps); best validation Dice %.4f", position.global_step, position.best_dice)

@@ -100,6 +100,8 @@ class BenchConfig:
     precisions: list[str]
     steps: int
     """Timed optimizer steps per measurement."""
+    repeat: int
+    """Alternating (compute, e2e) and (1 process, DDP) pairs per precision; ratios are the pairs' median."""
     warmup: int
     """Untimed steps before them (first-step allocations, autotuning, compilation)."""
     threads: int
@@ -181,9 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-size", "-b", type=int, help=f"global batch ({normal['batch_size']}; quick {quick['batch_size']})")
     add("--base-channels", type=int, help=f"UNet width ({normal['base_channels']}; quick {quick['base_channels']})")
     add("--classes", "-c", type=int, default=2, help="output classes (2)")
-    add("--precisions", help="comma-separated; default fp32,bf16 (and fp16 on CUDA); quick fp32")
+    add(
+        "--precisions",
+        help="comma-separated; default fp32, + bf16 where the hardware has it natively, + fp16 on CUDA; quick fp32",
+    )
     add("--steps", type=int, help=f"timed steps ({normal['steps']}; quick {quick['steps']})")
     add("--warmup", type=int, help=f"untimed steps first ({normal['warmup']}; quick {quick['warmup']})")
+    add("--repeat", type=int, default=1, help="alternating measurement pairs per ratio, median reported (1)")
     add("--threads", type=int, default=0, help="CPU threads of one process (0: all cores; quick 1)")
     add("--scale", type=float, default=0.5, help="train.py/predict.py --scale; demo data is drawn at size/scale")
     add("--data-dir", type=Path, help="folder with imgs/ and masks/ (demo data is drawn there if missing)")
@@ -229,7 +235,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     elif device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but PyTorch sees no CUDA device; use --device cpu (or auto)")
     if args.precisions is None:
-        precisions = ["fp32"] if args.quick else ["fp32", "bf16"] + (["fp16"] if device == "cuda" else [])
+        precisions = ["fp32"] if args.quick else default_precisions(device)
     else:
         precisions = _split(args.precisions, "--precisions")
     bad = [p for p in precisions if p not in PRECISIONS]
@@ -246,6 +252,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         classes=args.classes,
         precisions=precisions,
         steps=pick("steps"),
+        repeat=args.repeat,
         warmup=pick("warmup"),
         # Quick runs use one thread: they only check that everything works, and one thread per process is least
         # hurt when other processes load the machine (see docs/PERFORMANCE.md).
@@ -282,6 +289,7 @@ def validate(config: BenchConfig) -> None:
         (config.base_channels >= 1, "--base-channels must be at least 1"),
         (config.classes >= 1, "--classes must be at least 1"),
         (config.steps >= 1, "--steps must be at least 1"),
+        (config.repeat >= 1, "--repeat must be at least 1"),
         (config.warmup >= 1, "--warmup must be at least 1 (the first step allocates and autotunes)"),
         (config.threads >= 1, "--threads must be positive"),
         (0 < config.scale <= 1, "--scale must be in (0, 1]"),
@@ -302,6 +310,22 @@ def validate(config: BenchConfig) -> None:
             f"--batch-size {config.batch_size} cannot be split over {DDP_PROCESSES} DDP processes; pass an even "
             "batch size or drop ddp from --sections"
         )
+
+
+def default_precisions(device: str) -> list[str]:
+    """fp32, bf16 where the hardware computes it natively, fp16 on CUDA.
+
+    A CPU without AVX-512 BF16 or AMX only emulates bf16, several times slower than fp32 (docs/PERFORMANCE.md);
+    measuring it there would take most of the run's time for a figure nobody should train with. Ask for it
+    explicitly with --precisions fp32,bf16.
+    """
+    if device == "cuda":
+        return ["fp32", "bf16", "fp16"] if torch.cuda.is_bf16_supported() else ["fp32", "fp16"]
+    return ["fp32", "bf16"] if cpu_has_native_bf16() else ["fp32"]
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def parse_size(text: str, flag: str) -> tuple[int, int]:
@@ -757,87 +781,142 @@ class Context:
         )
 
 
-def run_compute(ctx: Context) -> dict[str, Any]:
+def run_compute_and_e2e(ctx: Context) -> None:
+    """The compute and e2e sections, alternating per precision: compute, train.py, compute, train.py, ...
+
+    Each end-to-end figure is paired with the compute figure taken just before it, and the reported ratio is the
+    median of the pairs' ratios: on a machine shared with other work the load drifts over minutes, and a compute run
+    taken long before its end-to-end run would make the ratio measure the drift (see docs/PERFORMANCE.md).
+    """
     config = ctx.config
-    out: dict[str, Any] = {}
+    want_compute, want_e2e = "compute" in config.sections, "e2e" in config.sections
+    data = ensure_demo_data(ctx) if want_e2e else None
+    compute_out: dict[str, Any] = {}
+    e2e_out: dict[str, Any] = {}
     for precision in config.precisions:
-        spec = {
-            "device": config.device,
-            "precision": precision,
-            "size": list(config.size),
-            "batch_size": config.batch_size,
-            "base_channels": config.base_channels,
-            "classes": config.classes,
-            "steps": config.steps,
-            "warmup": config.warmup,
-            "channels_last": config.channels_last,
-            "compile": config.compile,
-            "peak_max_size": config.peak_max_size,
-        }
-        result = call_worker("compute", spec, threads=config.threads, config=config, log_dir=ctx.log_dir)
-        out[precision] = result
-        ctx.remember_memory(f"compute {precision}", result)
-        ctx.row(
-            "compute",
-            f"{precision} forward+backward+step",
-            f"{result['images_per_s']:.3g} img/s",
-            f"{result['flops_per_image'] / 1e9:.1f} GFLOP/img; {result['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = "
-            f"{100 * result['fraction_of_peak']:.0f}% of {precision} matmul peak "
-            f"{result['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s",
-        )
-    return out
+        computes: list[dict[str, Any]] = []
+        trains: list[dict[str, Any]] = []
+        for repeat in range(config.repeat):
+            if want_compute:
+                computes.append(compute_run(ctx, precision))
+            if want_e2e:
+                assert data is not None
+                name = f"e2e-{precision}" + (f"-{repeat + 1}" if config.repeat > 1 else "")
+                trains.append(train_run(ctx, data, precision, processes=1, name=name))
+        if computes:
+            compute_out[precision] = _median_run(computes)
+            ctx.remember_memory(f"compute {precision}", compute_out[precision])
+            _compute_row(ctx, precision, compute_out[precision])
+        if trains:
+            e2e_out[precision] = result = _median_run(trains)
+            ratios = [t["images_per_s"] / c["images_per_s"] for c, t in zip(computes, trains, strict=False)]
+            result["ratios_to_compute"] = ratios
+            result["ratio_to_compute"] = statistics.median(ratios) if ratios else None
+            _e2e_row(ctx, precision, result)
+    if want_compute:
+        ctx.results["compute"] = compute_out
+    if want_e2e:
+        ctx.results["e2e"] = e2e_out
 
 
-def run_e2e(ctx: Context) -> dict[str, Any]:
+def compute_run(ctx: Context, precision: str) -> dict[str, Any]:
     config = ctx.config
-    data = ensure_demo_data(ctx)
-    compute = ctx.results.get("compute", {})
-    out: dict[str, Any] = {}
-    for precision in config.precisions:
-        result = train_run(ctx, data, precision, processes=1, name=f"e2e-{precision}")
-        result["ratio_to_compute"] = ratio(result["images_per_s"], compute.get(precision, {}).get("images_per_s"))
-        out[precision] = result
-        note = (
-            f"{result['ratio_to_compute']:.2f} of compute-only"
-            if result["ratio_to_compute"] is not None
-            else "(no compute figure to compare)"
-        )
-        if result["validation_ran"]:
-            note += "; validation ran inside the window (too few images in --data-dir)"
-        ctx.row("e2e", f"{precision} train.py steady state", f"{result['images_per_s']:.3g} img/s", note)
-    return out
+    spec = {
+        "device": config.device,
+        "precision": precision,
+        "size": list(config.size),
+        "batch_size": config.batch_size,
+        "base_channels": config.base_channels,
+        "classes": config.classes,
+        "steps": config.steps,
+        "warmup": config.warmup,
+        "channels_last": config.channels_last,
+        "compile": config.compile,
+        "peak_max_size": config.peak_max_size,
+    }
+    return call_worker("compute", spec, threads=config.threads, config=config, log_dir=ctx.log_dir)
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median images/s (the lower middle one of an even count), plus every run's figure."""
+    rates = [run["images_per_s"] for run in runs]
+    chosen = dict(runs[rates.index(statistics.median_low(rates))])
+    chosen["images_per_s_runs"] = rates
+    return chosen
+
+
+def _spread(result: dict[str, Any]) -> str:
+    rates = result["images_per_s_runs"]
+    return f" ({min(rates):.3g}-{max(rates):.3g}, {len(rates)} runs)" if len(rates) > 1 else ""
+
+
+def _compute_row(ctx: Context, precision: str, result: dict[str, Any]) -> None:
+    ctx.row(
+        "compute",
+        f"{precision} forward+backward+step",
+        f"{result['images_per_s']:.3g} img/s{_spread(result)}",
+        f"{result['flops_per_image'] / 1e9:.1f} GFLOP/img; {result['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = "
+        f"{100 * result['fraction_of_peak']:.0f}% of {precision} matmul peak "
+        f"{result['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s",
+    )
+
+
+def _e2e_row(ctx: Context, precision: str, result: dict[str, Any]) -> None:
+    ratios = result["ratios_to_compute"]
+    if not ratios:
+        note = "(run the compute section too for the ratio)"
+    elif len(ratios) == 1:
+        note = f"{ratios[0]:.2f} of compute-only"
+    else:
+        note = f"{result['ratio_to_compute']:.2f} of compute-only (median of {len(ratios)} paired runs: "
+        note += ", ".join(f"{r:.2f}" for r in ratios) + ")"
+    if result["validation_ran"]:
+        note += "; validation ran inside the window (too few images in --data-dir)"
+    ctx.row("e2e", f"{precision} train.py steady state", f"{result['images_per_s']:.3g} img/s{_spread(result)}", note)
 
 
 def run_ddp(ctx: Context) -> dict[str, Any]:
+    """2 processes with half the threads each against 1 process with all of them, same global batch, alternating."""
     config = ctx.config
     precision = config.precisions[0]
     if config.device == "cuda" and torch.cuda.device_count() < DDP_PROCESSES:
         ctx.row("ddp", "skipped", "-", f"needs {DDP_PROCESSES} GPUs, {torch.cuda.device_count()} visible")
         return {"skipped": f"needs {DDP_PROCESSES} GPUs"}
     data = ensure_demo_data(ctx)
-    single = ctx.results.get("e2e", {}).get(precision)
-    if single is None or "error" in single:
-        single = train_run(ctx, data, precision, processes=1, name=f"ddp-single-{precision}")
-    multi = train_run(ctx, data, precision, processes=DDP_PROCESSES, name=f"ddp-{DDP_PROCESSES}-{precision}")
+    singles, multis = [], []
+    for repeat in range(config.repeat):
+        suffix = f"{precision}" + (f"-{repeat + 1}" if config.repeat > 1 else "")
+        single = ctx.results.get("e2e", {}).get(precision)
+        # The e2e run just before this section is a single-process run of the same settings: reuse it when it is
+        # the most recent run (one precision, one repeat) instead of paying for another one.
+        reusable = single is not None and config.repeat == 1 and config.precisions == [precision]
+        if not reusable:
+            single = train_run(ctx, data, precision, processes=1, name=f"ddp-single-{suffix}")
+        singles.append(single)
+        multis.append(train_run(ctx, data, precision, processes=DDP_PROCESSES, name=f"ddp-{DDP_PROCESSES}-{suffix}"))
+    single, multi = _median_run(singles), _median_run(multis)
+    ratios = [m["images_per_s"] / s["images_per_s"] for s, m in zip(singles, multis, strict=True)]
     threads_each = max(1, config.threads // DDP_PROCESSES)
     result = {
         "precision": precision,
         "global_batch": config.batch_size,
         "single": {"processes": 1, "threads": config.threads, **_pick(single)},
         "multi": {"processes": DDP_PROCESSES, "threads_per_process": threads_each, **_pick(multi)},
-        "ratio": ratio(multi["images_per_s"], single["images_per_s"]),
+        "ratios": ratios,
+        "ratio": statistics.median(ratios),
     }
+    spread = f" (median of {len(ratios)}: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
     ctx.row(
         "ddp",
         f"{precision} {DDP_PROCESSES} proc x {threads_each} thr vs 1 proc x {config.threads} thr",
         f"{multi['images_per_s']:.3g} vs {single['images_per_s']:.3g} img/s",
-        f"ratio {result['ratio']:.2f} (global batch {config.batch_size})",
+        f"ratio {result['ratio']:.2f}{spread} (global batch {config.batch_size})",
     )
     return result
 
 
 def _pick(run: dict[str, Any]) -> dict[str, Any]:
-    keys = ("images_per_s", "steps_timed", "seconds_timed", "max_rss_mib", "wall_s")
+    keys = ("images_per_s", "images_per_s_runs", "steps_timed", "seconds_timed", "max_rss_mib", "wall_s")
     return {key: run.get(key) for key in keys}
 
 
@@ -1107,7 +1186,7 @@ def machine_info(config: BenchConfig) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "cpu_native_bf16": cpu_has_native_bf16(),
         "device": config.device,
         "load_average_start": os.getloadavg()[0],
     }
@@ -1137,13 +1216,21 @@ def format_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-SECTION_RUNNERS: dict[str, Callable[[Context], Any]] = {
-    "compute": run_compute,
-    "e2e": run_e2e,
-    "ddp": run_ddp,
-    "data": run_data,
-    "predict": run_predict,
-}
+def _store(section: str, runner: Callable[[Context], dict[str, Any]]) -> Callable[[Context], None]:
+    def run(ctx: Context) -> None:
+        ctx.results[section] = runner(ctx)
+
+    return run
+
+
+# In this order; compute and e2e run together so that their runs can alternate.
+SECTION_RUNNERS: list[tuple[tuple[str, ...], Callable[[Context], None]]] = [
+    (("compute", "e2e"), run_compute_and_e2e),
+    (("ddp",), _store("ddp", run_ddp)),
+    (("data",), _store("data", run_data)),
+    (("predict",), _store("predict", run_predict)),
+    (("memory",), _store("memory", lambda ctx: {"processes": run_memory(ctx)})),
+]
 
 
 def run_benchmark(config: BenchConfig) -> tuple[dict[str, Any], bool]:
@@ -1164,22 +1251,22 @@ def run_benchmark(config: BenchConfig) -> tuple[dict[str, Any], bool]:
     }
     all_ok = True
     try:
-        for section in SECTIONS:
-            if section not in config.sections or section == "memory":
+        for sections, runner in SECTION_RUNNERS:
+            selected = [section for section in sections if section in config.sections]
+            if not selected:
                 continue
             section_started = time.perf_counter()
-            print(f"[benchmark] {section} ...", file=sys.stderr, flush=True)
+            print(f"[benchmark] {' + '.join(selected)} ...", file=sys.stderr, flush=True)
             try:
-                ctx.results[section] = SECTION_RUNNERS[section](ctx)
+                runner(ctx)
             except (MeasurementError, ValueError, OSError, RuntimeError) as error:
                 all_ok = False
-                ctx.results[section] = {"error": str(error)}
-                ctx.row(section, "FAILED", "-", str(error).splitlines()[0])
-                print(f"[benchmark] {section} failed: {error}", file=sys.stderr, flush=True)
-            if isinstance(ctx.results[section], dict):
+                for section in selected:
+                    ctx.results[section] = {"error": str(error)}
+                    ctx.row(section, "FAILED", "-", str(error).splitlines()[0])
+                print(f"[benchmark] {' + '.join(selected)} failed: {error}", file=sys.stderr, flush=True)
+            for section in selected:
                 ctx.results[section]["section_wall_s"] = time.perf_counter() - section_started
-        if "memory" in config.sections:
-            ctx.results["memory"] = run_memory(ctx)
     finally:
         if temporary is not None:
             temporary.cleanup()

@@ -72,6 +72,7 @@ def test_quick_run_measures_every_section(
     e2e = doc["e2e"]["fp32"]
     assert positive(e2e["images_per_s"]) and e2e["steps_timed"] >= 1 and e2e["validation_ran"] is False
     assert e2e["ratio_to_compute"] == pytest.approx(e2e["images_per_s"] / compute["images_per_s"])
+    assert e2e["ratios_to_compute"] == [e2e["ratio_to_compute"]]
 
     ddp = doc["ddp"]
     assert ddp["multi"]["processes"] == 2 and ddp["multi"]["threads_per_process"] >= 1
@@ -90,9 +91,10 @@ def test_quick_run_measures_every_section(
     assert [(r["precision"], r["batch_size"]) for r in runs] == [("fp32", 1), ("fp32", 2)]
     assert all(positive(r["images_per_s"]) and r["images"] == 4 for r in runs)
 
-    processes = [entry["process"] for entry in doc["memory"]]
+    memory = doc["memory"]["processes"]
+    processes = [entry["process"] for entry in memory]
     assert "compute fp32" in processes and any(p.startswith("train.py ddp-2") for p in processes)
-    assert all(positive(entry["max_rss_mib"]) for entry in doc["memory"])
+    assert all(positive(entry["max_rss_mib"]) for entry in memory)
 
     for section in ("compute", "e2e", "ddp", "data", "predict", "memory"):
         assert f"\n{section} " in stdout, section

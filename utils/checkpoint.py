@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import tempfile
 import zipfile
 from collections.abc import Mapping
@@ -38,6 +39,10 @@ KEY_RNG = "rng_state"
 KEY_ARGS = "args"
 KEY_BEST_DICE = "best_dice"
 KEY_WORLD_SIZE = "world_size"
+
+# Names of files being written: ``.<final name>.<random or "link">.tmp`` beside the final name. A crash can leave one
+# behind (never under a final name); ``remove_partial_files`` clears them when the next run starts.
+PARTIAL_FILE_PATTERN = re.compile(r"^\..+\.pth\.[A-Za-z0-9_]+\.tmp$")
 
 # Prefixes added by wrappers: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -72,7 +77,7 @@ def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path) -> None
         ) from error
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(dict(payload), handle)
+            _save_to(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
@@ -87,6 +92,54 @@ def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path) -> None
         # KeyboardInterrupt or a crash mid-write: never leave the temporary file behind under any name.
         _remove_quietly(tmp_name)
         raise
+
+
+def remove_partial_files(folder: str | Path) -> list[Path]:
+    """Delete the temporary files that writes killed mid-way left in ``folder``; returns their paths.
+
+    Call it only when nothing writes to the folder (a run's start): the files of a write in progress look the same.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for candidate in folder.iterdir():
+        if PARTIAL_FILE_PATTERN.match(candidate.name) and candidate.is_file():
+            _remove_quietly(str(candidate))
+            removed.append(candidate)
+    return removed
+
+
+class _WriteErrorRecorder:
+    """A file wrapper that remembers the OSError of a failed write.
+
+    ``torch.save`` into a file object reports a failed write (disk full, file too large) as a RuntimeError about the
+    zip writer's position; the recorded OSError says what really happened.
+    """
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+def _save_to(payload: Mapping[str, Any], handle: Any) -> None:
+    recorder = _WriteErrorRecorder(handle)
+    try:
+        torch.save(dict(payload), recorder)
+    except RuntimeError as error:
+        if recorder.error is None:
+            raise
+        raise recorder.error from error
 
 
 def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -105,6 +105,9 @@ class TrainConfig:
     """torch.compile the model."""
     max_steps: int = 0
     """Stop after this many optimizer steps in total (0 = no limit); last.pth is written so the run can resume."""
+    max_nonfinite_steps: int = 5
+    """Stop with an error after this many optimizer steps in a row with NaN/inf gradients (each is skipped; 0 = never
+    stop). Checked at every --log-every step and checkpoint."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK if available, else MPS for one process, else CPU), cuda, mps or cpu."""
     threads: int = 0
@@ -224,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_steps,
         help="Stop after N optimizer steps in total (0 = no limit)",
     )
+    add(
+        "--max-nonfinite-steps",
+        dest="max_nonfinite_steps",
+        type=int,
+        default=defaults.max_nonfinite_steps,
+        help="Stop after N optimizer steps in a row with NaN/inf gradients, each skipped (0 = never stop)",
+    )
     # Optimisation.
     add("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer, help="Optimizer")
     add(
@@ -323,6 +333,7 @@ def validate_config(config: TrainConfig) -> None:
     _require(config.keep_last >= 0, "--keep-last must be 0 (keep all) or positive")
     _require(config.save_every_steps >= 0, "--save-every-steps must be 0 (off) or positive")
     _require(config.max_steps >= 0, "--max-steps must be 0 (no limit) or positive")
+    _require(config.max_nonfinite_steps >= 0, "--max-nonfinite-steps must be 0 (never stop) or positive")
     _require(config.grad_accum >= 1, "--grad-accum must be at least 1")
     _require(config.val_every >= 1, "--val-every must be at least 1")
     _require(config.log_every >= 1, "--log-every must be at least 1")

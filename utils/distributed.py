@@ -179,14 +179,18 @@ def setup(
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend=backend,
-        init_method=plan.init_method,
-        rank=plan.rank,
-        world_size=plan.world_size,
-        timeout=timeout,
-    )
-    control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.new_group()
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=plan.init_method,
+            rank=plan.rank,
+            world_size=plan.world_size,
+            timeout=timeout,
+        )
+    except dist.DistError as error:
+        raise ConfigError(_rendezvous_failure(plan, timeout_s, error)) from error
+    # The timeout must be given again: a new group does not inherit it and would wait 30 minutes for a dead rank.
+    control_group = dist.new_group(backend="gloo", timeout=timeout)
     return DistributedContext(
         rank=plan.rank,
         local_rank=plan.local_rank,
@@ -195,6 +199,26 @@ def setup(
         device=device,
         backend=backend,
         control_group=control_group,
+    )
+
+
+def rendezvous_address(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> str:
+    """HOST:PORT where the ranks of ``plan`` meet (rank 0, or torchrun's agent, listens there)."""
+    environ = os.environ if environ is None else environ
+    if plan.init_method.startswith("tcp://"):
+        return plan.init_method[len("tcp://") :]
+    if plan.init_method.startswith("env://"):
+        return f"{environ.get('MASTER_ADDR', '?')}:{environ.get('MASTER_PORT', '?')}"
+    return plan.init_method
+
+
+def _rendezvous_failure(plan: LaunchPlan, timeout_s: float, error: Exception) -> str:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    flags = "--dist-url" if plan.init_method.startswith("tcp://") else "MASTER_ADDR/MASTER_PORT"
+    return (
+        f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at {rendezvous_address(plan)} "
+        f"within --dist-timeout {timeout_s:g} s ({reason}); check that {flags} names rank 0's machine and a free, "
+        f"reachable port, and start every rank within --dist-timeout"
     )
 
 

@@ -24,6 +24,7 @@ with weights that taper linearly across each overlap. How close it is to whole-i
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import math
@@ -161,6 +162,18 @@ class ShapeBuckets:
         ready = list(self._buckets.values())
         self._buckets.clear()
         return ready
+
+
+def add_model_check_flags(parser: argparse.ArgumentParser) -> None:
+    """``--bilinear``/``--classes``: milesial's model flags, kept for files that do not store the model's arguments."""
+    parser.add_argument(
+        "--bilinear",
+        action="store_true",
+        help="expect bilinear upsampling (the checkpoint decides; a mismatch is an error)",
+    )
+    parser.add_argument(
+        "--classes", "-c", type=int, help="expected number of classes (the checkpoint decides; a mismatch is an error)"
+    )
 
 
 def resolve_device(name: str) -> torch.device:

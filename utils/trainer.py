@@ -1,9 +1,11 @@
 """The training loop: ``Trainer.train()`` runs epochs of optimizer steps and returns how the run ended.
 
-Per optimizer step the loop does no host synchronisation: losses accumulate on the device and are read every
-``--log-every`` steps, and the ranks' stop decision travels on an asynchronous CPU all-reduce (``utils.interrupts``).
-Validation runs on global rank 0 with the unwrapped model while the other ranks wait for its Dice score, which every
-rank then uses (ReduceLROnPlateau must step identically everywhere). Checkpoints are written by global rank 0 only.
+Per optimizer step the loop does no host synchronisation: losses and the count of steps skipped for non-finite
+gradients (``utils.nonfinite``) accumulate on the device and are read every ``--log-every`` steps and at checkpoints,
+and the ranks' stop decision travels on an asynchronous CPU all-reduce (``utils.interrupts``). Validation runs on
+global rank 0 with the unwrapped model while the other ranks wait for its Dice score, which every rank then uses
+(ReduceLROnPlateau must step identically everywhere). Checkpoints are written by global rank 0 only, and only of a
+healthy state: finite weights, and a latest step that was not skipped.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from tqdm import tqdm
 from .checkpoint import save_checkpoint_atomic
 from .config import TrainConfig
 from .curves import write_curves_if_possible
-from .distributed import DistributedContext, barrier, broadcast_from_main, sum_across_ranks
+from .distributed import DistributedContext, agree_on_errors, barrier, broadcast_from_main, sum_across_ranks
+from .errors import UserError
 from .evaluation import EvalResult, evaluate, predict_classes
 from .interrupts import InterruptFlag, StopAgreement
 from .losses import segmentation_loss
+from .nonfinite import NonFiniteStepGuard, all_finite
 from .run_logging import RunReporter, weight_and_grad_histograms
 from .sharding import ResumableDistributedSampler, batches_per_epoch
 from .train_data import TrainData
@@ -78,6 +82,7 @@ class TrainOutcome:
     position: TrainPosition
     interrupted_by: int = 0
     checkpoint: Path | None = None
+    """The file holding the final state; None when it could not be saved (the latest step was skipped)."""
     reached_max_steps: bool = False
 
 
@@ -102,8 +107,11 @@ class Trainer:
         self._autocast_dtype = AUTOCAST_DTYPES.get(parts.precision)
         self._n_classes = config.classes
         self._global_batch = config.batch_size * ctx.world_size
+        # Sum and count of the finite losses since the last log (a skipped step's NaN would hide the others').
         self._loss_sum = torch.zeros((), device=ctx.device)
-        self._loss_count = 0
+        self._loss_count = torch.zeros((), device=ctx.device)
+        # fp16 runs leave skipping to GradScaler (see utils.nonfinite).
+        self._guard = NonFiniteStepGuard(parts.raw_model, parts.optimizer, ctx.device) if parts.scaler is None else None
         self._images_seen = self.position.global_step * self._global_batch * config.grad_accum
         self._last_log = (time.perf_counter(), self._images_seen)
         self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
@@ -120,6 +128,7 @@ class Trainer:
             outcome = self._run_epoch(self.position.epoch)
             if outcome is None:
                 self._end_epoch(self.position.epoch)
+        self._check_skipped_steps()
         self._stop.finish()
         if self.reporter.enabled and write_curves_if_possible(self.reporter.metrics_path, self.reporter.curves_path):
             logger.info("Curves written to %s", self.reporter.curves_path)
@@ -158,6 +167,8 @@ class Trainer:
                 group_start = index - index % config.grad_accum
                 group_size = min(config.grad_accum, total_batches - group_start)
                 closes_group = index + 1 == group_start + group_size
+                if index == group_start and self._guard is not None:
+                    self._guard.start_step()
                 self._forward_backward(batch, group_size, sync_gradients=closes_group)
                 progress.update(batch["image"].shape[0] * self.ctx.world_size)
                 if not closes_group:
@@ -220,21 +231,21 @@ class Trainer:
                 self.parts.scaler.scale(scaled).backward()
             else:
                 scaled.backward()
-        self._loss_sum += loss.detach()
-        self._loss_count += 1
+        loss = loss.detach()
+        self._loss_sum += torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)
+        self._loss_count += torch.isfinite(loss)
         self._images_seen += images.shape[0] * self.ctx.world_size
 
     def _optimizer_step(self) -> None:
         parts = self.parts
-        if parts.scaler is not None:
-            parts.scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
-        if self.config.grad_clip:
-            nn.utils.clip_grad_norm_(parts.raw_model.parameters(), self.config.grad_clip)
-        if parts.scaler is not None:
-            parts.scaler.step(parts.optimizer)
-            parts.scaler.update()
+        if self._guard is not None:
+            self._guard.step(self.config.grad_clip)
         else:
-            parts.optimizer.step()
+            parts.scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
+            if self.config.grad_clip:
+                nn.utils.clip_grad_norm_(parts.raw_model.parameters(), self.config.grad_clip)
+            parts.scaler.step(parts.optimizer)  # skips the step itself when the gradients are not finite
+            parts.scaler.update()
         parts.optimizer.zero_grad(set_to_none=True)
         if self.config.scheduler == "cosine":
             parts.scheduler.step()
@@ -259,15 +270,45 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------------- stops
 
     def _stop_for_signal(self, signum: int) -> TrainOutcome:
-        path = self.run_dir / INTERRUPTED_NAME
-        self._save([INTERRUPTED_NAME])
-        return TrainOutcome(self.position, interrupted_by=signum, checkpoint=path)
+        saved = self._save([INTERRUPTED_NAME])
+        return TrainOutcome(
+            self.position, interrupted_by=signum, checkpoint=self.run_dir / INTERRUPTED_NAME if saved else None
+        )
 
     def _stop_for_max_steps(self) -> TrainOutcome:
         logger.info("Reached --max-steps %d", self.config.max_steps)
-        if self._last_saved_at != (self.position.global_step, self.position.epoch):
-            self._save([LAST_NAME])
-        return TrainOutcome(self.position, reached_max_steps=True, checkpoint=self.run_dir / LAST_NAME)
+        saved = self._last_saved_at == (self.position.global_step, self.position.epoch) or self._save([LAST_NAME])
+        return TrainOutcome(
+            self.position, reached_max_steps=True, checkpoint=self.run_dir / LAST_NAME if saved else None
+        )
+
+    # -------------------------------------------------------------------------------------- non-finite steps
+
+    def _check_skipped_steps(self) -> int:
+        """Report skipped steps; stop the run at --max-nonfinite-steps in a row. Returns the current run of them.
+
+        Reads the device: call only where the loop synchronises anyway. Every rank counts the same steps (the
+        gradients were all-reduced), so all of them stop at the same point without a collective.
+        """
+        if self._guard is None:
+            return 0
+        report = self._guard.report()
+        step = self.position.global_step
+        if report.skipped and self.ctx.is_main:
+            logger.warning(
+                "%d optimizer step(s) up to step %d had NaN or inf gradients and were skipped (weights unchanged)",
+                report.skipped,
+                step,
+            )
+        limit = self.config.max_nonfinite_steps
+        if limit and report.longest_run >= limit:
+            raise UserError(
+                f"training diverged: {report.longest_run} optimizer steps in a row (up to step {step}) had NaN or inf "
+                f"loss or gradients and were skipped; the newest checkpoint in {self.run_dir} (if any) holds the last "
+                f"good state. Lower --learning-rate, keep --grad-clip on, check the data, or raise "
+                f"--max-nonfinite-steps (now {limit})"
+            )
+        return report.current_run
 
     # ---------------------------------------------------------------------------------------------- validation
 
@@ -326,15 +367,16 @@ class Trainer:
 
     def _log_train(self, epoch: int, progress: tqdm) -> None:
         # The only host synchronisation of the loop: one small all-reduce and read every --log-every steps.
-        totals = torch.stack([self._loss_sum, torch.tensor(float(self._loss_count), device=self.ctx.device)])
+        totals = torch.stack([self._loss_sum, self._loss_count])
         loss_sum, count = sum_across_ranks(self.ctx, totals).tolist()
         self._loss_sum.zero_()
-        self._loss_count = 0
+        self._loss_count.zero_()
+        self._check_skipped_steps()
         now = time.perf_counter()
         last_time, last_images = self._last_log
         images_per_s = (self._images_seen - last_images) / max(now - last_time, 1e-9)
         self._last_log = (now, self._images_seen)
-        loss = loss_sum / max(count, 1.0)
+        loss = loss_sum / count if count else float("nan")
         lr = self.parts.optimizer.param_groups[0]["lr"]
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         self.reporter.log_train(
@@ -348,12 +390,34 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------------- checkpoints
 
-    def _save(self, names: list[str]) -> None:
-        """Write the current state under ``names`` in the run folder (global rank 0 only)."""
+    def _save(self, names: list[str]) -> bool:
+        """Write the current state under ``names`` in the run folder (global rank 0); False when it is not saved.
+
+        Called on every rank. A state is saved only when healthy: a skipped latest step postpones the save (the
+        previous files stay), non-finite weights stop the run. A failed write (disk full, no permission) stops every
+        rank with rank 0's message instead of leaving the others to find it gone.
+        """
+        if self._check_skipped_steps():
+            if self.ctx.is_main:
+                logger.warning(
+                    "Not saving %s at step %d: the latest optimizer step had NaN or inf gradients and was skipped; "
+                    "the previous checkpoint stays",
+                    ", ".join(names),
+                    self.position.global_step,
+                )
+            return False
+        if not all_finite(list(self.parts.raw_model.state_dict().values())):
+            raise UserError(
+                f"the weights became NaN or inf by step {self.position.global_step} although the gradients were "
+                f"finite, so the learning rate is far too large; nothing was saved (the newest checkpoint in "
+                f"{self.run_dir}, if any, holds the last good state). Lower --learning-rate"
+            )
+        agree_on_errors(self.ctx, lambda: self._write_checkpoint(names) if self.ctx.is_main else None)
         if LAST_NAME in names:
             self._last_saved_at = (self.position.global_step, self.position.epoch)
-        if not self.ctx.is_main:
-            return
+        return True
+
+    def _write_checkpoint(self, names: list[str]) -> None:
         parts = self.parts
         payload = build_payload(
             model=parts.raw_model,
