@@ -1,7 +1,7 @@
 """Measure where a UNet training run's time goes, in one command: a table on stdout and the figures as JSON.
 
-    .venv/bin/python scripts/benchmark.py                                   # 240x160, batch 4, base 64, fp32+bf16
-    .venv/bin/python scripts/benchmark.py --sections compute,e2e --json bench.json
+    .venv/bin/python scripts/benchmark.py                                   # 240x160, batch 4, base 64
+    .venv/bin/python scripts/benchmark.py --sections compute,e2e --repeat 3 --threads 1 --json bench.json
     .venv/bin/python scripts/benchmark.py --quick --json /tmp/bench.json    # tiny settings (the test's)
 
 Sections (``--sections``, default all):
@@ -22,7 +22,9 @@ Sections (``--sections``, default all):
 
 Each measurement runs in its own process with its thread count set before torch starts (``OMP_NUM_THREADS``), so
 comparisons are fair and peak memory is per measurement (``--quick`` runs compute, data and predict in this process to
-save interpreter start-ups). A failed section is reported and the others still run; the exit status is then 1.
+save interpreter start-ups). ``--repeat N`` alternates the runs of each compared pair N times and reports the median
+ratio, which is what survives a machine shared with other work. A failed section is reported and the others still
+run; the exit status is then 1. Results and their interpretation: docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -100,10 +102,10 @@ class BenchConfig:
     precisions: list[str]
     steps: int
     """Timed optimizer steps per measurement."""
-    repeat: int
-    """Alternating (compute, e2e) and (1 process, DDP) pairs per precision; ratios are the pairs' median."""
     warmup: int
     """Untimed steps before them (first-step allocations, autotuning, compilation)."""
+    repeat: int
+    """Alternating (compute, e2e) and (1 process, DDP) pairs per precision; ratios are the pairs' median."""
     threads: int
     """CPU threads of one training process; DDP ranks get ``threads // 2`` each."""
     scale: float
@@ -252,8 +254,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         classes=args.classes,
         precisions=precisions,
         steps=pick("steps"),
-        repeat=args.repeat,
         warmup=pick("warmup"),
+        repeat=args.repeat,
         # Quick runs use one thread: they only check that everything works, and one thread per process is least
         # hurt when other processes load the machine (see docs/PERFORMANCE.md).
         threads=args.threads or (1 if args.quick else _available_cpus()),
@@ -450,6 +452,13 @@ def run_child(command: Sequence[str], *, threads: int, timeout: float, log_path:
         timer.start()
         try:
             _, status, usage = os.wait4(process.pid, 0)
+        except BaseException:
+            # Interrupted (Ctrl-C, SIGTERM): the child runs in a session of its own, so take it down explicitly.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(process.pid, 0)
+            raise
         finally:
             timer.cancel()
         process.returncode = os.waitstatus_to_exitcode(status)
@@ -513,7 +522,7 @@ def compute_worker(spec: dict[str, Any]) -> dict[str, Any]:
         return segmentation_loss(logits, masks, classes)
 
     flops = training_flops_per_image(lambda: UNet(**model_args), loss_fn, channels=3, height=height, width=width)
-    peak = measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None)
+    peaks = [measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None)]
 
     torch.manual_seed(0)
     memory_format = torch.channels_last if spec["channels_last"] else torch.contiguous_format
@@ -559,6 +568,10 @@ def compute_worker(spec: dict[str, Any]) -> dict[str, Any]:
     _sync(device)
     total = time.perf_counter() - started
     images_per_s = batch * spec["steps"] / total
+    # Measured again after the steps, the best of the two kept: a peak taken while other work briefly held the
+    # device would make the steps look faster than the peak.
+    peaks.append(measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None))
+    peak = max(peaks, key=lambda p: p.flops_per_s)
     return {
         "precision": precision,
         "images_per_s": images_per_s,
@@ -1145,9 +1158,10 @@ def write_linked_dataset(folder: Path, count: int, size: tuple[int, int], *, dis
     """
     from utils.synthetic import generate_carvana_like
 
+    for existing in folder.glob(f".complete-*-{size[0]}x{size[1]}"):
+        if int(existing.name.split("-")[1]) >= count:
+            return folder  # an earlier, larger set of the same size serves as well
     marker = folder / f".complete-{count}-{size[0]}x{size[1]}"
-    if marker.exists():
-        return folder
     # Only folders this function wrote (or empty ones) get here: replace an earlier set of another count or size.
     for old in (*folder.glob(".complete-*"), folder / ".source", folder / "imgs", folder / "masks"):
         if old.is_dir():
@@ -1234,7 +1248,11 @@ SECTION_RUNNERS: list[tuple[tuple[str, ...], Callable[[Context], None]]] = [
 
 
 def run_benchmark(config: BenchConfig) -> tuple[dict[str, Any], bool]:
-    """Run the selected sections in order; return the JSON document and whether every section succeeded."""
+    """Run the selected sections in order; return the JSON document and whether every section succeeded.
+
+    With ``--json`` the document is rewritten after every section (``"complete": false`` until the end), so a run
+    stopped by a time limit still leaves the figures it had.
+    """
     started = time.perf_counter()
     temporary = None
     if config.work_dir is None:
@@ -1246,6 +1264,7 @@ def run_benchmark(config: BenchConfig) -> tuple[dict[str, Any], bool]:
     ctx = Context(config, work_dir)
     document: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
+        "complete": False,
         "machine": machine_info(config),
         "settings": _settings(config),
     }
@@ -1267,14 +1286,26 @@ def run_benchmark(config: BenchConfig) -> tuple[dict[str, Any], bool]:
                 print(f"[benchmark] {' + '.join(selected)} failed: {error}", file=sys.stderr, flush=True)
             for section in selected:
                 ctx.results[section]["section_wall_s"] = time.perf_counter() - section_started
+            _update(document, ctx, started)
+        document["complete"] = True
     finally:
         if temporary is not None:
             temporary.cleanup()
+    _update(document, ctx, started)
+    return document, all_ok
+
+
+def _update(document: dict[str, Any], ctx: Context, started: float) -> None:
     document.update(ctx.results)
     document["machine"]["load_average_end"] = os.getloadavg()[0]
     document["wall_s"] = time.perf_counter() - started
     document["table"] = format_table(ctx.rows)
-    return document, all_ok
+    path = ctx.config.json_path
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.tmp")
+        partial.write_text(json.dumps(document, indent=2) + "\n")
+        os.replace(partial, path)
 
 
 def _settings(config: BenchConfig) -> dict[str, Any]:
@@ -1295,7 +1326,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"Error: {error}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    document, all_ok = run_benchmark(config)
+    # A time limit's SIGTERM ends the run like Ctrl-C: the measured process group is killed on the way out.
+    previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        document, all_ok = run_benchmark(config)
+    except KeyboardInterrupt:
+        done = config.json_path is not None and config.json_path.exists()
+        saved = f"; the sections finished before it are in {config.json_path}" if done else ""
+        print(f"Interrupted{saved}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     width, height = config.size
     print(
         f"UNet base {config.base_channels}, {width}x{height}, batch {config.batch_size}, {config.device} "
@@ -1304,10 +1345,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"at end; {document['wall_s']:.0f} s"
     )
     print(document["table"])
-    if config.json_path is not None:
-        config.json_path.parent.mkdir(parents=True, exist_ok=True)
-        config.json_path.write_text(json.dumps(document, indent=2) + "\n")
     return 0 if all_ok else 1
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

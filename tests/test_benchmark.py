@@ -128,6 +128,25 @@ def test_steady_state_leaves_out_warmup_steps(benchmark) -> None:
         benchmark.steady_state(events, warmup_steps=5)
 
 
+def test_median_run_keeps_every_figure(benchmark) -> None:
+    runs = [{"images_per_s": rate, "name": name} for rate, name in ((3.0, "a"), (1.0, "b"), (2.0, "c"), (4.0, "d"))]
+    chosen = benchmark._median_run(runs)
+    assert chosen["name"] == "c" and chosen["images_per_s_runs"] == [3.0, 1.0, 2.0, 4.0]
+    assert "images_per_s_runs" not in runs[2]
+
+
+def test_generated_data_is_reused_only_when_large_enough(benchmark, tmp_path: Path) -> None:
+    folder = benchmark.write_linked_dataset(tmp_path / "d", 6, (32, 24), distinct=2)
+    images = sorted(p.name for p in (folder / "imgs").iterdir())
+    assert len(images) == 6 and len(list((folder / "masks").iterdir())) == 6
+    # Linked copies are files of their own names with the same content.
+    assert (folder / "imgs" / images[0]).read_bytes() == (folder / "imgs" / images[2]).read_bytes()
+    assert benchmark.write_linked_dataset(folder, 4, (32, 24), distinct=2) == folder
+    assert len(list((folder / "imgs").iterdir())) == 6
+    benchmark.write_linked_dataset(folder, 9, (32, 24), distinct=2)
+    assert len(list((folder / "imgs").iterdir())) == 9 and len(list((folder / "masks").iterdir())) == 9
+
+
 def test_demo_data_keeps_the_run_inside_the_first_epoch(benchmark) -> None:
     for steps, batch in ((3, 2), (7, 4), (40, 16)):
         count = benchmark.demo_image_count(steps, batch)
