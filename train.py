@@ -28,9 +28,16 @@ from utils.trainer import TrainOutcome
 
 logger = logging.getLogger("train")
 
-# How gloo reports a process that died (closed connection) or stopped answering (--dist-timeout); NCCL and the
-# rendezvous store raise torch.distributed.DistError instead.
-PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
+# How gloo words it when another process died (closed connection) or stopped answering (--dist-timeout); NCCL and
+# the rendezvous store raise torch.distributed.DistError instead. Compared in lower case.
+PEER_FAILURE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out waiting",
+    "timeout caused pair closure",
+    "socket timeout",
+)
 
 OOM_MESSAGE = (
     "CUDA ran out of memory; lower --batch-size or --scale, or use --amp and/or --checkpointing "
@@ -91,7 +98,8 @@ def _lost_contact(error: Exception) -> bool:
     """Whether ``error`` says another process of the job died or stopped answering."""
     if isinstance(error, torch.distributed.DistError):
         return True
-    return any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
+    message = str(error).lower()
+    return any(marker in message for marker in PEER_FAILURE_MARKERS)
 
 
 def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome) -> int:

@@ -12,6 +12,12 @@ Supported launches, all through the same ``train.py``:
 
 A launcher that starts several processes without ``--ddp_mode`` switches DDP on (with a warning) rather than running
 N independent trainings that overwrite each other's checkpoints.
+
+torchrun restarts (``--max-restarts``): the agent keeps one store for the whole job, so the addresses the workers of a
+failed attempt published there are still present when the next attempt starts, and gloo/NCCL would connect to the dead
+processes. Each attempt therefore works in its own namespace of that store (``TORCHELASTIC_RESTART_COUNT``). That
+count is per machine: on several machines, run torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so every
+attempt gets a new store instead (README, "What survives a crash").
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ class LaunchPlan:
     local_world_size: int = 1
     init_method: str = "env://"
     warning: str | None = None
+    master_address: str | None = None
+    """HOST:PORT of the rendezvous store of an ``env://`` launch (MASTER_ADDR/MASTER_PORT)."""
+    store_namespace: str | None = None
+    """Key prefix of this torchrun attempt in the agent's store (which outlives restarted workers); None otherwise."""
 
 
 @dataclass
@@ -104,19 +114,30 @@ def plan_launch(
             local_world_size=local_world,
             init_method=dist_url or "env://",
             warning=None if ddp_mode else "--rank/--world-size given without --ddp_mode: DDP switched on",
+            master_address=None if dist_url else _master_address(environ),
         )
 
     env_rank, env_world = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
     if env_rank is not None and env_world is not None:
         resolved_local = _first_set(env_local_rank, local_rank, 0)
         local_world = _first_set(env_local_world, env_world)
+        warning = None
         if env_world > 1 and not ddp_mode:
             warning = (
                 f"launched as {env_world} processes without --ddp_mode: DDP switched on so the processes train one "
                 f"model together instead of {env_world} runs overwriting each other's checkpoints"
             )
-            return LaunchPlan(True, env_rank, resolved_local, env_world, local_world, "env://", warning)
-        return LaunchPlan(ddp_mode, env_rank, resolved_local, env_world, local_world, "env://")
+        return LaunchPlan(
+            distributed=ddp_mode or warning is not None,
+            rank=env_rank,
+            local_rank=resolved_local,
+            world_size=env_world,
+            local_world_size=local_world,
+            init_method="env://",
+            warning=warning,
+            master_address=_master_address(environ),
+            store_namespace=_attempt_namespace(environ),
+        )
 
     if ddp_mode:
         shown = shlex.join([arg for arg in argv if not arg.startswith(("--local-rank", "--local_rank"))])
@@ -180,13 +201,25 @@ def setup(
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(
-            backend=backend,
-            init_method=plan.init_method,
-            rank=plan.rank,
-            world_size=plan.world_size,
-            timeout=timeout,
-        )
+        if plan.store_namespace is not None and plan.master_address is not None:
+            host, port = plan.master_address.rsplit(":", 1)
+            # torchrun's agent serves this store; a client of it, with keys of this attempt only.
+            agent_store = dist.TCPStore(host, int(port), plan.world_size, is_master=False, timeout=timeout)
+            dist.init_process_group(
+                backend=backend,
+                store=dist.PrefixStore(plan.store_namespace, agent_store),
+                rank=plan.rank,
+                world_size=plan.world_size,
+                timeout=timeout,
+            )
+        else:
+            dist.init_process_group(
+                backend=backend,
+                init_method=plan.init_method,
+                rank=plan.rank,
+                world_size=plan.world_size,
+                timeout=timeout,
+            )
     except dist.DistError as error:
         raise ConfigError(_rendezvous_failure(plan, timeout_s, error)) from error
     # The timeout must be given again: a new group does not inherit it and would wait 30 minutes for a dead rank.
@@ -202,14 +235,11 @@ def setup(
     )
 
 
-def rendezvous_address(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> str:
+def rendezvous_address(plan: LaunchPlan) -> str:
     """HOST:PORT where the ranks of ``plan`` meet (rank 0, or torchrun's agent, listens there)."""
-    environ = os.environ if environ is None else environ
     if plan.init_method.startswith("tcp://"):
         return plan.init_method[len("tcp://") :]
-    if plan.init_method.startswith("env://"):
-        return f"{environ.get('MASTER_ADDR', '?')}:{environ.get('MASTER_PORT', '?')}"
-    return plan.init_method
+    return plan.master_address or plan.init_method
 
 
 def _rendezvous_failure(plan: LaunchPlan, timeout_s: float, error: Exception) -> str:
@@ -300,6 +330,20 @@ def _env_int(environ: Mapping[str, str], name: str) -> int | None:
         return int(raw)
     except ValueError as error:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer; check the launcher") from error
+
+
+def _master_address(environ: Mapping[str, str]) -> str | None:
+    if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+        return f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+    return None
+
+
+def _attempt_namespace(environ: Mapping[str, str]) -> str | None:
+    """A store key prefix per torchrun attempt, when the workers share the agent's store (see the module docstring)."""
+    restart_count = _env_int(environ, "TORCHELASTIC_RESTART_COUNT")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart_count is None:
+        return None
+    return f"unet-ddp/attempt{restart_count}/"
 
 
 def _first_set(*values: int | None) -> int:

@@ -34,6 +34,7 @@ from .checkpoint import (
     infer_model_args,
     load_state_dict_checked,
     read_model_weights,
+    remove_partial_files,
 )
 from .config import RESUME_AUTO, TrainConfig, resolve_precision
 from .distributed import DistributedContext, agree_on_errors, available_cpus, decide_on_main, threads_per_process
@@ -76,10 +77,19 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
     resume_path = decide_on_main(ctx, lambda: _choose_resume_path(config, run_dir, preloaded))
     configure_reproducibility(config)
     parts = agree_on_errors(ctx, lambda: build_parts(config, ctx, resume_path, preloaded.get(resume_path or "")))
-    reporter = RunReporter(
-        run_dir, enabled=ctx.is_main, wandb_mode=config.wandb, run_name=config.exp_name, config=config.as_dict()
-    )
+    reporter = agree_on_errors(ctx, lambda: _open_reporter(config, ctx, run_dir))
     return Trainer(config, ctx, parts, run_dir=run_dir, reporter=reporter, interrupts=interrupts)
+
+
+def _open_reporter(config: TrainConfig, ctx: DistributedContext, run_dir: Path) -> RunReporter:
+    try:
+        return RunReporter(
+            run_dir, enabled=ctx.is_main, wandb_mode=config.wandb, run_name=config.exp_name, config=config.as_dict()
+        )
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write to the run folder {run_dir}: {error.strerror or error}; choose a writable --checkpoint-dir"
+        ) from error
 
 
 def configure_reproducibility(config: TrainConfig) -> None:
@@ -97,6 +107,10 @@ def configure_reproducibility(config: TrainConfig) -> None:
 
 def _choose_resume_path(config: TrainConfig, run_dir: Path, preloaded: dict[str, dict[str, Any]]) -> str | None:
     """Rank 0's choice of checkpoint to resume (None for a new run); refuses to start a new run over an old one."""
+    _check_run_folder(config, run_dir)
+    # Nothing writes to the folder yet: a temporary file there is what a killed write left behind.
+    for path in remove_partial_files(run_dir):
+        logger.info("Removed %s, left behind by a checkpoint write that was interrupted", path)
     if config.resume is None:
         existing = resume_candidates(run_dir)
         if existing:
@@ -123,6 +137,18 @@ def _choose_resume_path(config: TrainConfig, run_dir: Path, preloaded: dict[str,
             f"({', '.join(p.name for p in existing[:3])}); choose another --exp_name"
         )
     return config.resume
+
+
+def _check_run_folder(config: TrainConfig, run_dir: Path) -> None:
+    """A run folder that cannot exist (a file in its way) stops the run now rather than at its first save."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"the run folder {run_dir} cannot be created: {existing} is a file, not a folder; choose another "
+            f"--checkpoint-dir (or --exp_name)"
+        )
 
 
 def build_parts(
@@ -278,19 +304,32 @@ def _warn_mask_values(stored: list | None, current: list, path: str) -> None:
 def _resumed_images_in_epoch(
     config: TrainConfig, ctx: DistributedContext, payload: dict[str, Any], position: TrainPosition
 ) -> int:
-    """Global images of the resumed epoch already trained, converted from the saving run's batches."""
+    """Global images of the resumed epoch already trained, converted from the saving run's batches.
+
+    The position is stored as batches of the saving run; times its batch size and world size it is a count of images
+    of the epoch's order (``utils.sharding``), which this run skips whatever its own world size.
+    """
+    saved_args = payload.get(KEY_ARGS) or {}
     saved_world = int(payload.get(KEY_WORLD_SIZE) or 1)
-    saved_batch = int((payload.get(KEY_ARGS) or {}).get("batch_size", config.batch_size))
-    if (saved_world, saved_batch) != (ctx.world_size, config.batch_size):
+    saved_batch = int(saved_args.get("batch_size", config.batch_size))
+    saved_accum = int(saved_args.get("grad_accum", config.grad_accum))
+    images = images_consumed(position.step_in_epoch, batch_size=saved_batch, world_size=saved_world)
+    if (saved_world, saved_batch, saved_accum) != (ctx.world_size, config.batch_size, config.grad_accum):
         logger.warning(
-            "the checkpoint was trained by %d process(es) with --batch-size %d, this run has %d with %d: the data "
-            "order continues from the same image, but the steps are not bit-identical to an uninterrupted run",
+            "the effective batch size changes from %d (%d process(es) x --batch-size %d x --grad-accum %d) in the "
+            "checkpoint to %d (%d x %d x %d) in this run; consider scaling --learning-rate. The data continues from "
+            "the same image (%d of this epoch done), but the steps are not bit-identical to an uninterrupted run",
+            saved_world * saved_batch * saved_accum,
             saved_world,
             saved_batch,
+            saved_accum,
+            ctx.world_size * config.batch_size * config.grad_accum,
             ctx.world_size,
             config.batch_size,
+            config.grad_accum,
+            images,
         )
-    return images_consumed(position.step_in_epoch, batch_size=saved_batch, world_size=saved_world)
+    return images
 
 
 def _log_run_summary(
