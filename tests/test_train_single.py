@@ -219,3 +219,11 @@ def test_bad_input_exit_status_and_stderr_of_the_real_script(runner: TrainRunner
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith(f"Error: no images in {empty}")
+
+
+def test_amp_on_a_cpu_without_native_bf16_warns(runner: TrainRunner, capsys: pytest.CaptureFixture) -> None:
+    from utils.train_setup import _cpu_has_native_bf16
+
+    assert runner.main("amp", "--amp", "--epochs", "1", "--max-steps", "1") == 0
+    warned = "bf16 on this CPU is emulated" in capsys.readouterr().out
+    assert warned == (not _cpu_has_native_bf16())

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 # milesial/Pytorch-UNet splits with random_split(..., generator=torch.Generator().manual_seed(0)); the same fixed seed
 # keeps its validation set, and makes the split identical on every rank whatever --seed is.
 SPLIT_SEED = 0
-MAX_DEFAULT_WORKERS = 4
+MAX_DEFAULT_WORKERS = 8
 
 
 @dataclass
