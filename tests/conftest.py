@@ -145,6 +145,30 @@ def wait_for_step(metrics_path: Path, step: int, process: subprocess.Popen, time
     raise AssertionError(f"no training step {step} within {timeout_s} s")
 
 
+def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"process did not finish within {timeout} s:\n{out}\n{err}") from None
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """Rank -> PID of the launcher's child processes (children from /proc, ranks from their environment)."""
+    pids = {}
+    for children in Path(f"/proc/{launcher_pid}/task").glob("*/children"):
+        for pid in children.read_text().split():
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for entry in environ:
+                if entry.startswith(b"RANK="):
+                    pids[int(entry[len("RANK=") :])] = int(pid)
+    return pids
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 

@@ -18,10 +18,12 @@ import pytest
 from tests.conftest import (
     TrainRunner,
     assert_same_training_state,
+    finish,
     free_port,
     load_checkpoint,
     torchrun_prefix,
     wait_for_step,
+    worker_pids,
 )
 from utils.distributed import plan_launch
 
@@ -31,30 +33,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 # going long after any fault; the compared runs stop at STOP_AT (mid-epoch).
 ARGS = ["-v", "25", "-e", "30", "--classes", "1", "--log-every", "1", "-b", "2"]
 STOP_AT = 14
-
-
-def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
-    try:
-        return process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-        raise AssertionError(f"process did not finish within {timeout} s:\n{out}\n{err}") from None
-
-
-def worker_pids(launcher_pid: int) -> dict[int, int]:
-    """Rank -> PID of the launcher's child processes (children from /proc, ranks from their environment)."""
-    pids = {}
-    for children in Path(f"/proc/{launcher_pid}/task").glob("*/children"):
-        for pid in children.read_text().split():
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for entry in environ:
-                if entry.startswith(b"RANK="):
-                    pids[int(entry[len("RANK=") :])] = int(pid)
-    return pids
 
 
 def wait_for_workers(launcher: subprocess.Popen, count: int, timeout_s: float = 120) -> dict[int, int]:

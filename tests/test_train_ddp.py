@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,10 +20,12 @@ from tests.conftest import (
     SyntheticData,
     TrainRunner,
     assert_same_training_state,
+    finish,
     free_port,
     load_checkpoint,
     torchrun_prefix,
     wait_for_step,
+    worker_pids,
 )
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc to find worker processes")
@@ -33,30 +34,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="us
 # 30 planned epochs keep the interrupted run going long after the signal; the compared runs stop at STOP_AT.
 COMMON = ["-v", "25", "-e", "30", "--classes", "1", "--log-every", "1"]
 STOP_AT = 9
-
-
-def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
-    try:
-        return process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-        raise AssertionError(f"launch did not finish within {timeout} s:\n{out}\n{err}") from None
-
-
-def worker_pid(launcher_pid: int, rank: int) -> int:
-    """The PID of the launcher's child process that runs ``rank`` (read from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    raise AssertionError(f"no rank {rank} worker under launcher {launcher_pid}")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +105,7 @@ def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(ddp_reference: Tr
     launcher = runner.popen(torchrun_prefix(2), "interrupted", *COMMON, "-b", "2", "--sync-bn", "--ddp_mode")
     wait_for_step(run_dir / "metrics.jsonl", 1, launcher)
     # Only rank 1 is signalled: the ranks must still agree to stop at the same step, and rank 0 must save.
-    os.kill(worker_pid(launcher.pid, rank=1), signal.SIGTERM)
+    os.kill(worker_pids(launcher.pid)[1], signal.SIGTERM)
     out, err = finish(launcher)
     assert launcher.returncode != 0
     assert "[rank 0] WARNING Stopped by SIGTERM" in out and "--resume auto" in out
