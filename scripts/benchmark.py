@@ -57,22 +57,13 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 
+from utils.distributed import LAUNCHER_ENV_VARIABLES  # noqa: E402
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError  # noqa: E402
 
 SECTIONS = ("compute", "e2e", "ddp", "data", "predict", "memory")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RESULT_PREFIX = "BENCHMARK_RESULT "
 SCHEMA_VERSION = 1
-# Launcher variables the benchmark itself might have inherited; its children must not think they are ranks.
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # Carvana's image size: the data section's "full-size" masks.
 CARVANA_SIZE = (1918, 1280)
@@ -419,7 +410,7 @@ class ChildRun:
 
 
 def child_env(threads: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_VARIABLES}
     for name in THREAD_VARIABLES:
         env[name] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

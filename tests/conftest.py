@@ -15,18 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from utils.distributed import LAUNCHER_ENV_VARIABLES
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Launcher variables a test process might inherit; a child must only see the ones the test gives it.
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-)
 
 
 @dataclass(frozen=True)
@@ -101,7 +92,7 @@ def runner(carvana_data: SyntheticData, tmp_path: Path) -> TrainRunner:
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_ENV_VARIABLES}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env

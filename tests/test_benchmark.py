@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import LAUNCHER_VARIABLES, REPO_ROOT
+from tests.conftest import REPO_ROOT
 from unet import UNet
+from utils.distributed import LAUNCHER_ENV_VARIABLES
 from utils.flops import (
     count_flops,
     forward_flops_per_image,
@@ -45,7 +46,7 @@ def test_quick_run_measures_every_section(
     benchmark, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # In this process (saves an interpreter start); train.py and torchrun still run as real child processes.
-    for name in LAUNCHER_VARIABLES:
+    for name in LAUNCHER_ENV_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     out = tmp_path / "bench.json"
     threads = torch.get_num_threads()

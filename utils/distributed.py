@@ -39,6 +39,19 @@ from .errors import ConfigError, UserError
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+# What launchers (torchrun, torch.distributed.launch, a manual launch) set to make a process a rank. A program that
+# starts its own training processes (tests, the benchmark) removes these so a child never mistakes itself for one.
+LAUNCHER_ENV_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+
 
 @dataclass(frozen=True)
 class LaunchPlan:
