@@ -18,13 +18,13 @@ import sys
 
 import torch
 
-from utils.config import TrainConfig, parse_config
-from utils.distributed import DistributedContext, plan_launch, setup, teardown
+from utils.cli import setup_logging
+from utils.distributed import DistributedContext, teardown
 from utils.errors import USER_ERROR_EXIT_CODE, UserError
-from utils.interrupts import InterruptFlag, exit_code_for
-from utils.run_logging import setup_logging
-from utils.train_setup import build_trainer
-from utils.trainer import TrainOutcome
+from utils.training.config import TrainConfig, parse_config
+from utils.training.interrupts import InterruptFlag, exit_code_for
+from utils.training.loop import TrainOutcome
+from utils.training.setup import build_trainer, join, launch_plan
 
 logger = logging.getLogger("train")
 
@@ -51,18 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     ctx: DistributedContext | None = None
     try:
         config = parse_config(raw_argv)
-        plan = plan_launch(
-            ddp_mode=config.ddp_mode,
-            rank=config.rank,
-            world_size=config.world_size,
-            dist_url=config.dist_url,
-            local_rank=config.local_rank,
-            argv=raw_argv,
-        )
+        plan = launch_plan(config, raw_argv)
         setup_logging(plan.rank, plan.world_size)
         # Installed before the process group exists, so that a signal during set-up is not lost either.
         interrupts.install()
-        ctx = setup(plan, device_request=config.device, timeout_s=config.dist_timeout, threads=config.threads)
+        ctx = join(config, plan)
         trainer = build_trainer(config, ctx, interrupts)
         try:
             outcome = trainer.train()

@@ -12,7 +12,7 @@
 #
 # Result: 5088 images data/imgs/<id>_<nn>.jpg (1918x1280) and masks data/masks/<id>_<nn>_mask.gif (palette GIFs,
 # indices 0/1), about 1.3 GB unpacked; train on it with the default mask-suffix detection (CarvanaDataset naming).
-# Without Kaggle access, `python -m utils.synthetic data/` writes a small dataset in the same layout.
+# Without Kaggle access, `python -m utils.datasets.synthetic data/` writes a small dataset in the same layout.
 set -euo pipefail
 
 data_dir="${1:-data}"

@@ -7,7 +7,7 @@ PY=.venv/bin/python
 
 if [ -z "$(find data/imgs -maxdepth 1 -type f ! -name '.*' -print -quit 2>/dev/null)" ]; then
     echo "data/imgs is empty: generating the Carvana-style demo dataset"
-    "$PY" -m utils.synthetic data --n 200 --size 480x320 --seed 0
+    "$PY" -m utils.datasets.synthetic data --n 200 --size 480x320 --seed 0
 fi
 
 # A short CPU-sized run; on a GPU the same command just runs faster.

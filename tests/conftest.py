@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers import read_metrics
 from utils.distributed import LAUNCHER_ENV_VARIABLES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ class SyntheticData:
 @pytest.fixture(scope="session")
 def carvana_data(tmp_path_factory: pytest.TempPathFactory) -> SyntheticData:
     """16 Carvana-style 48x32 images (binary masks, '<id>_mask.gif' names), shared by the whole session."""
-    from utils.synthetic import generate_carvana_like
+    from utils.datasets.synthetic import generate_carvana_like
 
     root = tmp_path_factory.mktemp("carvana")
     generate_carvana_like(root, 16, size=(48, 32), seed=0)
@@ -99,38 +100,36 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def free_port() -> int:
+    """A port free now (for addresses another process must know in advance; it may be taken before it is bound)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def torchrun_prefix(nproc: int = 2) -> list[str]:
-    """``torchrun`` on a free local port (c10d rendezvous on 127.0.0.1), as the current interpreter's module."""
+    """``torchrun`` with a c10d rendezvous on 127.0.0.1 as the current interpreter's module.
+
+    Port 0: the launcher binds a port the system picks, so no other process can take it between choosing and binding.
+    """
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc_per_node={nproc}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-endpoint=127.0.0.1:0",
     ]  # fmt: skip
 
 
 def wait_for_step(metrics_path: Path, step: int, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
     """Block until ``metrics.jsonl`` records a train event at ``step`` or later (the run is really training)."""
-    import json
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             out, err = process.communicate()
             raise AssertionError(f"training exited early with {process.returncode}:\n{out}\n{err}")
         if metrics_path.exists():
-            for line in metrics_path.read_text().splitlines():
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if event.get("event") == "train" and event["global_step"] >= step:
-                    return
+            trained = read_metrics(metrics_path, event="train", partial_ok=True)
+            if any(event["global_step"] >= step for event in trained):
+                return
         time.sleep(0.05)
     process.kill()
     raise AssertionError(f"no training step {step} within {timeout_s} s")

@@ -19,9 +19,7 @@ from typing import Any
 
 import torch
 
-from unet import UNet
-
-from .errors import CheckpointError
+from utils.errors import CheckpointError
 
 FORMAT_VERSION = 1
 
@@ -41,7 +39,7 @@ KEY_BEST_DICE = "best_dice"
 KEY_WORLD_SIZE = "world_size"
 
 # Names of files being written: ``.<final name>.<random or "link">.tmp`` beside the final name. A crash can leave one
-# behind (never under a final name); ``remove_partial_files`` clears them when the next run starts.
+# behind (never under a final name); ``RunFolder.remove_partial_files`` clears them when the next run starts.
 PARTIAL_FILE_PATTERN = re.compile(r"^\..+\.pth\.[A-Za-z0-9_]+\.tmp$")
 
 # Prefixes added by wrappers: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
@@ -92,22 +90,6 @@ def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path) -> None
         # KeyboardInterrupt or a crash mid-write: never leave the temporary file behind under any name.
         _remove_quietly(tmp_name)
         raise
-
-
-def remove_partial_files(folder: str | Path) -> list[Path]:
-    """Delete the temporary files that writes killed mid-way left in ``folder``; returns their paths.
-
-    Call it only when nothing writes to the folder (a run's start): the files of a write in progress look the same.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    removed = []
-    for candidate in folder.iterdir():
-        if PARTIAL_FILE_PATTERN.match(candidate.name) and candidate.is_file():
-            _remove_quietly(str(candidate))
-            removed.append(candidate)
-    return removed
 
 
 class _WriteErrorRecorder:
@@ -171,15 +153,6 @@ def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "c
     return obj
 
 
-def is_complete_checkpoint(path: str | Path) -> bool:
-    """True when ``path`` loads safely and holds our format's model weights."""
-    try:
-        obj = load_checkpoint_file(path)
-    except CheckpointError:
-        return False
-    return KEY_MODEL in obj and KEY_FORMAT_VERSION in obj
-
-
 def read_model_weights(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedWeights:
     """Model weights from our checkpoints, milesial/Pytorch-UNet files or the documented DDP script's files."""
     raw = load_checkpoint_file(path, map_location)
@@ -196,55 +169,6 @@ def read_model_weights(path: str | Path, map_location: str | torch.device = "cpu
     if not state_dict or not all(isinstance(value, torch.Tensor) for value in state_dict.values()):
         raise CheckpointError(f"{path} is not a model checkpoint: it holds no tensors of model weights")
     return LoadedWeights(_strip_wrapper_prefixes(state_dict), model_args, mask_values, raw)
-
-
-def infer_model_args(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Recover UNet's constructor arguments from the shapes of its weights (for files that do not store them)."""
-    try:
-        first_conv = state_dict["inc.double_conv.0.weight"]
-        out_conv = state_dict["outc.conv.weight"]
-    except KeyError as error:
-        raise CheckpointError(f"the weights are not a UNet's: key {error.args[0]!r} is missing") from error
-    return {
-        "n_channels": int(first_conv.shape[1]),
-        "n_classes": int(out_conv.shape[0]),
-        # Only the transposed-convolution variant has weights in its upsampling layers.
-        "bilinear": "up1.up.weight" not in state_dict,
-        "base_channels": int(first_conv.shape[0]),
-    }
-
-
-def build_model_from_checkpoint(
-    path: str | Path,
-    *,
-    n_channels: int | None = None,
-    n_classes: int | None = None,
-    bilinear: bool | None = None,
-    base_channels: int | None = None,
-    map_location: str | torch.device = "cpu",
-) -> tuple[UNet, list | None]:
-    """Build a UNet from ``path`` and return it with the file's ``mask_values`` (None when the file has none).
-
-    The model's arguments come from the file; flags given here must agree with them, else the error names the flag.
-    """
-    loaded = read_model_weights(path, map_location)
-    stored_args = loaded.model_args or infer_model_args(loaded.state_dict)
-    requested = {"n_channels": n_channels, "n_classes": n_classes, "bilinear": bilinear, "base_channels": base_channels}
-    flag_names = {
-        "n_channels": "--channels",
-        "n_classes": "--classes",
-        "bilinear": "--bilinear",
-        "base_channels": "--base-channels",
-    }
-    for name, value in requested.items():
-        if value is not None and name in stored_args and stored_args[name] != value:
-            raise CheckpointError(
-                f"{path} was trained with {name}={stored_args[name]!r} but {flag_names[name]} asks for {value!r}; "
-                f"drop the flag or use a matching checkpoint"
-            )
-    model = UNet(**stored_args)
-    load_state_dict_checked(model, loaded.state_dict, path)
-    return model, loaded.mask_values
 
 
 def load_state_dict_checked(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], path: str | Path) -> None:

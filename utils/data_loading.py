@@ -19,10 +19,9 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torch.utils.data import Dataset
 
-from utils.augmentation import JointAugmentation
-from utils.errors import ConfigError, DatasetError
-from utils.image_files import IMAGE_EXTENSIONS, UNREADABLE_FILE_ERRORS, FileInfo, index_folder, load_image
-from utils.mask_values import (
+from utils.datasets.augmentation import JointAugmentation
+from utils.datasets.image_files import IMAGE_EXTENSIONS, UNREADABLE_FILE_ERRORS, FileInfo, index_folder, load_image
+from utils.datasets.mask_values import (
     MaskPair,
     MaskValues,
     format_examples,
@@ -30,6 +29,7 @@ from utils.mask_values import (
     scan_masks,
     values_to_classes,
 )
+from utils.errors import ConfigError, DatasetError
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -63,7 +63,7 @@ class BasicDataset(Dataset):
             with one logit, which allows two values).
         augment: apply ``JointAugmentation``; off by default.
         seed: augmentation seed; with ``set_epoch`` and the sample index it fixes each sample's augmentation.
-        cache_dir: where the mask-value cache lives (default ``utils.mask_values.default_cache_dir()``).
+        cache_dir: where the mask-value cache lives (default ``utils.datasets.mask_values.default_cache_dir()``).
         scan_workers: processes for the first mask scan (default ``min(cpu count, 8)``).
     """
 

@@ -33,8 +33,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import errors
-from .errors import ConfigError, UserError
+from utils import errors
+from utils.errors import ConfigError, UserError
+from utils.hardware import available_cpus, pick_device, threads_per_process
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -162,47 +163,11 @@ def plan_launch(
     return LaunchPlan(distributed=False, local_rank=_first_set(env_local_rank, local_rank, 0))
 
 
-def pick_device(requested: str, plan: LaunchPlan) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is there, else MPS for a single process, else CPU."""
-    cuda_ok = torch.cuda.is_available()
-    mps_ok = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    if requested == "cuda" and not cuda_ok:
-        raise ConfigError("--device cuda but PyTorch sees no CUDA device; use --device cpu (or auto)")
-    if requested == "mps" and not mps_ok:
-        raise ConfigError("--device mps but MPS is not available here; use --device cpu (or auto)")
-    if requested == "mps" and plan.distributed:
-        raise ConfigError("DDP does not run on MPS; use --device cpu for a distributed run on this machine")
-    if requested == "cuda" or (requested == "auto" and cuda_ok):
-        count = torch.cuda.device_count()
-        if plan.local_rank >= count:
-            raise ConfigError(
-                f"local rank {plan.local_rank} needs GPU {plan.local_rank} but only {count} are visible; start at most "
-                f"{count} processes per machine (--nproc_per_node), and in a manual launch give each process its GPU "
-                f"with --local-rank (or LOCAL_RANK)"
-            )
-        return torch.device("cuda", plan.local_rank)
-    if requested == "mps" or (requested == "auto" and mps_ok and not plan.distributed):
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def threads_per_process(cpu_count: int, local_world_size: int) -> int:
-    """CPU threads per process so that the processes of one machine together use each core once."""
-    return max(1, cpu_count // max(1, local_world_size))
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def setup(
     plan: LaunchPlan, *, device_request: str = "auto", timeout_s: float = 1800.0, threads: int = 0
 ) -> DistributedContext:
     """Pick the device, size the CPU thread pool, and join the process group when the plan is distributed."""
-    device = pick_device(device_request, plan)
+    device = pick_device(device_request, local_rank=plan.local_rank, distributed=plan.distributed)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(threads or threads_per_process(available_cpus(), plan.local_world_size))

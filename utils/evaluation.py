@@ -14,9 +14,8 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from .dice_score import confusion_counts, dice_from_counts, iou_from_counts
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from utils.dice_score import confusion_counts, dice_from_counts, iou_from_counts
+from utils.hardware import autocast
 
 
 @dataclass
@@ -82,6 +81,13 @@ def predict_classes(logits: Tensor, threshold: float = 0.5) -> Tensor:
     return logits.argmax(dim=1)
 
 
+def run_model(model: nn.Module, images: Tensor, precision: str) -> Tensor:
+    """Forward pass under ``precision``; logits come back as float32."""
+    with autocast(images.device, precision):
+        logits = model(images)
+    return logits.float()
+
+
 @torch.inference_mode()
 def evaluate(
     model: nn.Module,
@@ -99,14 +105,11 @@ def evaluate(
     was_training = model.training
     model.eval()
     metrics = SegmentationMetrics(n_classes=max(n_classes, 2))
-    autocast_dtype = AUTOCAST_DTYPES.get(precision)
     try:
         for batch in tqdm(dataloader, desc="Validation", unit="batch", leave=False, disable=not progress):
             images = batch["image"].to(device=device, dtype=torch.float32, non_blocking=True)
             true_masks = batch["mask"].to(device=device, dtype=torch.long, non_blocking=True)
-            with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-                logits = model(images)
-            metrics.update(predict_classes(logits).cpu(), true_masks.cpu())
+            metrics.update(predict_classes(run_model(model, images, precision)).cpu(), true_masks.cpu())
     finally:
         model.train(was_training)
     return metrics.compute()

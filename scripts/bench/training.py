@@ -1,0 +1,309 @@
+"""The compute and e2e sections: the trainer's own step on batches held in memory, against the real ``train.py``.
+
+Compute-only builds the run exactly as ``train.py`` does (``build_trainer`` from a ``TrainConfig`` parsed by
+``train.py``'s own parser, from the very flags the end-to-end run gets) and times ``trainer.step``, the ``TrainStep``
+the training loop calls (autocast, the non-finite guard, clipping, the scheduler step), on a few batches taken from
+the run's loader before the clock starts. The end-to-end / compute-only ratio therefore compares one step with
+itself, with and without the loop around it (data loading, logging, the stop poll).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scripts.bench.context import BenchConfig, Context, logged_total_steps
+from scripts.bench.demo_data import ensure_demo_data
+from scripts.bench.processes import REPO_ROOT, MeasurementError, call_worker, run_child, tail
+from scripts.bench.timing import cuda_max_allocated_mib, sync, timed
+
+if TYPE_CHECKING:
+    from utils.training.step import TrainStep
+
+# Distinct batches the compute-only steps cycle through (the loader's first ones, moved to the device beforehand).
+HELD_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """Images/s between two logged steps of a training run, leaving out the steps before ``from_step``."""
+
+    images_per_s: float
+    from_step: int
+    to_step: int
+    images: int
+    seconds: float
+
+
+def steady_state(events: Sequence[dict[str, Any]], warmup_steps: int) -> SteadyState:
+    """Steady-state throughput from ``metrics.jsonl`` train events (global images and wall-clock timestamps).
+
+    The window starts at the first logged step at or after ``warmup_steps`` and ends at the last logged step, so
+    start-up, the first allocations and compilation are outside it.
+    """
+    train = sorted((e for e in events if e.get("event") == "train"), key=lambda e: e["global_step"])
+    starts = [e for e in train if e["global_step"] >= warmup_steps]
+    if len(starts) < 2:
+        raise ValueError(
+            f"need two logged steps at or after step {warmup_steps}, got steps {[e['global_step'] for e in train]}"
+        )
+    first, last = starts[0], starts[-1]
+    images = int(last["images_seen"] - first["images_seen"])
+    seconds = float(last["time"] - first["time"])
+    if seconds <= 0 or images <= 0:
+        raise ValueError(f"no progress between steps {first['global_step']} and {last['global_step']}")
+    return SteadyState(images / seconds, int(first["global_step"]), int(last["global_step"]), images, seconds)
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median images/s (the lower middle one of an even count), plus every run's figure."""
+    rates = [run["images_per_s"] for run in runs]
+    chosen = dict(runs[rates.index(statistics.median_low(rates))])
+    chosen["images_per_s_runs"] = rates
+    return chosen
+
+
+def train_argv(config: BenchConfig, data: Path, precision: str, *, processes: int, name: str, runs: Path) -> list[str]:
+    """The ``train.py`` flags of a measured run: the end-to-end run gets them, compute-only parses them."""
+    args = [
+        "--imgs", str(data / "imgs"), "--masks", str(data / "masks"), "--scale", str(config.scale),
+        "--batch-size", str(config.batch_size // processes), "--base-channels", str(config.base_channels),
+        "--classes", str(config.classes), "--precision", precision, "--epochs", "1",
+        "--max-steps", str(logged_total_steps(config)), "--log-every", str(config.log_every),
+        "--checkpoint-dir", str(runs), "--exp_name", name, "--seed", "0",
+        "--threads", str(max(1, config.threads // processes)), "--device", config.device,
+        "--wandb", "disabled", "--validation", "10",
+    ]  # fmt: skip
+    if config.num_workers is not None:
+        args += ["--num-workers", str(config.num_workers)]
+    if config.channels_last:
+        args.append("--channels-last")
+    if config.compile:
+        args.append("--compile")
+    return args
+
+
+def runs_folder(ctx: Context) -> Path:
+    """Where the measured runs keep their run folders."""
+    return ctx.work_dir / "runs"
+
+
+# ---------------------------------------------------------------------------------------------- orchestrator
+
+
+def run_compute_and_e2e(ctx: Context) -> None:
+    """The compute and e2e sections, alternating per precision: compute, train.py, compute, train.py, ...
+
+    Each end-to-end figure is paired with the compute figure taken just before it, and the reported ratio is the
+    median of the pairs' ratios: on a machine shared with other work the load drifts over minutes, and a compute run
+    taken long before its end-to-end run would make the ratio measure the drift (see docs/PERFORMANCE.md).
+    """
+    config = ctx.config
+    want_compute, want_e2e = "compute" in config.sections, "e2e" in config.sections
+    data = ensure_demo_data(ctx)  # compute-only builds the same run as train.py, data set included
+    compute_out: dict[str, Any] = {}
+    e2e_out: dict[str, Any] = {}
+    for precision in config.precisions:
+        computes: list[dict[str, Any]] = []
+        trains: list[dict[str, Any]] = []
+        for repeat in range(config.repeat):
+            suffix = f"{precision}" + (f"-{repeat + 1}" if config.repeat > 1 else "")
+            if want_compute:
+                computes.append(compute_run(ctx, data, precision, name=f"compute-{suffix}"))
+            if want_e2e:
+                trains.append(train_run(ctx, data, precision, processes=1, name=f"e2e-{suffix}"))
+        if computes:
+            compute_out[precision] = median_run(computes)
+            ctx.remember_memory(f"compute {precision}", compute_out[precision])
+            _compute_row(ctx, precision, compute_out[precision])
+        if trains:
+            e2e_out[precision] = result = median_run(trains)
+            ratios = [t["images_per_s"] / c["images_per_s"] for c, t in zip(computes, trains, strict=False)]
+            result["ratios_to_compute"] = ratios
+            result["ratio_to_compute"] = statistics.median(ratios) if ratios else None
+            _e2e_row(ctx, precision, result)
+    if want_compute:
+        ctx.results["compute"] = compute_out
+    if want_e2e:
+        ctx.results["e2e"] = e2e_out
+
+
+def compute_run(ctx: Context, data: Path, precision: str, *, name: str) -> dict[str, Any]:
+    config = ctx.config
+    shutil.rmtree(runs_folder(ctx) / name, ignore_errors=True)
+    spec = {
+        "train_argv": train_argv(config, data, precision, processes=1, name=name, runs=runs_folder(ctx)),
+        "steps": config.steps,
+        "warmup": config.warmup,
+        "peak_max_size": config.peak_max_size,
+    }
+    return call_worker("compute", spec, threads=config.threads, config=config, log_dir=ctx.log_dir)
+
+
+def train_run(ctx: Context, data: Path, precision: str, *, processes: int, name: str) -> dict[str, Any]:
+    """Run train.py (under torchrun when ``processes > 1``) and return its steady-state throughput."""
+    config = ctx.config
+    threads = max(1, config.threads // processes)
+    args = train_argv(config, data, precision, processes=processes, name=name, runs=runs_folder(ctx))
+    train_py = str(REPO_ROOT / "train.py")
+    if processes > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+        command = [*launcher, train_py, "--ddp_mode", *args]
+    else:
+        command = [sys.executable, train_py, *args]
+    run_dir = runs_folder(ctx) / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run = run_child(command, threads=threads, timeout=config.timeout, log_path=ctx.log_dir / f"{name}.log")
+    if run.returncode != 0:
+        raise MeasurementError(f"{name}: train.py exited with {run.returncode}:\n{tail(run.output)}")
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rate = steady_state(events, config.warmup)
+    result = {
+        "precision": precision,
+        "processes": processes,
+        "threads_per_process": threads,
+        "images_per_s": rate.images_per_s,
+        "steps_timed": rate.to_step - rate.from_step,
+        "seconds_timed": rate.seconds,
+        "validation_ran": any(e.get("event") == "val" for e in events),
+        "wall_s": run.wall_s,
+        "max_rss_mib": run.max_rss_mib,
+    }
+    ctx.remember_memory(f"train.py {name}" + (f" (largest of {processes} ranks)" if processes > 1 else ""), result)
+    return result
+
+
+def _spread(result: dict[str, Any]) -> str:
+    rates = result["images_per_s_runs"]
+    return f" ({min(rates):.3g}-{max(rates):.3g}, {len(rates)} runs)" if len(rates) > 1 else ""
+
+
+def _compute_row(ctx: Context, precision: str, result: dict[str, Any]) -> None:
+    ctx.row(
+        "compute",
+        f"{precision} forward+backward+step",
+        f"{result['images_per_s']:.3g} img/s{_spread(result)}",
+        f"{result['flops_per_image'] / 1e9:.1f} GFLOP/img; {result['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = "
+        f"{100 * result['fraction_of_peak']:.0f}% of {precision} matmul peak "
+        f"{result['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s",
+    )
+
+
+def _e2e_row(ctx: Context, precision: str, result: dict[str, Any]) -> None:
+    ratios = result["ratios_to_compute"]
+    if not ratios:
+        note = "(run the compute section too for the ratio)"
+    elif len(ratios) == 1:
+        note = f"{ratios[0]:.2f} of compute-only"
+    else:
+        note = f"{result['ratio_to_compute']:.2f} of compute-only (median of {len(ratios)} paired runs: "
+        note += ", ".join(f"{r:.2f}" for r in ratios) + ")"
+    if result["validation_ran"]:
+        note += "; validation ran inside the window (too few images in --data-dir)"
+    ctx.row("e2e", f"{precision} train.py steady state", f"{result['images_per_s']:.3g} img/s{_spread(result)}", note)
+
+
+# ------------------------------------------------------------------------------------------------- worker
+
+
+def compute_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """``train.py``'s set-up from ``spec["train_argv"]``, then its ``TrainStep`` timed on batches held in memory."""
+    from utils.distributed import teardown
+    from utils.training.config import parse_config
+    from utils.training.interrupts import InterruptFlag
+    from utils.training.setup import build_trainer, join, launch_plan
+
+    argv = spec["train_argv"]
+    config = parse_config(argv)
+    # The same wiring as train.py's main(), without the signal handlers: nothing here runs the loop.
+    ctx = join(config, launch_plan(config, argv))
+    try:
+        trainer = build_trainer(config, ctx, InterruptFlag())
+        try:
+            return _time_train_step(trainer.step, trainer.parts.train_loader, trainer.parts.model_args, spec)
+        finally:
+            trainer.close()
+    finally:
+        teardown(ctx)
+
+
+def _time_train_step(step: TrainStep, loader: Any, model_args: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """Images/s of ``step`` over the loader's first batches, its FLOPs and the matmul peak of its precision."""
+    from scripts.bench.flops import measure_matmul_peak, training_flops_per_image
+    from unet import UNet
+    from utils.training.objective import segmentation_loss
+
+    device, precision, n_classes = step.device, step.config.precision, step.config.n_classes
+    batches = _held_batches(loader, device, channels_last=step.config.channels_last)
+    batch_size, _, height, width = batches[0]["image"].shape
+
+    def loss_fn(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        return segmentation_loss(logits, masks, n_classes)
+
+    flops = training_flops_per_image(
+        lambda: UNet(**model_args), loss_fn, channels=model_args["n_channels"], height=height, width=width
+    )
+    peaks = [measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None)]
+
+    step.raw_model.train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    warmup, steps = spec["warmup"], spec["steps"]
+    warmup_times = [timed(lambda i=i: step([batches[i % len(batches)]]), device) for i in range(warmup)]
+    # No synchronisation between timed steps (train.py has none either): on a GPU the per-step figures are then
+    # launch times, and only the total, synchronised at both ends, counts.
+    step_times = []
+    sync(device)
+    started = time.perf_counter()
+    for index in range(warmup, warmup + steps):
+        step_started = time.perf_counter()
+        step([batches[index % len(batches)]])
+        step_times.append(time.perf_counter() - step_started)
+    sync(device)
+    total = time.perf_counter() - started
+    step.take_losses()
+    images_per_s = batch_size * steps / total
+    # Measured again after the steps, the best of the two kept: a peak taken while other work briefly held the
+    # device would make the steps look faster than the peak.
+    peaks.append(measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None))
+    peak = max(peaks, key=lambda p: p.flops_per_s)
+    return {
+        "precision": precision,
+        "images_per_s": images_per_s,
+        "step_s_median": statistics.median(step_times),
+        "first_step_s": warmup_times[0],
+        "batches_held": len(batches),
+        "flops_per_image": flops,
+        "achieved_flops_per_s": flops * images_per_s,
+        "matmul_peak_flops_per_s": peak.flops_per_s,
+        "matmul_peak_size": peak.size,
+        "fraction_of_peak": flops * images_per_s / peak.flops_per_s,
+        "cuda_max_allocated_mib": cuda_max_allocated_mib(device),
+    }
+
+
+def _held_batches(loader: Any, device: torch.device, *, channels_last: bool) -> list[dict[str, torch.Tensor]]:
+    """The loader's first batches, on the device in the step's memory format, so that the step's copy is a no-op."""
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    held = []
+    for batch in loader:
+        held.append(
+            {
+                "image": batch["image"].to(device, memory_format=memory_format),
+                "mask": batch["mask"].to(device),
+            }
+        )
+        if len(held) == HELD_BATCHES:
+            break
+    if not held:
+        raise MeasurementError("the training loader gave no batch; use a larger data set or a smaller --batch-size")
+    return held

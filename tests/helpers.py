@@ -1,0 +1,215 @@
+"""Helpers shared by test files (fixtures live in conftest.py): output checks, files and checkpoints to test with."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from unet import UNet
+from utils.checkpoint import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_MASK_VALUES, KEY_MODEL, KEY_MODEL_ARGS
+from utils.data_loading import image_tensor
+
+
+def one_error_line(err: str) -> str:
+    """The one ``Error:`` line of ``err`` (a process's stderr), which must also be its last line; returns it.
+
+    Progress bars share stderr, so other lines may come before it, but no second ``Error:`` line may.
+    """
+    lines = err.strip().splitlines()
+    assert lines, "stderr is empty: no error was reported"
+    assert [line for line in lines if line.startswith("Error: ")] == lines[-1:], err
+    return lines[-1]
+
+
+METRICS_FILE = "metrics.jsonl"  # the documented name in a run folder (README); the tests' one spelling of it
+
+
+def read_metrics(run_dir_or_path: Path, *, event: str | None = None, partial_ok: bool = False) -> list[dict]:
+    """The events of a run's ``metrics.jsonl`` (a run folder or the file itself), optionally only those of ``event``.
+
+    With ``partial_ok`` (a run still writing) a last line without its end is ignored; every other line must parse.
+    """
+    path = Path(run_dir_or_path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    text = path.read_text()
+    lines = text.splitlines()
+    if partial_ok and lines and not text.endswith("\n"):
+        lines = lines[:-1]
+    events = [json.loads(line) for line in lines]
+    return [record for record in events if event is None or record["event"] == event]
+
+
+class RunsCodeWhenUnpickled:
+    """A hostile payload: unpickling it calls ``os.system`` to create ``marker``, as a trojan checkpoint would."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def write_trojan_checkpoint(path: Path, marker: Path) -> Path:
+    """A file that looks like one of our checkpoints but runs a command (creating ``marker``) when unpickled."""
+    weights = torch.nn.Linear(2, 2).state_dict()
+    torch.save({"format_version": 1, "model_state": weights, "epoch": 1, "hook": RunsCodeWhenUnpickled(marker)}, path)
+    return path
+
+
+def tiny_unet(seed: int = 0, *, n_channels: int = 3, n_classes: int = 2, **kwargs: Any) -> UNet:
+    """A small UNet (base_channels=8) with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return UNet(n_channels, n_classes, base_channels=8, **kwargs)
+
+
+def checkpoint_payload(model: UNet, mask_values: Sequence | None = (0, 1)) -> dict[str, Any]:
+    """Our checkpoint format with model weights only (what ``predict.py`` and ``--load`` need)."""
+    payload: dict[str, Any] = {
+        KEY_FORMAT_VERSION: FORMAT_VERSION,
+        KEY_MODEL: model.state_dict(),
+        KEY_MODEL_ARGS: model.constructor_args(),
+    }
+    if mask_values is not None:
+        payload[KEY_MASK_VALUES] = list(mask_values)
+    return payload
+
+
+def save_checkpoint(path: Path, model: UNet, mask_values: Sequence | None, style: str = "ours") -> Path:
+    """Our format, milesial's (bare state_dict + 'mask_values') or a DDP script's ('module.' prefixes)."""
+    state = model.state_dict()
+    if style == "ours":
+        payload = checkpoint_payload(model, mask_values)
+    elif style == "milesial":
+        payload = dict(state)
+    elif style == "ddp":
+        payload = {f"module.{key}": value for key, value in state.items()}
+    else:
+        raise ValueError(style)
+    if mask_values is not None:
+        payload["mask_values"] = list(mask_values)
+    torch.save(payload, path)
+    return path
+
+
+@contextlib.contextmanager
+def unwritable_folder(folder: Path) -> Iterator[str]:
+    """``folder`` refuses new files inside the block, as root too; yields the OS's message for a refused file.
+
+    Permission bits where they bind; the immutable flag (``chattr +i``) for root, who ignores permission bits. Skips
+    the test, saying why, where neither works.
+    """
+    if os.geteuid() != 0:
+        mode = folder.stat().st_mode
+        folder.chmod(0o500)
+
+        def unlock() -> None:
+            folder.chmod(mode)
+    else:
+        if shutil.which("chattr") is None:
+            pytest.skip("root ignores permission bits and chattr (for an immutable folder) is not installed")
+        locked = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
+        if locked.returncode != 0:
+            pytest.skip(f"root ignores permission bits and this filesystem has no immutable flag: {locked.stderr}")
+
+        def unlock() -> None:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+    try:
+        probe = folder / ".write-probe"
+        try:
+            probe.touch()
+        except OSError as error:
+            message = error.strerror
+        else:
+            probe.unlink()
+            raise AssertionError(f"{folder} still accepts new files")
+        yield message
+    finally:
+        unlock()
+
+
+def cpu_has_bf16_instructions() -> bool:
+    """Whether /proc/cpuinfo lists AVX-512 BF16 or AMX-BF16 (x86): an oracle independent of torch's probes.
+
+    Skips the test where /proc/cpuinfo is absent or lists no x86 ``flags``.
+    """
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's instruction sets from")
+    flags = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags") and ":" in line:
+            flags.update(line.split(":", 1)[1].split())
+    if not flags:
+        pytest.skip("/proc/cpuinfo lists no x86 flags (another architecture)")
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def structured_image(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """RGB uint8 pixels with smooth shapes, so an untrained model predicts regions rather than noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    phase = rng.uniform(0, 6, size=3)
+    channels = [np.sin(7 * x + 3 * y + phase[0]), np.cos(5 * y - 2 * x + phase[1]), np.sin(9 * x * y + phase[2])]
+    return ((np.stack(channels, axis=-1) * 0.5 + 0.5) * 255).astype(np.uint8)
+
+
+def write_images(folder: Path, sizes: Sequence[tuple[int, int]], ext: str = ".png", seed: int = 0) -> list[Path]:
+    """``img00<ext>``, ``img01<ext>``, ... in ``folder``: one ``structured_image`` per ``(width, height)``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index, (width, height) in enumerate(sizes):
+        path = folder / f"img{index:02d}{ext}"
+        Image.fromarray(structured_image(width, height, seed + index)).save(path)
+        paths.append(path)
+    return paths
+
+
+@torch.no_grad()
+def make_model(n_classes: int = 2, *, bilinear: bool = False, seed: int = 0) -> UNet:
+    """An untrained tiny UNet whose output bias is set so that every class wins on part of a test image."""
+    torch.manual_seed(seed)
+    model = UNet(3, n_classes, bilinear=bilinear, base_channels=8).eval()
+    logits = model(torch.from_numpy(structured_image(64, 48, seed=99)).permute(2, 0, 1)[None].float() / 255)
+    if n_classes == 1:
+        model.outc.conv.bias -= logits.median()
+    else:
+        model.outc.conv.bias -= logits.mean(dim=(0, 2, 3))
+    return model
+
+
+@torch.inference_mode()
+def reference_classes(model: UNet, path: Path, scale: float, threshold: float = 0.5) -> np.ndarray:
+    """milesial's predict_img, one image at a time: resize, forward, logits to the original size, decide."""
+    image = Image.open(path)
+    logits = model(image_tensor(image, scale)[None])
+    logits = F.interpolate(logits, (image.height, image.width), mode="bilinear")
+    if model.n_classes == 1:
+        return (torch.sigmoid(logits[0, 0]) > threshold).numpy().astype(np.uint8)
+    return logits[0].argmax(dim=0).numpy().astype(np.uint8)
+
+
+def read_classes(path: Path, mask_values: list) -> np.ndarray:
+    """Class indices of a written mask, by looking each pixel's value up in ``mask_values``."""
+    pixels = np.asarray(Image.open(path))
+    if pixels.dtype == bool:
+        pixels = pixels.astype(np.int64)
+    classes = np.full(pixels.shape[:2], -1, dtype=np.int64)
+    for index, value in enumerate(mask_values):
+        match = np.all(pixels == np.asarray(value), axis=-1) if pixels.ndim == 3 else pixels == value
+        classes[match] = index
+    assert (classes >= 0).all(), "the mask holds values that are not mask_values"
+    return classes

@@ -1,0 +1,95 @@
+"""utils.inference.engine, the pieces behind predict.py: size buckets, logits to classes, input decoding, batching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import make_model, reference_classes, write_images
+from utils.errors import ConfigError
+from utils.hardware import pick_device
+from utils.inference.engine import (
+    InputItem,
+    PredictionInputs,
+    ShapeBuckets,
+    logits_to_classes,
+    predict_batch,
+)
+
+
+def _item(index: int, height: int, width: int) -> InputItem:
+    return InputItem(index, Path(f"{index}.png"), torch.zeros(3, height, width), (height, width))
+
+
+def test_buckets_release_full_batches_of_one_size_even_when_sizes_interleave():
+    buckets = ShapeBuckets(batch_size=2)
+    assert buckets.add(_item(0, 8, 8)) == []
+    assert buckets.add(_item(1, 8, 16)) == []
+    [batch] = buckets.add(_item(2, 8, 8))
+    assert [item.index for item in batch] == [0, 2]
+    assert [[item.index for item in batch] for batch in buckets.flush()] == [[1]]
+    assert buckets.flush() == []
+
+
+def test_buckets_bound_the_number_of_waiting_images():
+    buckets = ShapeBuckets(batch_size=4, max_pending=3)
+    released = []
+    for index in range(8):
+        # Every image its own size: without the bound all eight would wait until the end.
+        released += buckets.add(_item(index, 8, 8 + index))
+    assert sum(len(batch) for batch in released) == 5
+    assert sum(len(batch) for batch in buckets.flush()) == 3
+
+
+def test_logits_are_resized_before_the_decision():
+    logits = torch.tensor([[[0.0, 1.0]], [[0.5, 0.5]]])  # two classes over a 1x2 image
+    classes = logits_to_classes(logits, (1, 4), threshold=0.5)
+    # Class 1's logit 0.5 beats class 0's interpolated ramp 0, 0.25 (left half) and loses to 0.75, 1 (right half).
+    assert classes.tolist() == [[1, 1, 0, 0]]
+    one_logit = torch.tensor([[[-1.0, 1.0]]])
+    assert logits_to_classes(one_logit, (1, 2), threshold=0.5).tolist() == [[0, 1]]
+    assert logits_to_classes(one_logit, (1, 2), threshold=0.1).tolist() == [[1, 1]]
+
+
+def test_inputs_decode_resize_and_report_unusable_files_without_raising(tmp_path):
+    [good] = write_images(tmp_path, [(64, 48)])
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8 truncated jpeg")
+    grey = tmp_path / "grey.png"
+    Image.new("L", (20, 20)).save(grey)
+    dataset = PredictionInputs([good, broken, grey, tmp_path / "gone.png"], scale=0.5, n_channels=3, keep_original=True)
+    item = dataset[0]
+    assert item.error is None and item.image.shape == (3, 24, 32) and item.original_size == (48, 64)
+    assert item.original.dtype == torch.uint8 and item.original.shape == (3, 48, 64)
+    np.testing.assert_array_equal(item.original.permute(1, 2, 0).numpy(), np.asarray(Image.open(good)))
+    assert dataset[1].error.startswith(f"cannot read image {broken}")
+    assert "1 channel(s) but the model expects 3" in dataset[2].error
+    assert dataset[3].error.startswith(f"cannot read image {tmp_path / 'gone.png'}")
+
+
+def test_a_batch_predicts_what_each_image_alone_gives(tmp_path):
+    # Two sizes that shrink to the same network-input size: one batch, two different output sizes.
+    paths = write_images(tmp_path, [(64, 48), (65, 49), (64, 48)])
+    model = make_model(2)
+    dataset = PredictionInputs(paths, scale=0.5, n_channels=3)
+    items = [dataset[i] for i in range(3)]
+    assert len({tuple(item.image.shape) for item in items}) == 1
+    predictions = predict_batch(model, items, torch.device("cpu"))
+    for path, prediction in zip(paths, predictions, strict=True):
+        assert prediction.classes.shape == (Image.open(path).height, Image.open(path).width)
+        np.testing.assert_array_equal(prediction.classes, reference_classes(model, path, 0.5))
+
+
+def test_unknown_or_absent_devices_are_config_errors():
+    # predict.py and evaluate.py resolve --device with utils.hardware.pick_device.
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto").type in ("cpu", "cuda", "mps")
+    with pytest.raises(ConfigError, match="--device 'warp9'"):
+        pick_device("warp9")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="--device cuda .*no CUDA device"):
+            pick_device("cuda")

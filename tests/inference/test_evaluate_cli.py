@@ -1,0 +1,121 @@
+"""evaluate.py: per-class Dice/IoU table and JSON, mask naming detection, mask values checked against the model."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import evaluate as evaluate_cli
+import predict
+import utils.evaluation
+from tests.helpers import make_model, one_error_line, save_checkpoint, write_images
+from utils.data_loading import CarvanaDataset
+from utils.errors import USER_ERROR_EXIT_CODE
+
+
+def run_evaluate(*args: str, workers: int = 0) -> int:
+    """evaluate.main in this process, without progress bar and (unless asked) without worker processes."""
+    return evaluate_cli.main([*args, "--no-progress", "--workers", str(workers)])
+
+
+def test_evaluate_is_reexported_like_milesial():
+    from evaluate import evaluate
+
+    assert evaluate is utils.evaluation.evaluate
+
+
+@pytest.fixture
+def self_labelled(tmp_path: Path, carvana_data) -> tuple[Path, Path, Path]:
+    """A model, images, and masks that are the model's own predictions (values 0/255, '<id>.png' names)."""
+    checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 255])
+    predicted = tmp_path / "predicted"
+    code = predict.main(["-m", str(checkpoint), "-i", str(carvana_data.imgs), "--output-dir", str(predicted),
+                         "-s", "1", "-b", "4", "--no-progress", "-j", "0"])  # fmt: skip
+    assert code == 0
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for output in predicted.glob("*_OUT.png"):
+        shutil.move(output, masks / f"{output.stem.removesuffix('_OUT')}.png")
+    return checkpoint, carvana_data.imgs, masks
+
+
+def test_a_model_scored_on_its_own_predictions_is_perfect(self_labelled, tmp_path, capsys):
+    checkpoint, images, masks = self_labelled
+    report = tmp_path / "scores.json"
+    assert run_evaluate("-m", str(checkpoint), "--imgs", str(images), "--masks", str(masks), "-s", "1",
+                        "-b", "4", "--json", str(report)) == 0  # fmt: skip
+    scores = json.loads(report.read_text())
+    assert scores["n_images"] == 16 and scores["mask_values"] == [0, 255]
+    assert scores["per_class_dice"] == [1.0, 1.0] and scores["per_class_iou"] == [1.0, 1.0]
+    table = capsys.readouterr().out
+    assert "Dice" in table and "IoU" in table and "mean (classes 1+)" in table
+    assert re.search(r"^1 +255 +1\.0000 +1\.0000$", table, re.MULTILINE)
+
+
+# With worker processes the dataset, its aligned mask values and the collate function run in other processes.
+@pytest.mark.parametrize("workers", [0, 2])
+def test_scores_are_those_of_the_evaluation_module_on_carvana_naming(carvana_data, tmp_path, workers):
+    model = make_model(2)
+    checkpoint = save_checkpoint(tmp_path / "m.pth", model, [0, 1], style="milesial")
+    report = tmp_path / "scores.json"
+    assert run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks),
+                        "-s", "0.5", "-b", "4", "--json", str(report), workers=workers) == 0  # fmt: skip
+    scores = json.loads(report.read_text())
+    loader = DataLoader(CarvanaDataset(carvana_data.imgs, carvana_data.masks, 0.5), batch_size=4)
+    expected = utils.evaluation.evaluate(model, loader, torch.device("cpu"), n_classes=2, progress=False)
+    assert scores["per_class_dice"] == pytest.approx(expected.per_class_dice, abs=1e-6)
+    assert scores["per_class_iou"] == pytest.approx(expected.per_class_iou, abs=1e-6)
+    assert scores["dice"] == pytest.approx(expected.dice, abs=1e-6)
+    # An untrained model is not perfect: the numbers are real scores, not a constant.
+    assert scores["dice"] < 0.99
+
+
+def test_masks_with_values_the_model_never_saw_are_one_clear_error(carvana_data, tmp_path, capsys):
+    checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 255])
+    code = run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks))
+    assert code == USER_ERROR_EXIT_CODE
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    line = one_error_line(err)
+    assert "hold values [0, 1]" in line and "was trained on [0, 255]" in line
+
+
+def test_masks_using_some_of_the_models_classes_are_scored_with_its_class_numbers(carvana_data, tmp_path, capsys):
+    # Trained on three values, validated on masks that only hold the first two: class k still means value k.
+    checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(3), [0, 1, 2])
+    report = tmp_path / "scores.json"
+    assert run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks),
+                        "--json", str(report)) == 0  # fmt: skip
+    scores = json.loads(report.read_text())
+    assert scores["mask_values"] == [0, 1, 2] and len(scores["per_class_dice"]) == 3
+
+
+def test_a_missing_mask_folder_is_one_clear_error(carvana_data, tmp_path, capsys):
+    checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 1])
+    code = run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(tmp_path / "none"))
+    assert code == USER_ERROR_EXIT_CODE
+    assert "does not exist" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_images_of_different_sizes_in_one_batch_are_one_clear_error(tmp_path, capsys, workers):
+    images = write_images(tmp_path / "imgs", [(48, 32), (64, 48)])
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for path in images:
+        width, height = Image.open(path).size
+        Image.fromarray((np.arange(width)[None, :].repeat(height, 0) % 2).astype(np.uint8)).save(masks / path.name)
+    checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 1])
+    code = run_evaluate("-m", str(checkpoint), "--imgs", str(tmp_path / "imgs"), "--masks", str(masks), "-s", "1",
+                        "-b", "2", workers=workers)  # fmt: skip
+    assert code == USER_ERROR_EXIT_CODE
+    line = one_error_line(capsys.readouterr().err)
+    assert "images of different sizes [(3, 32, 48), (3, 48, 64)] in one batch; use --batch-size 1" in line

@@ -1,0 +1,51 @@
+"""Overlays for predict.py --viz: colours, what gets painted, truth lookup."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from utils.inference.overlays import (
+    PALETTE,
+    class_colours,
+    find_truth_mask,
+    load_truth_classes,
+    overlay,
+    render_visualization,
+)
+
+
+def test_colour_masks_keep_their_colours_and_grey_masks_get_the_palette():
+    assert class_colours([[0, 0, 0], [10, 20, 30]], 2) == [(0, 0, 0), (10, 20, 30)]
+    assert class_colours([0, 255], 2)[1] == PALETTE[0]
+    assert len(class_colours([0, 1, 2, 3], 4)) == 4
+
+
+def test_only_foreground_classes_are_painted():
+    image = torch.full((3, 4, 5), 100, dtype=torch.uint8)
+    classes = np.zeros((4, 5), dtype=np.uint8)
+    classes[1:3, 2:4] = 2
+    painted = overlay(image, classes, [(0, 0, 0), (255, 0, 0), (0, 0, 255)])
+    changed = (painted != image).any(dim=0).numpy()
+    np.testing.assert_array_equal(changed, classes == 2)
+    # Half image, half class colour.
+    red, green, blue = painted[:, 1, 2].tolist()
+    assert (red, green) == (50, 50) and blue in (177, 178)
+
+
+def test_grey_images_are_shown_in_colour():
+    image = torch.full((1, 4, 4), 200, dtype=torch.uint8)
+    rendered = render_visualization(image, np.zeros((4, 4), dtype=np.uint8), class_colours([0, 1], 2))
+    assert rendered.mode == "RGB" and rendered.size == (4, 4)
+    assert np.all(np.asarray(rendered) == 200)
+
+
+def test_truth_masks_are_found_by_name_and_mapped_to_classes(tmp_path):
+    Image.fromarray(np.array([[0, 255], [255, 0]], dtype=np.uint8)).save(tmp_path / "car_mask.png")
+    found = find_truth_mask(tmp_path, tmp_path / "images" / "car.jpg")
+    assert found == tmp_path / "car_mask.png"
+    assert find_truth_mask(tmp_path, tmp_path / "bus.jpg") is None
+    np.testing.assert_array_equal(load_truth_classes(found, [0, 255], (2, 2)), [[0, 1], [1, 0]])
+    # A mask of another size is resized (nearest) to the image's.
+    assert load_truth_classes(found, [0, 255], (4, 4)).shape == (4, 4)

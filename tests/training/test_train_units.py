@@ -1,0 +1,205 @@
+"""Pure pieces of the training stack on hand-made inputs: shards, loss, schedule, curves, checkpoint rotation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DistributedSampler
+
+from utils.dice_score import dice_loss
+from utils.errors import CheckpointError
+from utils.training.curves import draw_curves, read_series
+from utils.training.interrupts import InterruptFlag, exit_code_for
+from utils.training.objective import cosine_lr_factor, segmentation_loss
+from utils.training.run_folder import RunFolder
+from utils.training.sampler import (
+    BatchPlan,
+    ResumableDistributedSampler,
+    batches_per_epoch,
+    epoch_order,
+    images_consumed,
+    shard_indices,
+)
+from utils.training.state import capture_rng_state, restore_rng_state
+
+
+@pytest.mark.parametrize(("n", "world_size"), [(10, 1), (10, 2), (11, 2), (7, 3)])
+def test_sampler_matches_distributed_sampler(n: int, world_size: int) -> None:
+    for rank in range(world_size):
+        ours = ResumableDistributedSampler(n, rank=rank, world_size=world_size, seed=3)
+        reference = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=3)
+        for epoch in (0, 1):
+            ours.set_epoch(epoch)
+            reference.set_epoch(epoch)
+            assert list(ours) == list(reference) and len(ours) == len(reference)
+
+
+def test_order_depends_only_on_seed_and_epoch() -> None:
+    assert epoch_order(20, seed=1, epoch=2) == epoch_order(20, seed=1, epoch=2)
+    assert epoch_order(20, seed=1, epoch=2) != epoch_order(20, seed=1, epoch=3)
+    assert sorted(epoch_order(20, seed=1, epoch=2)) == list(range(20))
+
+
+def test_shards_are_disjoint_and_cover_the_epoch() -> None:
+    order = epoch_order(12, seed=0, epoch=0)
+    shards = [shard_indices(order, rank=r, world_size=3) for r in range(3)]
+    assert sorted(sum(shards, [])) == list(range(12))
+
+
+def test_global_batches_do_not_depend_on_the_world_size() -> None:
+    # Rank r takes every W-th image, so global batch k of W ranks with batch b is batch k of one rank with batch W*b.
+    order = epoch_order(16, seed=0, epoch=1)
+    single = shard_indices(order, rank=0, world_size=1)
+    per_rank = [shard_indices(order, rank=r, world_size=2) for r in range(2)]
+    for k in range(4):
+        assert sorted(single[4 * k : 4 * k + 4]) == sorted(
+            per_rank[0][2 * k : 2 * k + 2] + per_rank[1][2 * k : 2 * k + 2]
+        )
+
+
+@pytest.mark.parametrize(("n", "world_size", "batch"), [(16, 2, 2), (15, 2, 2), (13, 3, 2)])
+def test_resuming_slices_the_index_list(n: int, world_size: int, batch: int) -> None:
+    order = epoch_order(n, seed=5, epoch=0)
+    for done in range(batches_per_epoch(n, world_size=world_size, batch_size=batch) + 1):
+        consumed = images_consumed(done, batch_size=batch, world_size=world_size)
+        for rank in range(world_size):
+            full = shard_indices(order, rank=rank, world_size=world_size)
+            assert shard_indices(order, rank=rank, world_size=world_size, consumed=consumed) == full[done * batch :]
+
+
+def test_resuming_with_another_world_size_continues_from_the_same_image() -> None:
+    order = epoch_order(20, seed=0, epoch=0)
+    consumed = images_consumed(2, batch_size=2, world_size=2)  # 2 steps of 2 ranks x 2 images
+    rest = [shard_indices(order, rank=r, world_size=4, consumed=consumed) for r in range(4)]
+    assert sorted(sum(rest, [])) == sorted(order[8:])
+
+
+def test_sampler_length_after_skipping() -> None:
+    sampler = ResumableDistributedSampler(15, rank=1, world_size=2, seed=0)
+    sampler.set_epoch(0, consumed=4)
+    assert len(sampler) == len(list(sampler)) == 6
+
+
+def _batch(n: int, n_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, max(n_classes, 1), 8, 8, generator=generator)
+    masks = torch.randint(0, max(n_classes, 2), (n, 8, 8), generator=generator)
+    return logits, masks
+
+
+@pytest.mark.parametrize("n_classes", [1, 2, 3])
+def test_training_loss_decomposes_over_ranks(n_classes: int) -> None:
+    # DDP averages the ranks' gradients; that equals the gradient of the global batch only if the loss is a mean over
+    # images. Per-image Dice makes it one; milesial's batch-volume Dice is not (checked below).
+    logits, masks = _batch(4, n_classes, seed=n_classes)
+    whole = segmentation_loss(logits, masks, n_classes)
+    halves = segmentation_loss(logits[:2], masks[:2], n_classes) + segmentation_loss(logits[2:], masks[2:], n_classes)
+    assert torch.allclose(whole, halves / 2, rtol=1e-6, atol=1e-7)
+
+
+def test_batch_volume_dice_would_not_decompose() -> None:
+    probabilities = torch.tensor([[[1.0, 1.0]], [[0.0, 0.0]]])  # image 0 all foreground, image 1 empty prediction
+    target = torch.tensor([[[1.0, 0.0]], [[1.0, 1.0]]])
+    whole = dice_loss(probabilities, target)
+    halves = (dice_loss(probabilities[:1], target[:1]) + dice_loss(probabilities[1:], target[1:])) / 2
+    assert not torch.isclose(whole, halves)
+
+
+def test_binary_loss_is_bce_plus_dice() -> None:
+    logits = torch.full((1, 1, 2, 2), 20.0)
+    masks = torch.ones(1, 2, 2, dtype=torch.long)
+    assert segmentation_loss(logits, masks, 1).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_cosine_schedule() -> None:
+    assert cosine_lr_factor(0, 10) == 1.0
+    assert cosine_lr_factor(5, 10) == pytest.approx(0.5)
+    assert cosine_lr_factor(10, 10) == pytest.approx(0.0)
+    assert cosine_lr_factor(12, 10) == pytest.approx(0.0)
+    assert all(cosine_lr_factor(s, 10) >= cosine_lr_factor(s + 1, 10) for s in range(10))
+
+
+def test_curves_png(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    events = [{"event": "train", "global_step": s, "loss": 1.0 / s} for s in range(1, 6)]
+    events += [{"event": "val", "global_step": 5, "dice": 0.4}, {"event": "train", "global_step": 5, "loss": 0.1}]
+    metrics.write_text("\n".join(json.dumps(e) for e in events) + "\n{truncated")
+    losses, dices = read_series(metrics)
+    assert losses[-1] == (5, 0.1) and len(losses) == 5  # a re-logged step keeps its last value
+    assert dices == [(5, 0.4)]
+    draw_curves(metrics, tmp_path / "curves.png")
+    with Image.open(tmp_path / "curves.png") as image:
+        assert image.size == (960, 320)
+        # Something was drawn in the loss colour.
+        assert (31, 119, 180) in {colour for _, colour in image.getcolors(100000)}
+
+
+def test_prune_keeps_the_newest_epoch_files(tmp_path: Path) -> None:
+    for epoch in (1, 2, 3, 10):
+        (tmp_path / f"checkpoint_epoch{epoch}.pth").write_bytes(b"x")
+    (tmp_path / "best.pth").write_bytes(b"x")
+    removed = RunFolder(tmp_path).prune_epoch_checkpoints(keep_last=2)
+    assert sorted(p.name for p in removed) == ["checkpoint_epoch1.pth", "checkpoint_epoch2.pth"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pth", "checkpoint_epoch10.pth", "checkpoint_epoch3.pth"]
+    assert RunFolder(tmp_path).prune_epoch_checkpoints(keep_last=0) == []
+
+
+def test_resume_auto_skips_corrupt_and_incomplete_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    good = {
+        "format_version": 1,
+        "model_state": {"w": torch.ones(1)},
+        "optimizer": {},
+        "scheduler": {},
+        "epoch": 1,
+        "global_step": 4,
+        "step_in_epoch": 0,
+    }
+    torch.save(good, tmp_path / "checkpoint_epoch1.pth")
+    torch.save({"w": torch.ones(1)}, tmp_path / "best.pth")  # weights only: cannot be resumed
+    (tmp_path / "last.pth").write_bytes(b"PK\x03\x04 truncated")
+    for age, name in enumerate(["last.pth", "best.pth", "checkpoint_epoch1.pth"]):
+        os.utime(tmp_path / name, ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
+    path, payload = RunFolder(tmp_path).find_resume_checkpoint()
+    assert path.name == "checkpoint_epoch1.pth" and payload["global_step"] == 4
+    assert "skipping" in caplog.text and "last.pth" in caplog.text
+    assert RunFolder(tmp_path / "empty").find_resume_checkpoint() is None  # nothing yet: --resume auto starts a new run
+    (tmp_path / "checkpoint_epoch1.pth").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        RunFolder(tmp_path).find_resume_checkpoint()
+
+
+def test_rng_state_round_trip_through_a_weights_only_file(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    torch.save({"rng": capture_rng_state()}, tmp_path / "rng.pth")
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    restore_rng_state(torch.load(tmp_path / "rng.pth", weights_only=True)["rng"])
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(expected[0], again[0]) and (expected[1] == again[1]).all() and expected[2] == again[2]
+
+
+def test_interrupt_flag_records_the_first_signal() -> None:
+    with InterruptFlag() as flag:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert exit_code_for(signal.SIGINT) == 130 and exit_code_for(signal.SIGTERM) == 143
+
+
+def test_steps_per_epoch() -> None:
+    assert batches_per_epoch(15, world_size=2, batch_size=2) == 4
+    assert batches_per_epoch(16, world_size=1, batch_size=4) == 4
+    # 15 images, 1 process, batch 2: 8 batches; with 3 accumulated per step, 3 steps (the last of 2 batches).
+    plan = BatchPlan(n_train=15, batch_size=2, world_size=1, grad_accum=3)
+    assert (plan.batches_per_epoch, plan.steps_per_epoch, plan.total_steps(4)) == (8, 3, 12)
+    two = BatchPlan(n_train=15, batch_size=2, world_size=2, grad_accum=2)
+    assert (two.global_batch, two.images_per_step, two.batches_per_epoch, two.steps_per_epoch) == (4, 8, 4, 2)

@@ -1,0 +1,1 @@
+"""Data: image files, mask values, augmentation, demo data."""

@@ -1,0 +1,206 @@
+"""Prediction: decoding inputs in loader workers, batching images of equal size, optional tiling, logits to classes.
+
+``predict_items`` is the loop behind ``predict.py``: images are decoded and resized in ``DataLoader`` workers (so
+decoding overlaps the forward passes), grouped into batches of equal network-input size (images of mixed sizes
+never get padded, so each prediction is exactly what the model gives for that image alone), run under the chosen
+precision, and the logits are resized bilinearly to the original size before the sigmoid threshold or argmax, as in
+milesial/Pytorch-UNet's ``predict_img``.
+
+Tiled inference (``TileSettings``, for images too large to run whole) lives in ``utils.inference.tiling``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from utils.data_loading import image_tensor, load_image
+from utils.evaluation import predict_classes, run_model
+from utils.inference.tiling import TileSettings, predict_logits_tiled
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InputItem:
+    """One decoded input image, or the reason it could not be decoded."""
+
+    index: int
+    path: Path
+    image: Tensor | None = None
+    """``[C, h, w]`` float32 in [0, 1] at network-input size."""
+    original_size: tuple[int, int] = (0, 0)
+    """``(height, width)`` of the file's image: predictions are resized back to it."""
+    original: Tensor | None = None
+    """``[C, H, W]`` uint8 pixels of the file, kept only for visualisation."""
+    error: str | None = None
+
+
+@dataclass
+class Prediction:
+    """Class indices ``[H, W]`` for one input at its original size, or why there are none."""
+
+    item: InputItem
+    classes: np.ndarray | None = None
+    error: str | None = None
+
+
+class PredictionInputs(Dataset):
+    """Decodes and resizes input files; a file that cannot be used becomes an item with ``error`` set, not a crash."""
+
+    def __init__(self, paths: Sequence[Path], scale: float, n_channels: int, keep_original: bool = False) -> None:
+        self.paths = list(paths)
+        self.scale = scale
+        self.n_channels = n_channels
+        self.keep_original = keep_original
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> InputItem:
+        path = self.paths[index]
+        try:
+            with load_image(path) as pil_image:
+                # The training pipeline's conversion and resize, so predictions see what the model was trained on.
+                image = image_tensor(pil_image, self.scale)
+                if image.shape[0] != self.n_channels:
+                    raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
+                original = _display_pixels(pil_image) if self.keep_original else None
+                original_size = (pil_image.height, pil_image.width)
+        except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
+            return InputItem(index, path, error=f"cannot read image {path}: {_describe(error)}")
+        return InputItem(index, path, image, original_size, original)
+
+
+def _display_pixels(pil_image) -> Tensor:
+    """``[C, H, W]`` uint8 at full size, converted like the model's input (palette, 16-bit, ... handled)."""
+    return image_tensor(pil_image, 1.0).mul_(255).round_().to(torch.uint8)
+
+
+def _describe(error: BaseException) -> str:
+    return str(error) or type(error).__name__
+
+
+def keep_as_list(items: list[InputItem]) -> list[InputItem]:
+    """DataLoader collate function: images of different sizes cannot be stacked yet."""
+    return items
+
+
+class ShapeBuckets:
+    """Collects items by image shape and releases full batches, so interleaved sizes still make full batches.
+
+    At most ``max_pending`` items wait; beyond that the fullest bucket is released early (many distinct sizes would
+    otherwise hold every image in memory).
+    """
+
+    def __init__(self, batch_size: int, max_pending: int | None = None) -> None:
+        self.batch_size = batch_size
+        self.max_pending = max_pending if max_pending is not None else 4 * batch_size
+        self._buckets: dict[tuple[int, ...], list[InputItem]] = {}
+
+    def add(self, item: InputItem) -> list[list[InputItem]]:
+        """Add one decoded item; returns the batches that are ready (possibly none)."""
+        assert item.image is not None
+        bucket = self._buckets.setdefault(tuple(item.image.shape), [])
+        bucket.append(item)
+        ready = []
+        if len(bucket) == self.batch_size:
+            ready.append(self._buckets.pop(tuple(item.image.shape)))
+        if sum(len(bucket) for bucket in self._buckets.values()) > self.max_pending:
+            fullest = max(self._buckets, key=lambda shape: len(self._buckets[shape]))
+            ready.append(self._buckets.pop(fullest))
+        return ready
+
+    def flush(self) -> list[list[InputItem]]:
+        """All remaining partial batches."""
+        ready = list(self._buckets.values())
+        self._buckets.clear()
+        return ready
+
+
+def logits_to_classes(logits: Tensor, size: tuple[int, int], threshold: float) -> Tensor:
+    """``[K, h, w]`` logits to ``[H, W]`` class indices at ``size``: resize the logits first, then decide (milesial)."""
+    resized = F.interpolate(logits[None], size=size, mode="bilinear", align_corners=False)
+    return predict_classes(resized, threshold)[0]
+
+
+@torch.inference_mode()
+def predict_batch(
+    model: nn.Module,
+    items: Sequence[InputItem],
+    device: torch.device,
+    *,
+    precision: str = "fp32",
+    threshold: float = 0.5,
+    tile: TileSettings | None = None,
+    tile_batch_size: int = 4,
+) -> list[Prediction]:
+    """Predict a batch of items whose network-input images all have the same shape."""
+    images = torch.stack([item.image for item in items]).to(device, non_blocking=True)
+    if tile is None:
+        logits = run_model(model, images, precision)
+    else:
+        logits = predict_logits_tiled(model, images, tile, precision, tile_batch_size)
+    return [
+        Prediction(item, logits_to_classes(item_logits, item.original_size, threshold).to(torch.uint8).cpu().numpy())
+        for item, item_logits in zip(items, logits, strict=True)
+    ]
+
+
+def predict_items(
+    model: nn.Module,
+    dataset: PredictionInputs,
+    device: torch.device,
+    *,
+    batch_size: int = 4,
+    precision: str = "fp32",
+    threshold: float = 0.5,
+    tile: TileSettings | None = None,
+    workers: int = 0,
+    progress: bool = True,
+) -> Iterator[Prediction]:
+    """Yield one ``Prediction`` per input (in completion order, not input order); failures carry ``error``."""
+    model.eval()
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=keep_as_list,
+    )
+    buckets = ShapeBuckets(batch_size)
+
+    def run(batch: list[InputItem]) -> list[Prediction]:
+        return predict_batch(
+            model, batch, device, precision=precision, threshold=threshold, tile=tile, tile_batch_size=batch_size
+        )
+
+    with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not progress) as bar:
+        for predictions in _run_batches(loader, buckets, run):
+            for prediction in predictions:
+                bar.update(1)
+                yield prediction
+
+
+def _run_batches(
+    loader: Iterable[list[InputItem]],
+    buckets: ShapeBuckets,
+    run: Callable[[list[InputItem]], list[Prediction]],
+) -> Iterator[list[Prediction]]:
+    for loaded in loader:
+        for item in loaded:
+            if item.error is not None:
+                yield [Prediction(item, error=item.error)]
+                continue
+            for batch in buckets.add(item):
+                yield run(batch)
+    for batch in buckets.flush():
+        yield run(batch)

@@ -1,0 +1,106 @@
+"""Which image files a prediction run reads, where each one's outputs go, and whether they can be written there."""
+
+from __future__ import annotations
+
+import glob
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils.datasets.image_files import IMAGE_EXTENSIONS
+from utils.errors import ConfigError
+
+OUTPUT_SUFFIX = "_OUT"
+VIZ_SUFFIX = "_VIZ"
+# Masks must be stored losslessly: a JPEG would blur class values into each other.
+MASK_FORMATS = (".png", ".gif", ".bmp", ".tif", ".tiff")
+
+
+def collect_inputs(patterns: Sequence[str]) -> list[Path]:
+    """Expand files, folders and globs into image files (in order, each once).
+
+    Folders and globs skip earlier outputs (``*_OUT.*``, ``*_VIZ.*``), so predicting a folder twice does not predict
+    the first run's masks. A missing file, an empty folder or a glob that matches nothing is an error.
+    """
+    found: list[Path] = []
+    for pattern in patterns:
+        path = Path(pattern)
+        if path.is_file():
+            found.append(path)
+            continue
+        if path.is_dir():
+            candidates = sorted(path.iterdir())
+        elif glob.has_magic(pattern):
+            candidates = sorted(Path(match) for match in glob.glob(pattern))
+        else:
+            raise ConfigError(f"--input {pattern}: no such file or folder")
+        images = [
+            candidate
+            for candidate in candidates
+            if candidate.is_file()
+            and candidate.suffix.lower() in IMAGE_EXTENSIONS
+            and not candidate.name.startswith(".")
+            and not candidate.stem.endswith((OUTPUT_SUFFIX, VIZ_SUFFIX))
+        ]
+        if not images:
+            raise ConfigError(f"--input {pattern}: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) found there")
+        found.extend(images)
+    return list(dict.fromkeys(found))
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """Where one input's mask and visualisation go."""
+
+    mask: Path
+    viz: Path
+
+
+def plan_outputs(
+    inputs: Sequence[Path], patterns: Sequence[str], outputs: Sequence[Path] | None, output_dir: Path | None
+) -> list[OutputPlan]:
+    """Output paths per input (``inputs`` as ``collect_inputs(patterns)`` found them; ``outputs``: ``--output``).
+
+    Raises ``ConfigError`` on a count mismatch or two inputs writing one file.
+    """
+    if outputs is not None:
+        if not all(Path(pattern).is_file() for pattern in patterns):
+            raise ConfigError("--output pairs outputs with input files; for folders and globs use --output-dir")
+        if len(outputs) != len(inputs):
+            raise ConfigError(
+                f"--output got {len(outputs)} paths for {len(inputs)} input images; give one per input file"
+            )
+        plans = [OutputPlan(out, out.with_name(f"{out.stem}{VIZ_SUFFIX}.png")) for out in outputs]
+    else:
+        plans = []
+        for path in inputs:
+            folder = output_dir if output_dir is not None else path.parent
+            plans.append(
+                OutputPlan(folder / f"{path.stem}{OUTPUT_SUFFIX}.png", folder / f"{path.stem}{VIZ_SUFFIX}.png")
+            )
+    seen: dict[Path, Path] = {}
+    for path, plan in zip(inputs, plans, strict=True):
+        for target in (plan.mask, plan.viz):
+            key = target.resolve()
+            if key in seen:
+                raise ConfigError(
+                    f"{seen[key]} and {path} would both be written to {target}; rename one or use --output"
+                )
+            seen[key] = path
+        if plan.mask.resolve() == path.resolve():
+            raise ConfigError(f"--output {plan.mask} is the input itself; choose another name")
+    return plans
+
+
+def check_writable(folders: set[Path]) -> None:
+    """Create the output folders and prove each is writable, so a run never fails after hours of prediction."""
+    for folder in sorted(folders):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as error:
+            raise ConfigError(
+                f"cannot write outputs to {folder}: {error.strerror or error}; choose another --output-dir/--output"
+            ) from error

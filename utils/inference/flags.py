@@ -1,0 +1,48 @@
+"""Command-line flags that ``predict.py`` and ``evaluate.py`` share, defined once so they keep one meaning."""
+
+from __future__ import annotations
+
+import argparse
+
+from utils.errors import ConfigError
+from utils.hardware import PRECISIONS
+
+
+def add_model_check_flags(parser: argparse.ArgumentParser) -> None:
+    """``--bilinear``/``--classes``: milesial's model flags, kept for files that do not store the model's arguments."""
+    parser.add_argument(
+        "--bilinear",
+        action="store_true",
+        help="expect bilinear upsampling (the checkpoint decides; a mismatch is an error)",
+    )
+    parser.add_argument(
+        "--classes", "-c", type=int, help="expected number of classes (the checkpoint decides; a mismatch is an error)"
+    )
+
+
+def add_scale_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scale", "-s", type=float, default=0.5, help="downscaling factor of the images (0.5)")
+
+
+def add_compute_flags(parser: argparse.ArgumentParser, *, workers_help: str) -> None:
+    """``--batch-size``, ``--precision``, ``--device`` and ``--workers`` (whose work ``workers_help`` names)."""
+    parser.add_argument("--batch-size", "-b", type=int, default=4, help="images per forward pass (4)")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="forward-pass precision")
+    parser.add_argument(
+        "--device", default="auto", help="auto, cpu, cuda, cuda:1, ..., mps (auto: cuda, else mps, else cpu)"
+    )
+    parser.add_argument("--workers", "-j", type=int, default=2, help=f"{workers_help} worker processes (2)")
+
+
+def add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def check_compute_flags(scale: float, batch_size: int, workers: int, *, workers_job: str) -> None:
+    """Raise ``ConfigError`` naming the flag when ``--scale``, ``--batch-size`` or ``--workers`` is out of range."""
+    if not 0.0 < scale <= 1.0:
+        raise ConfigError(f"--scale {scale}: use a factor in (0, 1]")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size {batch_size}: use 1 or more")
+    if workers < 0:
+        raise ConfigError(f"--workers {workers}: use 0 ({workers_job} in the main process) or more")

@@ -1,0 +1,86 @@
+"""Writing predictions: masks and overlays encoded in writer threads, overlapping the next forward passes."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils.errors import UserError
+from utils.inference.engine import Prediction
+from utils.inference.file_plan import OutputPlan
+from utils.inference.outputs import mask_to_image
+from utils.inference.overlays import find_truth_mask, load_truth_classes, render_visualization
+
+logger = logging.getLogger(__name__)
+
+# Predictions written at most this many images ahead of the writer threads, to bound memory.
+MAX_PENDING_WRITES = 16
+
+
+@dataclass
+class Writer:
+    """Turns predictions into files; runs in writer threads so PNG encoding overlaps the next forward pass."""
+
+    mask_values: list
+    colours: list[tuple[int, int, int]]
+    save_mask: bool
+    save_viz: bool
+    masks_dir: Path | None
+
+    def write(self, prediction: Prediction, plan: OutputPlan) -> str | None:
+        """Write one prediction's files; returns an error message instead of raising."""
+        assert prediction.classes is not None
+        try:
+            if self.save_mask:
+                mask_to_image(prediction.classes, self.mask_values).save(plan.mask)
+            if self.save_viz:
+                self._write_viz(prediction, plan.viz)
+        except (OSError, ValueError, UserError) as error:
+            return f"{prediction.item.path}: could not write its output: {error}"
+        return None
+
+    def _write_viz(self, prediction: Prediction, path: Path) -> None:
+        item = prediction.item
+        assert item.original is not None and prediction.classes is not None
+        truth = None
+        if self.masks_dir is not None:
+            truth_path = find_truth_mask(self.masks_dir, item.path)
+            if truth_path is None:
+                logger.warning(
+                    "no true mask for %s in %s; writing the prediction overlay alone", item.path, self.masks_dir
+                )
+            else:
+                truth = load_truth_classes(truth_path, self.mask_values, item.original_size)
+        render_visualization(item.original, prediction.classes, self.colours, truth).save(path)
+
+
+def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: Sequence[OutputPlan]) -> list[str]:
+    """Write every prediction in ``writer``'s threads; returns the failures (each logged), inputs' and writes'.
+
+    At most ``MAX_PENDING_WRITES`` predictions wait for a thread, so a fast model cannot fill memory with them.
+    """
+    failures: list[str] = []
+    pending: deque[Future] = deque()
+
+    def collect(future: Future) -> None:
+        message = future.result()
+        if message is not None:
+            logger.error("%s", message)
+            failures.append(message)
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer") as pool:
+        for prediction in predictions:
+            if prediction.error is not None:
+                logger.error("%s", prediction.error)
+                failures.append(prediction.error)
+                continue
+            pending.append(pool.submit(writer.write, prediction, plans[prediction.item.index]))
+            while len(pending) > MAX_PENDING_WRITES:
+                collect(pending.popleft())
+        while pending:
+            collect(pending.popleft())
+    return failures

@@ -1,0 +1,1 @@
+"""Training: configuration, set-up, run state, the loop and its parts."""

@@ -1,0 +1,87 @@
+"""Graceful stop on SIGINT/SIGTERM: the handler only records the signal; the training loop decides when to stop.
+
+torchrun forwards SIGINT/SIGTERM to its workers, a terminal's Ctrl-C reaches every process of the job, and a cluster
+scheduler may signal only some ranks. So at every optimizer-step boundary the ranks agree on ``max(signal)`` with a
+one-integer all-reduce on the CPU control group. The all-reduce is started asynchronously and read one step later:
+the training loop never waits for it, and every rank still sees the same answer at the same step, so all of them stop
+together, rank 0 writes ``INTERRUPTED.pth`` and each process exits with ``128 + signal`` (130 for SIGINT, 143 for
+SIGTERM).
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from utils.distributed import DistributedContext
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_code_for(signum: int) -> int:
+    """Shell convention for death by a signal."""
+    return 128 + signum
+
+
+class InterruptFlag:
+    """Records the first SIGINT/SIGTERM received while installed; later ones are ignored (the first one wins)."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> InterruptFlag:
+        for signum in HANDLED_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Nothing else here: the main thread may be inside a collective, a checkpoint write or the logging lock.
+        if not self.signum:
+            self.signum = signum
+
+    def __enter__(self) -> InterruptFlag:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+class StopAgreement:
+    """Makes every rank see the same stop decision at the same step boundary, without blocking the step."""
+
+    def __init__(self, ctx: DistributedContext, flag: InterruptFlag) -> None:
+        self._ctx = ctx
+        self._flag = flag
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def poll(self) -> int:
+        """The signal all ranks agree to stop for (0 = keep going); call once per step boundary on every rank."""
+        if not self._ctx.is_distributed:
+            return self._flag.signum
+        agreed = self._collect()
+        local = torch.tensor([self._flag.signum], dtype=torch.int32)
+        work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
+        self._pending = (work, local)
+        return agreed
+
+    def finish(self) -> int:
+        """Complete the outstanding all-reduce (before any other collective on the control group) and return it."""
+        return self._collect() if self._ctx.is_distributed else self._flag.signum
+
+    def _collect(self) -> int:
+        if self._pending is None:
+            return 0
+        work, value = self._pending
+        self._pending = None
+        work.wait()
+        return int(value.item())

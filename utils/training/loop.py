@@ -1,0 +1,421 @@
+"""The training loop: ``Trainer.train()`` runs epochs of optimizer steps and returns how the run ended.
+
+Per optimizer step the loop does no host synchronisation: losses and the count of steps skipped for non-finite
+gradients (``TrainStep``, ``utils.training.nonfinite``) accumulate on the device and are read every ``--log-every``
+steps and at checkpoints, and the ranks' stop decision travels on an asynchronous CPU all-reduce
+(``utils.training.interrupts``). Validation runs on global rank 0 with the unwrapped model while the other ranks
+wait for its Dice score, which every rank then uses (ReduceLROnPlateau must step identically everywhere).
+Checkpoints are written by global rank 0 only, and only of a healthy state: finite weights, and a latest step that
+was not skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from utils.checkpoint import save_checkpoint_atomic
+from utils.distributed import DistributedContext, agree_on_errors, barrier, broadcast_from_main, sum_across_ranks
+from utils.errors import UserError
+from utils.evaluation import EvalResult, evaluate, predict_classes
+from utils.training.curves import write_curves_if_possible
+from utils.training.data import TrainData
+from utils.training.interrupts import InterruptFlag, StopAgreement
+from utils.training.nonfinite import all_finite
+from utils.training.reporting import RunReporter, weight_and_grad_histograms
+from utils.training.run_folder import RunFolder
+from utils.training.sampler import BatchPlan, ResumableDistributedSampler
+from utils.training.state import TrainPosition, build_payload
+from utils.training.step import TrainStep
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """When the loop validates, saves, logs and stops (from the epoch, checkpoint and logging flags)."""
+
+    last_epoch: int
+    """Number of the last epoch to train (epochs are numbered from 1)."""
+    n_classes: int
+    val_every: int = 1
+    save_every: int = 1
+    """checkpoint_epoch{N}.pth every this many epochs (0 = never)."""
+    keep_last: int = 0
+    save_every_steps: int = 0
+    log_every: int = 10
+    max_steps: int = 0
+    max_nonfinite_steps: int = 5
+    plateau_scheduler: bool = False
+    """The scheduler steps on validation Dice (ReduceLROnPlateau) instead of after every optimizer step."""
+
+
+@dataclass
+class TrainParts:
+    """Everything the loop works on, built (and restored from a checkpoint) by ``utils.training.setup``."""
+
+    raw_model: nn.Module
+    """The plain UNet: evaluated, and saved in checkpoints."""
+    step: TrainStep
+    """The optimizer step; it holds the model as the forward pass calls it (DDP and/or compiled)."""
+    scheduler: Any
+    precision: str
+    data: TrainData
+    sampler: ResumableDistributedSampler
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    batch_plan: BatchPlan
+    model_args: dict[str, Any]
+    run_args: dict[str, Any]
+    """The run's flags as a plain dict, stored in every checkpoint."""
+    position: TrainPosition
+    resume_images_in_epoch: int = 0
+    """Global images of epoch ``position.epoch`` already trained by the run this one resumes."""
+
+
+@dataclass
+class TrainOutcome:
+    """How ``train()`` ended: completed, stopped by --max-steps, or interrupted by a signal (then a checkpoint)."""
+
+    position: TrainPosition
+    interrupted_by: int = 0
+    checkpoint: Path | None = None
+    """The file holding the final state; None when it could not be saved (the latest step was skipped)."""
+    reached_max_steps: bool = False
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: LoopConfig,
+        ctx: DistributedContext,
+        parts: TrainParts,
+        *,
+        run_folder: RunFolder,
+        reporter: RunReporter,
+        interrupts: InterruptFlag,
+    ) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.parts = parts
+        self.step = parts.step
+        self.run_folder = run_folder
+        self.reporter = reporter
+        self.position = parts.position
+        self._stop = StopAgreement(ctx, interrupts)
+        self._plan = parts.batch_plan
+        self._images_seen = self.position.global_step * self._plan.images_per_step
+        self._last_log = (time.perf_counter(), self._images_seen)
+        self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
+
+    # ---------------------------------------------------------------------------------------------------- public
+
+    def train(self) -> TrainOutcome:
+        outcome = None
+        self.parts.raw_model.train()
+        while outcome is None and self.position.epoch < self.config.last_epoch:
+            if self._max_steps_reached():
+                outcome = self._stop_for_max_steps()
+                break
+            outcome = self._run_epoch(self.position.epoch)
+            if outcome is None:
+                self._end_epoch(self.position.epoch)
+        self._check_skipped_steps()
+        self._stop.finish()
+        if self.reporter.enabled and write_curves_if_possible(self.reporter.metrics_path, self.reporter.curves_path):
+            logger.info("Curves written to %s", self.reporter.curves_path)
+        # Nobody leaves before rank 0 has written its files: a launcher may kill the others' siblings on exit.
+        barrier(self.ctx)
+        return outcome or TrainOutcome(self.position)
+
+    def close(self) -> None:
+        """Close metrics.jsonl and the wandb run."""
+        self.reporter.close()
+
+    # --------------------------------------------------------------------------------------------------- epochs
+
+    def _run_epoch(self, epoch: int) -> TrainOutcome | None:
+        """Train the remaining batches of ``epoch``; an outcome when the run must stop before the epoch's end."""
+        plan, sampler = self._plan, self.parts.sampler
+        images_done = self._images_done_in_epoch()
+        sampler.set_epoch(epoch, consumed=images_done)
+        self.parts.data.train_dataset.set_epoch(epoch)
+        batches_done = images_done // plan.global_batch
+        total_batches = batches_done + math.ceil(len(sampler) / plan.batch_size)
+        # The bar counts global images (all ranks), the unit users reason in.
+        progress = tqdm(
+            total=plan.batches_per_epoch * plan.global_batch,
+            initial=min(images_done, plan.n_train),
+            desc=f"Epoch {epoch + 1}/{self.config.last_epoch}",
+            unit="img",
+            disable=not self.ctx.is_main,
+            dynamic_ncols=True,
+        )
+        try:
+            for offset, batch in enumerate(self.parts.train_loader):
+                index = batches_done + offset
+                group_start = index - index % plan.grad_accum
+                group_size = min(plan.grad_accum, total_batches - group_start)
+                closes_group = index + 1 == group_start + group_size
+                if index == group_start:
+                    self.step.begin()
+                images = self.step.accumulate(batch, group_size, sync_gradients=closes_group)
+                self._images_seen += images * self.ctx.world_size
+                progress.update(images * self.ctx.world_size)
+                if not closes_group:
+                    continue
+                self.step.update()
+                self.position.global_step += 1
+                self.position.step_in_epoch = index + 1
+                outcome = self._after_step(epoch, progress)
+                if outcome is not None:
+                    return outcome
+        finally:
+            progress.close()
+        return None
+
+    def _images_done_in_epoch(self) -> int:
+        """Global images of ``epoch`` trained before this process started (only the resumed epoch has any)."""
+        done, self.parts.resume_images_in_epoch = self.parts.resume_images_in_epoch, 0
+        return done
+
+    def _end_epoch(self, epoch: int) -> None:
+        epoch_number = epoch + 1
+        self.position.epoch = epoch_number
+        self.position.step_in_epoch = 0
+        improved = False
+        if self._should_validate(epoch_number):
+            dice = self._validate(epoch_number)
+            if self.config.plateau_scheduler:
+                self.parts.scheduler.step(dice)
+            improved = dice > self.position.best_dice
+            if improved:
+                self.position.best_dice = dice
+        targets = [self.run_folder.last]
+        if self.config.save_every and epoch_number % self.config.save_every == 0:
+            targets.append(self.run_folder.epoch_checkpoint(epoch_number))
+        if improved:
+            targets.append(self.run_folder.best)
+        self._save(targets)
+        if self.ctx.is_main and self.config.keep_last:
+            for path in self.run_folder.prune_epoch_checkpoints(self.config.keep_last):
+                logger.info("Removed %s (--keep-last %d)", path.name, self.config.keep_last)
+
+    def _should_validate(self, epoch_number: int) -> bool:
+        return epoch_number % self.config.val_every == 0 or epoch_number == self.config.last_epoch
+
+    # ---------------------------------------------------------------------------------------------------- steps
+
+    def _after_step(self, epoch: int, progress: tqdm) -> TrainOutcome | None:
+        """Logging, step checkpoints, and the stop decisions due at this optimizer-step boundary."""
+        step = self.position.global_step
+        if step % self.config.log_every == 0:
+            self._log_train(epoch, progress)
+        if self.config.save_every_steps and step % self.config.save_every_steps == 0:
+            self._save([self.run_folder.last])
+        signum = self._stop.poll()
+        if signum:
+            return self._stop_for_signal(signum)
+        if self._max_steps_reached():
+            return self._stop_for_max_steps()
+        return None
+
+    def _max_steps_reached(self) -> bool:
+        return bool(self.config.max_steps) and self.position.global_step >= self.config.max_steps
+
+    # ---------------------------------------------------------------------------------------------------- stops
+
+    def _stop_for_signal(self, signum: int) -> TrainOutcome:
+        saved = self._save([self.run_folder.interrupted])
+        return TrainOutcome(
+            self.position, interrupted_by=signum, checkpoint=self.run_folder.interrupted if saved else None
+        )
+
+    def _stop_for_max_steps(self) -> TrainOutcome:
+        logger.info("Reached --max-steps %d", self.config.max_steps)
+        last = self.run_folder.last
+        saved = self._last_saved_at == (self.position.global_step, self.position.epoch) or self._save([last])
+        return TrainOutcome(self.position, reached_max_steps=True, checkpoint=last if saved else None)
+
+    # -------------------------------------------------------------------------------------- non-finite steps
+
+    def _check_skipped_steps(self) -> int:
+        """Report skipped steps; stop the run at --max-nonfinite-steps in a row. Returns the current run of them.
+
+        Reads the device: call only where the loop synchronises anyway. Every rank counts the same steps (the
+        gradients were all-reduced), so all of them stop at the same point without a collective.
+        """
+        report = self.step.skip_report()
+        if report is None:
+            return 0
+        step = self.position.global_step
+        if report.skipped and self.ctx.is_main:
+            logger.warning(
+                "%d optimizer step(s) up to step %d had NaN or inf gradients and were skipped (weights unchanged)",
+                report.skipped,
+                step,
+            )
+        limit = self.config.max_nonfinite_steps
+        if limit and report.longest_run >= limit:
+            raise UserError(
+                f"training diverged: {report.longest_run} optimizer steps in a row (up to step {step}) had NaN or inf "
+                f"loss or gradients and were skipped; the newest checkpoint in {self.run_folder} (if any) holds the "
+                f"last good state. Lower --learning-rate, keep --grad-clip on, check the data, or raise "
+                f"--max-nonfinite-steps (now {limit})"
+            )
+        return report.current_run
+
+    # ---------------------------------------------------------------------------------------------- validation
+
+    def _validate(self, epoch_number: int) -> float:
+        """Validation Dice of the unwrapped model, computed on rank 0 and broadcast to every rank."""
+        dice = None
+        if self.ctx.is_main:
+            result = evaluate(
+                self.parts.raw_model,
+                self.parts.val_loader,
+                self.ctx.device,
+                n_classes=self.config.n_classes,
+                precision=self.parts.precision,
+                progress=True,
+            )
+            self._report_validation(epoch_number, result)
+            dice = result.dice
+        # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
+        return float(broadcast_from_main(self.ctx, dice))
+
+    def _report_validation(self, epoch_number: int, result: EvalResult) -> None:
+        per_class = ", ".join(
+            f"{k}: Dice {d:.4f} IoU {i:.4f}"
+            for k, (d, i) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True))
+        )
+        logger.info(
+            "Validation after epoch %d (step %d, %d images): Dice %.4f, IoU %.4f [%s]",
+            epoch_number,
+            self.position.global_step,
+            result.n_images,
+            result.dice,
+            result.iou,
+            per_class,
+        )
+        samples = self._wandb_samples() if self.reporter.wants_samples() else None
+        self.reporter.log_val(epoch=epoch_number, global_step=self.position.global_step, result=result, samples=samples)
+
+    @torch.inference_mode()
+    def _wandb_samples(self) -> dict[str, Any]:
+        """One validation image with its true and predicted masks, plus weight/gradient histograms."""
+        batch = next(iter(self.parts.val_loader))
+        model = self.parts.raw_model
+        model.eval()
+        try:
+            logits = model(batch["image"][:1].to(self.ctx.device))
+        finally:
+            model.train()
+        return {
+            "image": batch["image"][0],
+            "true": batch["mask"][0],
+            "pred": predict_classes(logits)[0],
+            "histograms": weight_and_grad_histograms(model),
+        }
+
+    # ------------------------------------------------------------------------------------------------- logging
+
+    def _log_train(self, epoch: int, progress: tqdm) -> None:
+        # The only host synchronisation of the loop: one small all-reduce and read every --log-every steps.
+        loss_sum, count = sum_across_ranks(self.ctx, self.step.take_losses()).tolist()
+        self._check_skipped_steps()
+        now = time.perf_counter()
+        last_time, last_images = self._last_log
+        images_per_s = (self._images_seen - last_images) / max(now - last_time, 1e-9)
+        self._last_log = (now, self._images_seen)
+        loss = loss_sum / count if count else float("nan")
+        lr = self.step.optimizer.param_groups[0]["lr"]
+        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+        self.reporter.log_train(
+            epoch=epoch + 1,
+            global_step=self.position.global_step,
+            loss=loss,
+            lr=lr,
+            images_per_s=images_per_s,
+            images_seen=self._images_seen,
+        )
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+
+    def _save(self, targets: list[Path]) -> bool:
+        """Write the current state to ``targets`` in the run folder (global rank 0); False when it is not saved.
+
+        Called on every rank. A state is saved only when healthy: a skipped latest step postpones the save (the
+        previous files stay), non-finite weights stop the run. A failed write (disk full, no permission) stops every
+        rank with rank 0's message instead of leaving the others to find it gone.
+        """
+        if self._check_skipped_steps():
+            if self.ctx.is_main:
+                logger.warning(
+                    "Not saving %s at step %d: the latest optimizer step had NaN or inf gradients and was skipped; "
+                    "the previous checkpoint stays",
+                    ", ".join(path.name for path in targets),
+                    self.position.global_step,
+                )
+            return False
+        if not all_finite(list(self.parts.raw_model.state_dict().values())):
+            raise UserError(
+                f"the weights became NaN or inf by step {self.position.global_step} although the gradients were "
+                f"finite, so the learning rate is far too large; nothing was saved (the newest checkpoint in "
+                f"{self.run_folder}, if any, holds the last good state). Lower --learning-rate"
+            )
+        agree_on_errors(self.ctx, lambda: self._write_checkpoint(targets) if self.ctx.is_main else None)
+        if self.run_folder.last in targets:
+            self._last_saved_at = (self.position.global_step, self.position.epoch)
+        return True
+
+    def _write_checkpoint(self, targets: list[Path]) -> None:
+        parts = self.parts
+        payload = build_payload(
+            model=parts.raw_model,
+            model_args=parts.model_args,
+            mask_values=parts.data.mask_values,
+            optimizer=self.step.optimizer,
+            scheduler=parts.scheduler,
+            scaler=self.step.scaler,
+            position=self.position,
+            args=parts.run_args,
+            world_size=self.ctx.world_size,
+        )
+        first = targets[0]
+        save_checkpoint_atomic(payload, first)
+        for target in targets[1:]:
+            _link_or_save(first, target, payload)
+        logger.info(
+            "Saved %s at step %d (%d epochs and %d batches done)",
+            ", ".join(path.name for path in targets),
+            self.position.global_step,
+            self.position.epoch,
+            self.position.step_in_epoch,
+        )
+
+
+def _link_or_save(source: Path, target: Path, payload: dict[str, Any]) -> None:
+    """``target`` with the content of ``source``, without serialising the payload again where links are possible.
+
+    Checkpoints are never modified in place (every write renames a new file over the name), so two names sharing one
+    file stay independent: replacing ``last.pth`` later leaves ``best.pth`` as it was.
+    """
+    temporary = target.with_name(f".{target.name}.link.tmp")
+    try:
+        temporary.unlink(missing_ok=True)
+        os.link(source, temporary)
+        os.replace(temporary, target)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+        save_checkpoint_atomic(payload, target)

@@ -1,0 +1,402 @@
+"""Building a training run from the parsed flags: the one place that reads ``TrainConfig``.
+
+Each component gets its own small config (``DataConfig``, ``OptimizerConfig``, ``StepConfig``, ``LoopConfig``) or
+plain values built here, and the batch arithmetic is computed once (``BatchPlan``) and handed down.
+
+Every rank builds its own copy (per the PyTorch DDP tutorial: each rank loads the checkpoint before wrapping the model
+in DDP). Decisions that depend on the run folder (which checkpoint to resume, whether the folder is taken) are made
+by global rank 0, the folder's only writer, and broadcast; a user error on any rank stops every rank with its message
+instead of leaving the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from unet import UNet
+from utils.checkpoint import (
+    KEY_ARGS,
+    KEY_MASK_VALUES,
+    KEY_MODEL,
+    KEY_MODEL_ARGS,
+    KEY_OPTIMIZER,
+    KEY_RNG,
+    KEY_SCALER,
+    KEY_SCHEDULER,
+    KEY_WORLD_SIZE,
+    LoadedWeights,
+    read_model_weights,
+)
+from utils.distributed import DistributedContext, LaunchPlan, agree_on_errors, decide_on_main, plan_launch, setup
+from utils.errors import CheckpointError, ConfigError
+from utils.hardware import available_cpus, resolve_precision, threads_per_process, warn_if_emulated
+from utils.model_spec import check_expected, load_weights_into, spec_of
+from utils.training.config import RESUME_AUTO, TrainConfig
+from utils.training.data import (
+    DataConfig,
+    TrainData,
+    build_data,
+    build_train_loader,
+    build_val_loader,
+    default_num_workers,
+)
+from utils.training.interrupts import InterruptFlag
+from utils.training.loop import LoopConfig, Trainer, TrainParts
+from utils.training.objective import OptimizerConfig, build_optimizer, build_scheduler
+from utils.training.reporting import RunReporter
+from utils.training.run_folder import RunFolder
+from utils.training.sampler import BatchPlan, ResumableDistributedSampler, images_consumed
+from utils.training.state import TrainPosition, load_resume_checkpoint, position_of, restore_rng_state
+from utils.training.step import StepConfig, TrainStep
+from utils.training.sync_batchnorm import convert_sync_batchnorm
+
+logger = logging.getLogger(__name__)
+
+# Flags whose change makes a checkpoint's optimizer or schedule state meaningless.
+_STATE_SHAPING_FLAGS = {"optimizer": "--optimizer", "scheduler": "--scheduler"}
+
+
+def launch_plan(config: TrainConfig, argv: list[str]) -> LaunchPlan:
+    """How this process takes part in the run: from the launcher's environment and the distributed flags."""
+    return plan_launch(
+        ddp_mode=config.ddp_mode,
+        rank=config.rank,
+        world_size=config.world_size,
+        dist_url=config.dist_url,
+        local_rank=config.local_rank,
+        argv=argv,
+    )
+
+
+def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:
+    """Pick the device, size the thread pool and join the process group, as the flags say."""
+    return setup(plan, device_request=config.device, timeout_s=config.dist_timeout, threads=config.threads)
+
+
+def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: InterruptFlag) -> Trainer:
+    run_folder = RunFolder.of(config.checkpoint_dir, config.exp_name)
+    # Rank 0 reads the checkpoint it chooses; keeping it saves reading a large file twice.
+    preloaded: dict[str, dict[str, Any]] = {}
+    resume_path = decide_on_main(ctx, lambda: _choose_resume_path(config.resume, run_folder, preloaded))
+    configure_reproducibility(config.seed, deterministic=config.deterministic)
+    parts = agree_on_errors(ctx, lambda: build_parts(config, ctx, resume_path, preloaded.get(resume_path or "")))
+    reporter = agree_on_errors(ctx, lambda: _open_reporter(config, ctx, run_folder))
+    return Trainer(loop_config(config), ctx, parts, run_folder=run_folder, reporter=reporter, interrupts=interrupts)
+
+
+# ------------------------------------------------------------------------------------------ component configs
+
+
+def data_config(config: TrainConfig) -> DataConfig:
+    return DataConfig(
+        imgs=config.imgs,
+        masks=config.masks,
+        scale=config.scale,
+        validation=config.validation,
+        classes=config.classes,
+        augment=config.augment,
+        seed=config.seed,
+        batch_size=config.batch_size,
+    )
+
+
+def optimizer_config(config: TrainConfig) -> OptimizerConfig:
+    return OptimizerConfig(
+        name=config.optimizer,
+        learning_rate=config.learning_rate,
+        weight_decay=config.weight_decay,
+        momentum=config.momentum,
+        scheduler=config.scheduler,
+    )
+
+
+def step_config(config: TrainConfig, precision: str) -> StepConfig:
+    return StepConfig(
+        n_classes=config.classes, precision=precision, grad_clip=config.grad_clip, channels_last=config.channels_last
+    )
+
+
+def loop_config(config: TrainConfig) -> LoopConfig:
+    return LoopConfig(
+        last_epoch=config.epochs,
+        n_classes=config.classes,
+        val_every=config.val_every,
+        save_every=config.save_every,
+        keep_last=config.keep_last,
+        save_every_steps=config.save_every_steps,
+        log_every=config.log_every,
+        max_steps=config.max_steps,
+        max_nonfinite_steps=config.max_nonfinite_steps,
+        plateau_scheduler=config.scheduler == "plateau",
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def _open_reporter(config: TrainConfig, ctx: DistributedContext, run_folder: RunFolder) -> RunReporter:
+    try:
+        return RunReporter(
+            run_folder, enabled=ctx.is_main, wandb_mode=config.wandb, run_name=config.exp_name, config=config.as_dict()
+        )
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write to the run folder {run_folder}: {error.strerror or error}; choose a writable "
+            f"--checkpoint-dir"
+        ) from error
+
+
+def configure_reproducibility(seed: int, *, deterministic: bool) -> None:
+    """Same seed on every rank (identical initial weights); deterministic kernels if asked, else the fastest."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS needs this before its first use to be deterministic; harmless elsewhere.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic
+
+
+def _choose_resume_path(resume: str | None, run_folder: RunFolder, preloaded: dict[str, dict[str, Any]]) -> str | None:
+    """Rank 0's choice of checkpoint to resume (None for a new run); refuses to start a new run over an old one."""
+    run_folder.check_creatable()
+    # Nothing writes to the folder yet: a temporary file there is what a killed write left behind.
+    for path in run_folder.remove_partial_files():
+        logger.info("Removed %s, left behind by a checkpoint write that was interrupted", path)
+    if resume is None:
+        existing = run_folder.checkpoints()
+        if existing:
+            raise ConfigError(
+                f"run folder {run_folder} already holds checkpoints ({', '.join(p.name for p in existing[:3])}) from "
+                f"an earlier run; continue it with --resume auto, or choose another --exp_name (or delete the folder)"
+            )
+        return None
+    if resume == RESUME_AUTO:
+        found = run_folder.find_resume_checkpoint()
+        if found is None:
+            logger.info("--resume auto: no checkpoint in %s yet, starting a new run", run_folder)
+            return None
+        path, payload = found
+        preloaded[str(path)] = payload
+        return str(path)
+    resume_path = Path(resume)
+    if not resume_path.is_file():
+        raise CheckpointError(f"--resume {resume}: no such file; pass a checkpoint path or --resume auto")
+    existing = run_folder.checkpoints()
+    if existing and resume_path.resolve().parent != run_folder.path.resolve():
+        raise ConfigError(
+            f"--resume {resume} would continue in run folder {run_folder}, which holds checkpoints of another run "
+            f"({', '.join(p.name for p in existing[:3])}); choose another --exp_name"
+        )
+    return resume
+
+
+def build_parts(
+    config: TrainConfig, ctx: DistributedContext, resume_path: str | None, payload: dict[str, Any] | None = None
+) -> TrainParts:
+    """Everything the loop needs, restored from ``resume_path`` (whose contents may be passed in as ``payload``)."""
+    device = ctx.device
+    if resume_path and payload is None:
+        payload = load_resume_checkpoint(Path(resume_path))
+    if payload is not None:
+        logger.info("Resuming from %s", resume_path)
+        _check_resume_flags(config, payload, resume_path)
+    data = build_data(data_config(config), world_size=ctx.world_size)
+    precision = resolve_precision(config.precision, config.amp, device.type)
+    warn_if_emulated(device, precision)
+    model_args = {
+        "n_channels": data.n_channels,
+        "n_classes": config.classes,
+        "bilinear": config.bilinear,
+        "base_channels": config.base_channels,
+    }
+    model = UNet(**model_args)
+    if payload is not None:
+        stored = LoadedWeights(payload[KEY_MODEL], payload.get(KEY_MODEL_ARGS), payload.get(KEY_MASK_VALUES), payload)
+        _load_weights(model, stored, model_args, resume_path, "--resume")
+        _warn_mask_values(payload.get(KEY_MASK_VALUES), data.mask_values, resume_path)
+    elif config.load:
+        loaded = read_model_weights(config.load)
+        _load_weights(model, loaded, model_args, config.load, "--load")
+        _warn_mask_values(loaded.mask_values, data.mask_values, config.load)
+        logger.info("Model weights loaded from %s", config.load)
+    if config.checkpointing:
+        model.use_checkpointing()
+    if config.sync_bn:
+        if ctx.is_distributed:
+            model = convert_sync_batchnorm(model, device)
+        else:
+            logger.warning("--sync-bn has no effect with a single process")
+    memory_format = torch.channels_last if config.channels_last else torch.preserve_format
+    model.to(device=device, memory_format=memory_format)
+
+    plan = BatchPlan(
+        n_train=len(data.train_set),
+        batch_size=config.batch_size,
+        world_size=ctx.world_size,
+        grad_accum=config.grad_accum,
+    )
+    optimizer_settings = optimizer_config(config)
+    optimizer = build_optimizer(optimizer_settings, model.parameters())
+    scheduler = build_scheduler(optimizer_settings, optimizer, plan.total_steps(config.epochs - config.start_from + 1))
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+
+    position = TrainPosition(epoch=config.start_from - 1)
+    resume_images = 0
+    if payload is not None:
+        optimizer.load_state_dict(payload[KEY_OPTIMIZER])
+        scheduler.load_state_dict(payload[KEY_SCHEDULER])
+        if scaler is not None and payload.get(KEY_SCALER):
+            scaler.load_state_dict(payload[KEY_SCALER])
+        if KEY_RNG in payload:
+            restore_rng_state(payload[KEY_RNG])
+        position = position_of(payload)
+        resume_images = _resumed_images_in_epoch(plan, payload, position)
+        logger.info(
+            "Resuming at epoch %d, step %d (%d batches of the epoch done)",
+            position.epoch + 1,
+            position.global_step,
+            position.step_in_epoch,
+        )
+
+    train_model: torch.nn.Module = model
+    if ctx.is_distributed:
+        device_ids = [device.index] if device.type == "cuda" else None
+        train_model = DistributedDataParallel(model, device_ids=device_ids)
+    if config.compile:
+        train_model = torch.compile(train_model)
+    step = TrainStep(
+        step_config(config, precision),
+        model=train_model,
+        raw_model=model,
+        optimizer=optimizer,
+        scheduler=None if config.scheduler == "plateau" else scheduler,
+        scaler=scaler,
+        device=device,
+    )
+
+    sampler = ResumableDistributedSampler(
+        len(data.train_set), rank=ctx.rank, world_size=ctx.world_size, seed=config.seed, shuffle=True
+    )
+    num_workers = config.num_workers
+    if num_workers is None:
+        num_workers = default_num_workers(device.type, threads_per_process(available_cpus(), ctx.local_world_size))
+    pin = device.type == "cuda"
+    loader_settings = data_config(config)
+    train_loader = build_train_loader(data.train_set, sampler, loader_settings, num_workers=num_workers, pin=pin)
+    val_loader = (
+        build_val_loader(data.val_set, loader_settings, num_workers=num_workers, pin=pin) if ctx.is_main else None
+    )
+    _log_run_summary(config, ctx, data, plan, precision, num_workers)
+    return TrainParts(
+        raw_model=model,
+        step=step,
+        scheduler=scheduler,
+        precision=precision,
+        data=data,
+        sampler=sampler,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        batch_plan=plan,
+        model_args=model_args,
+        run_args=config.as_dict(),
+        position=position,
+        resume_images_in_epoch=resume_images,
+    )
+
+
+def _check_resume_flags(config: TrainConfig, payload: dict[str, Any], path: str) -> None:
+    saved_args = payload.get(KEY_ARGS) or {}
+    for key, flag in _STATE_SHAPING_FLAGS.items():
+        saved = saved_args.get(key)
+        if saved is not None and saved != getattr(config, key):
+            raise ConfigError(
+                f"{path} was trained with {flag} {saved} but this run asks for {flag} {getattr(config, key)}; resume "
+                f"with {flag} {saved}, or start a new run from its weights with --load"
+            )
+    if config.start_from != 1:
+        logger.warning("--start_from is ignored with --resume: the checkpoint says where the run stands")
+
+
+def _load_weights(model: UNet, loaded: LoadedWeights, wanted_args: dict[str, Any], path: str, flag: str) -> None:
+    """Load ``loaded`` after checking it was made for the model these flags and images describe."""
+    spec = spec_of(loaded, path)
+    check_expected(spec, wanted_args, path, source=flag, images_from="--imgs")
+    load_weights_into(model, loaded, path)
+
+
+def _warn_mask_values(stored: list | None, current: list, path: str) -> None:
+    if stored is not None and list(stored) != list(current):
+        logger.warning(
+            "%s was trained with mask values %s but the masks now have %s: class indices may mean other things",
+            path,
+            stored,
+            current,
+        )
+
+
+def _resumed_images_in_epoch(plan: BatchPlan, payload: dict[str, Any], position: TrainPosition) -> int:
+    """Global images of the resumed epoch already trained, converted from the saving run's batches.
+
+    The position is stored as batches of the saving run; times its batch size and world size it is a count of images
+    of the epoch's order (``utils.training.sampler``), which this run skips whatever its own world size.
+    """
+    saved_args = payload.get(KEY_ARGS) or {}
+    saved = BatchPlan(
+        n_train=plan.n_train,
+        batch_size=int(saved_args.get("batch_size", plan.batch_size)),
+        world_size=int(payload.get(KEY_WORLD_SIZE) or 1),
+        grad_accum=int(saved_args.get("grad_accum", plan.grad_accum)),
+    )
+    images = images_consumed(position.step_in_epoch, batch_size=saved.batch_size, world_size=saved.world_size)
+    if (saved.world_size, saved.batch_size, saved.grad_accum) != (plan.world_size, plan.batch_size, plan.grad_accum):
+        logger.warning(
+            "the effective batch size changes from %d (%d process(es) x --batch-size %d x --grad-accum %d) in the "
+            "checkpoint to %d (%d x %d x %d) in this run; consider scaling --learning-rate. The data continues from "
+            "the same image (%d of this epoch done), but the steps are not bit-identical to an uninterrupted run",
+            saved.images_per_step,
+            saved.world_size,
+            saved.batch_size,
+            saved.grad_accum,
+            plan.images_per_step,
+            plan.world_size,
+            plan.batch_size,
+            plan.grad_accum,
+            images,
+        )
+    return images
+
+
+def _log_run_summary(
+    config: TrainConfig, ctx: DistributedContext, data: TrainData, plan: BatchPlan, precision: str, num_workers: int
+) -> None:
+    logger.info(
+        "Starting training: epochs %d..%d, batch size %d per process x %d process(es) x %d accumulation = %d, "
+        "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
+        "%d CPU threads and %d loader workers per process, run folder %s",
+        config.start_from,
+        config.epochs,
+        plan.batch_size,
+        plan.world_size,
+        plan.grad_accum,
+        plan.images_per_step,
+        config.learning_rate,
+        len(data.train_set),
+        len(data.val_set),
+        config.scale,
+        precision,
+        ctx.device,
+        torch.get_num_threads(),
+        num_workers,
+        RunFolder.of(config.checkpoint_dir, config.exp_name),
+    )

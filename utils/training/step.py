@@ -1,0 +1,131 @@
+"""One optimizer step: forward and backward over its micro-batches, then the guarded optimizer update.
+
+``TrainStep`` is the object the training loop runs and the one the benchmark times, so the benchmark's compute-only
+figure measures exactly what ``train.py`` does per step (autocast, gradient accumulation without all-reduce on the
+first micro-batches, the non-finite guard, clipping, the scheduler step). It does no host synchronisation: losses
+accumulate on the device until ``take_losses`` is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from utils.hardware import autocast_dtype
+from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
+from utils.training.objective import segmentation_loss
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How each step runs (from --classes, --precision/--amp, --grad-clip, --channels-last)."""
+
+    n_classes: int
+    precision: str = "fp32"
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    channels_last: bool = False
+
+
+class TrainStep:
+    """Forward/backward of micro-batches and the optimizer update of one run's model."""
+
+    def __init__(
+        self,
+        config: StepConfig,
+        *,
+        model: nn.Module,
+        raw_model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any | None,
+        scaler: torch.amp.GradScaler | None,
+        device: torch.device,
+    ) -> None:
+        """``model`` is what the forward pass calls (``raw_model`` wrapped in DDP and/or compiled); ``scheduler`` is
+        stepped after every update (None when something else steps it, e.g. ReduceLROnPlateau on validation Dice)."""
+        self.config = config
+        self.model = model
+        self.raw_model = raw_model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.device = device
+        self._ddp = _find_ddp(model)
+        self._autocast_dtype = autocast_dtype(config.precision)
+        self._memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
+        # fp16 runs leave skipping to GradScaler (see utils.training.nonfinite).
+        self.guard = NonFiniteStepGuard(raw_model, optimizer, device) if scaler is None else None
+        # Sum and count of the finite losses since the last read (a skipped step's NaN would hide the others').
+        self._loss_sum = torch.zeros((), device=device)
+        self._loss_count = torch.zeros((), device=device)
+
+    def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> None:
+        """One whole optimizer step over ``micro_batches`` (gradients all-reduced on the last one only)."""
+        self.begin()
+        for index, batch in enumerate(micro_batches):
+            self.accumulate(batch, len(micro_batches), sync_gradients=index + 1 == len(micro_batches))
+        self.update()
+
+    def begin(self) -> None:
+        """Call before the first micro-batch of each optimizer step."""
+        if self.guard is not None:
+            self.guard.start_step()
+
+    def accumulate(self, batch: dict[str, torch.Tensor], group_size: int, *, sync_gradients: bool) -> int:
+        """Forward and backward of one micro-batch of a step of ``group_size``; returns its number of images."""
+        images = batch["image"].to(self.device, non_blocking=True, memory_format=self._memory_format)
+        masks = batch["mask"].to(self.device, non_blocking=True)
+        # DDP all-reduces gradients only on the micro-batch that closes an accumulation group.
+        no_sync = self._ddp.no_sync() if self._ddp is not None and not sync_gradients else contextlib.nullcontext()
+        dtype = self._autocast_dtype
+        with no_sync:
+            with torch.autocast(self.device.type, dtype or torch.float32, enabled=dtype is not None):
+                logits = self.model(images)
+                loss = segmentation_loss(logits, masks, self.config.n_classes)
+            scaled = loss / group_size
+            if self.scaler is not None:
+                self.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+        loss = loss.detach()
+        self._loss_sum += torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)
+        self._loss_count += torch.isfinite(loss)
+        return images.shape[0]
+
+    def update(self) -> None:
+        """The optimizer update (skipped when the gradients are not finite), then the scheduler step."""
+        if self.guard is not None:
+            self.guard.step(self.config.grad_clip)
+        else:
+            assert self.scaler is not None
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            if self.config.grad_clip:
+                nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.config.grad_clip)
+            self.scaler.step(self.optimizer)  # skips the step itself when the gradients are not finite
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def take_losses(self) -> torch.Tensor:
+        """``[sum, count]`` of the finite losses since the previous call, on the device; resets them."""
+        totals = torch.stack([self._loss_sum, self._loss_count])
+        self._loss_sum.zero_()
+        self._loss_count.zero_()
+        return totals
+
+    def skip_report(self) -> SkipReport | None:
+        """Steps skipped for NaN/inf gradients since the previous report (reads the device); None under GradScaler."""
+        return self.guard.report() if self.guard is not None else None
+
+
+def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper inside ``model`` (which torch.compile may wrap again), if any."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, DistributedDataParallel) else None
