@@ -3,11 +3,14 @@
     python evaluate.py -m checkpoints/unet/best.pth --imgs data/val/imgs --masks data/val/masks [--json scores.json]
 
 The mask naming (``<id>.png`` or Carvana's ``<id>_mask.gif``) is detected. The masks' values must be among the
-values the model was trained on (stored in the checkpoint), so that class ``k`` means the same thing to both.
-Exit status: 0, or 2 for a bad flag, model file or dataset (one ``Error:`` line on stderr).
+values the model was trained on (stored in the checkpoint), so that class ``k`` means the same thing to both. Images
+are prepared as the checkpoint says: its training scale unless ``--scale`` is given, grey photos converted for an RGB
+model (and the reverse); images of different sizes are batched by size. predict.py's ``*_OUT``/``*_VIZ`` files in
+the folders are ignored. Exit status: 0, or 2 for a bad flag, model file or dataset (one ``Error:`` line on stderr).
 
 ``evaluate`` is re-exported from ``utils.evaluation`` so that ``from evaluate import evaluate`` works as in
-milesial/Pytorch-UNet.
+milesial/Pytorch-UNet: ``evaluate(net, dataloader, device, amp)`` returns the mean Dice; the per-class result is
+``evaluate_segmentation``.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from utils import model_spec
 from utils.cli import print_error, setup_logging
 from utils.data_loading import BasicDataset, detect_mask_suffix
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError, UserError
-from utils.evaluation import EvalResult, evaluate
+from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.hardware import pick_device, warn_if_emulated
 from utils.inference.config import EvaluateConfig
+from utils.inference.file_plan import check_no_clashes, files_in
 from utils.inference.flags import add_compute_flags, add_model_check_flags, add_progress_flag, add_scale_flag
-from utils.inference.scoring import SameSizeBatches, align_mask_values, format_table, stack_same_size
+from utils.inference.memory import is_allocator_error
+from utils.inference.scoring import SizeGroupedBatches, align_mask_values, format_table, keep_items
 
-__all__ = ["EvalResult", "EvaluateConfig", "evaluate", "main", "run"]
+__all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", "main", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,15 +71,36 @@ def config_from_args(args: argparse.Namespace) -> EvaluateConfig:
     return config
 
 
-def run(config: EvaluateConfig) -> tuple[EvalResult, list]:
-    """Score the checkpoint on the dataset; returns the result and the mask values its classes stand for."""
+def check_json_path(config: EvaluateConfig) -> None:
+    """``--json`` must not replace an image, a mask or a checkpoint (checked before anything runs)."""
+    if config.json_path is None:
+        return
+    protected = files_in([config.images_dir], "an image in --imgs")
+    protected.update(files_in([config.masks_dir], "a mask in --masks"))
+    protected[config.model] = "the checkpoint"
+    check_no_clashes([(config.json_path, "--json")], protected)
+
+
+def run(config: EvaluateConfig) -> tuple[EvalResult, list, float]:
+    """Score the checkpoint on the dataset; returns the result, the mask values its classes stand for, the scale."""
     device = pick_device(config.device)
     warn_if_emulated(device, config.precision)
+    check_json_path(config)
     model, spec = model_spec.load_model(
         config.model, expected={"n_classes": config.classes, "bilinear": True if config.bilinear else None}
     )
+    scale = model_spec.resolve_scale(spec, config.scale, config.model)
     mask_suffix = detect_mask_suffix(config.images_dir, config.masks_dir)
-    dataset = BasicDataset(config.images_dir, config.masks_dir, config.scale, mask_suffix, n_classes=model.n_classes)
+    dataset = BasicDataset(
+        config.images_dir,
+        config.masks_dir,
+        scale,
+        mask_suffix,
+        n_classes=model.n_classes,
+        channels=model.n_channels if model.n_channels in (1, 3) else None,
+        # The model's void values (--ignore-value in training) are not classes: their pixels are not scored.
+        ignore_values=spec.ignore_values,
+    )
     mask_values = align_mask_values(dataset, spec.mask_values, config.model)
     if dataset[0]["image"].shape[0] != model.n_channels:
         raise DatasetError(
@@ -86,23 +112,27 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list]:
         batch_size=config.batch_size,
         shuffle=False,
         num_workers=config.workers,
-        collate_fn=stack_same_size,
+        collate_fn=keep_items,
         pin_memory=device.type == "cuda",
     )
-    batches = SameSizeBatches(loader)
     model.to(device)
-    result = evaluate(
-        model, batches, device, n_classes=model.n_classes, precision=config.precision, progress=config.progress
+    result = evaluate_segmentation(
+        model,
+        SizeGroupedBatches(loader, config.batch_size),
+        device,
+        n_classes=model.n_classes,
+        precision=config.precision,
+        progress=config.progress,
     )
-    return result, mask_values
+    return result, mask_values, scale
 
 
-def write_json(path: Path, result: EvalResult, mask_values: list, config: EvaluateConfig) -> None:
+def write_json(path: Path, result: EvalResult, mask_values: list, scale: float, config: EvaluateConfig) -> None:
     payload = {
         "checkpoint": str(config.model),
         "images": str(config.images_dir),
         "masks": str(config.masks_dir),
-        "scale": config.scale,
+        "scale": scale,
         "mask_values": mask_values,
         **result.as_dict(),
     }
@@ -117,14 +147,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(rank=0, world_size=1)
     try:
         config = config_from_args(build_parser().parse_args(argv))
-        result, mask_values = run(config)
+        result, mask_values, scale = run(config)
         if config.json_path is not None:
-            write_json(config.json_path, result, mask_values, config)
+            write_json(config.json_path, result, mask_values, scale, config)
     except UserError as error:
         print_error(error)
         return USER_ERROR_EXIT_CODE
-    except torch.cuda.OutOfMemoryError:
-        print_error("the GPU ran out of memory; lower --batch-size or --scale")
+    except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as error:
+        if not is_allocator_error(error):
+            raise
+        print_error("out of memory; lower --batch-size or --scale")
         return USER_ERROR_EXIT_CODE
     except SystemExit as exit_request:  # --help, or argparse's own usage error (status 2)
         return exit_request.code if isinstance(exit_request.code, int) else 0

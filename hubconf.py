@@ -24,8 +24,9 @@ def unet(
 
     Without a checkpoint, unset arguments take UNet's defaults (3 channels, 2 classes, transposed convolutions, width
     64). With one, the file decides the architecture, and an argument given here that contradicts it is an error
-    (``utils.model_spec``, the policy of predict.py and train.py). ``pretrained=True`` is refused: there are no
-    downloadable weights.
+    (``utils.model_spec``, the policy of predict.py and train.py). The returned model then carries ``spec`` (the
+    ``ModelSpec``), ``mask_values`` and ``scale`` (the training scale; 0.5 for files that do not record it), so
+    images can be prepared as predict.py does. ``pretrained=True`` is refused: there are no downloadable weights.
     """
     # Imported here: torch.hub puts the checkout on sys.path only while it imports this file.
     from unet import UNet
@@ -45,6 +46,9 @@ def unet(
         raise CheckpointError(f"checkpoint={checkpoint!r}: only local files are loaded, never URLs; download it first")
     expected = {"n_channels": n_channels, "n_classes": n_classes, "bilinear": bilinear, "base_channels": base_channels}
     model, spec = load_model(Path(checkpoint), expected=expected, source="checkpoint=")
-    # Keep the class-to-value mapping with the model so callers can write masks with the original values.
+    # Keep how the checkpoint's images were prepared with the model: the class-to-value mapping (to write masks with
+    # the original values) and the training scale (0.5, milesial's default, for files that do not record it).
+    model.spec = spec
     model.mask_values = spec.mask_values
+    model.scale = spec.scale
     return model

@@ -3,10 +3,12 @@
     python predict.py -m checkpoints/unet/best.pth -i data/test/ --output-dir preds/
     python predict.py -m checkpoints/unet/best.pth -i a.jpg b.jpg -o a_mask.png b_mask.png
     python predict.py -m MODEL.pth -i 'photos/*.jpg' --viz --masks data/masks/
-    python predict.py -m MODEL.pth -i big.tif --tile 512 --precision bf16
+    python predict.py -m MODEL.pth -i big.tif --tile 512 --precision bf16 --tta
     python predict.py -m MODEL.pth --export onnx model.onnx
 
-Masks are written with the dataset's original values (taken from the checkpoint). Exit status: 0 when every image was
+Images are prepared as the checkpoint says (its training scale unless --scale is given; grey photos converted for an
+RGB model). Masks are written with the dataset's original values (taken from the checkpoint). No output replaces an
+input, a checkpoint or another output (checked before anything is written). Exit status: 0 when every image was
 predicted, 1 when some images failed (each is named in the log; the others are still written), 2 for a bad flag, model
 file or output folder (one ``Error:`` line on stderr).
 """
@@ -14,6 +16,7 @@ file or output folder (one ``Error:`` line on stderr).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -24,15 +27,24 @@ import torch
 from unet import UNet
 from utils import model_spec
 from utils.cli import parse_size, print_error, setup_logging
-from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
+from utils.errors import USER_ERROR_EXIT_CODE, CheckpointError, ConfigError, UserError
 from utils.hardware import pick_device, warn_if_emulated
 from utils.inference.config import PredictConfig
 from utils.inference.engine import PredictionInputs, predict_items
 from utils.inference.export import EXPORT_FORMATS, export_model
-from utils.inference.file_plan import check_writable, collect_inputs, plan_outputs
+from utils.inference.file_plan import (
+    check_no_clashes,
+    check_writable,
+    collect_inputs,
+    files_in,
+    plan_outputs,
+    prediction_outputs,
+)
 from utils.inference.flags import add_compute_flags, add_model_check_flags, add_progress_flag, add_scale_flag
+from utils.inference.memory import is_allocator_error
 from utils.inference.outputs import check_mask_values, default_mask_values
 from utils.inference.overlays import class_colours
+from utils.inference.tiling import DEFAULT_TILE_OVERLAP
 from utils.inference.writer import Writer, write_predictions
 
 __all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "build_parser", "main", "predict_files", "run"]
@@ -72,7 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="sliding-window inference with SIZE x SIZE windows (network pixels, multiple of 16)",
     )
-    parser.add_argument("--tile-overlap", type=float, default=0.25, help="fraction shared by neighbouring windows")
+    parser.add_argument(
+        "--tile-overlap",
+        type=float,
+        default=DEFAULT_TILE_OVERLAP,
+        help="fraction shared by neighbouring windows (0.5: nnU-Net's step of half a window)",
+    )
+    parser.add_argument(
+        "--tta", action="store_true", help="average the logits of the image and its flips (4 passes, nnU-Net's TTA)"
+    )
     parser.add_argument(
         "--export",
         nargs=2,
@@ -107,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> PredictConfig:
         workers=args.workers,
         tile=args.tile,
         tile_overlap=args.tile_overlap,
+        tta=args.tta,
         export_format=export_format,
         export_path=export_path,
         export_size=(height, width),
@@ -116,18 +137,26 @@ def config_from_args(args: argparse.Namespace) -> PredictConfig:
     return config
 
 
-def load_model(config: PredictConfig) -> tuple[UNet, list]:
-    """The checkpoint's model (eval mode, on the CPU) and the mask value of each of its classes."""
+def load_model(config: PredictConfig) -> tuple[UNet, list, float]:
+    """The checkpoint's model (eval mode, on the CPU), the mask value of each of its classes, and the image scale."""
     model, spec = model_spec.load_model(
         config.model, expected={"n_classes": config.classes, "bilinear": True if config.bilinear else None}
     )
+    scale = model_spec.resolve_scale(spec, config.scale, config.model)
     mask_values = spec.mask_values
     if mask_values is None:
         mask_values = default_mask_values(model.n_classes)
         logger.warning("%s stores no mask_values; writing classes as %s", config.model, mask_values)
     check_mask_values(mask_values, model.n_classes)
-    logger.info("Model %s: %s, mask values %s", config.model, model.constructor_args(), mask_values)
-    return model.eval(), mask_values
+    void = sorted(set(spec.ignore_values) & {v for v in mask_values if isinstance(v, int)})
+    if void:
+        # A class written as a void value would read back as "not labelled": never write one.
+        raise CheckpointError(
+            f"{config.model} maps classes to mask value(s) {void} that it was trained to ignore (--ignore-value); "
+            "its mask_values are inconsistent, retrain or fix the checkpoint"
+        )
+    logger.info("Model %s: %s, mask values %s, scale %s", config.model, model.constructor_args(), mask_values, scale)
+    return model.eval(), mask_values, scale
 
 
 def export(model: UNet, config: PredictConfig) -> None:
@@ -139,9 +168,16 @@ def export(model: UNet, config: PredictConfig) -> None:
 
 
 def predict_files(model: UNet, mask_values: list, config: PredictConfig, device: torch.device) -> int:
-    """Predict and write every input of ``config``; returns the exit status (see the module docstring)."""
+    """Predict and write every input of ``config``; returns the exit status (see the module docstring).
+
+    ``config.scale`` must be resolved (a number) by now: ``run`` does that from the checkpoint.
+    """
+    assert config.scale is not None
     inputs = collect_inputs(config.inputs)
     plans = plan_outputs(inputs, config.inputs, config.outputs, config.output_dir)
+    check_no_clashes(
+        prediction_outputs(inputs, plans, masks=not config.no_save, viz=config.viz), read_paths(inputs, config)
+    )
     check_writable({plan.mask.parent for plan in plans})
     model.to(device)
     dataset = PredictionInputs(inputs, config.scale, model.n_channels, keep_original=config.viz)
@@ -157,6 +193,7 @@ def predict_files(model: UNet, mask_values: list, config: PredictConfig, device:
         tile=config.tile_settings(),
         workers=config.workers,
         progress=config.progress,
+        tta=config.tta,
     )
     failures = write_predictions(predictions, writer, plans)
     logger.info("Predicted %d of %d images", len(inputs) - len(failures), len(inputs))
@@ -166,12 +203,23 @@ def predict_files(model: UNet, mask_values: list, config: PredictConfig, device:
     return 0
 
 
+def read_paths(inputs: Sequence[Path], config: PredictConfig) -> dict[Path, str]:
+    """Every file the run reads or must keep: the inputs, the true masks of --viz and the checkpoint."""
+    protected = files_in([config.masks_dir] if config.masks_dir is not None else [], "a true mask in --masks")
+    protected.update((path, "the input") for path in inputs)
+    protected[config.model] = "the checkpoint"
+    return protected
+
+
 def run(config: PredictConfig) -> int:
     """Export and/or predict as ``config`` says; returns the exit status (see the module docstring)."""
     device = pick_device(config.device)
     warn_if_emulated(device, config.precision)
-    model, mask_values = load_model(config)
+    model, mask_values, scale = load_model(config)
+    config = dataclasses.replace(config, scale=scale)
     if config.export_format is not None:
+        assert config.export_path is not None
+        check_no_clashes([(config.export_path, "--export")], {config.model: "the checkpoint"})
         export(model, config)
         if not config.inputs:
             return 0
@@ -186,7 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(error)
         return USER_ERROR_EXIT_CODE
     except torch.cuda.OutOfMemoryError:
-        print_error("the GPU ran out of memory; lower --batch-size, or use --tile SIZE for large images")
+        print_error("the GPU ran out of memory; lower --batch-size, or use --tile 512 (or smaller) for large images")
+        return USER_ERROR_EXIT_CODE
+    except (RuntimeError, MemoryError) as error:
+        if not is_allocator_error(error):
+            raise
+        print_error("out of memory on the CPU; lower --batch-size, or use --tile 512 (or smaller) for large images")
         return USER_ERROR_EXIT_CODE
     except SystemExit as exit_request:  # --help, or argparse's own usage error (status 2)
         return exit_request.code if isinstance(exit_request.code, int) else 0

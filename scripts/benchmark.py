@@ -16,10 +16,16 @@ Sections (``--sections``, default all):
 * ``ddp``: ``torchrun`` with 2 processes of half the threads each against 1 process with all threads, same global
   batch, images/s ratio;
 * ``data``: dataset construction over ``--n-masks`` full-size masks, first (scan) and second (cache) time, each in a
-  fresh process; per-item load time; decoders (PIL, torchvision.io) and a pre-resized uint8 cache; DataLoader
-  throughput alone against the rate the model consumes;
+  fresh process; per-item load time; decoders (PIL, torchvision.io); loader items/s per worker (one thread, with
+  augmentation) decoding full-size files and reading the pixel cache, against the images/s the model consumes;
+  DataLoader throughput alone;
+* ``startup``: second dataset construction over ``--startup-pairs`` small pairs (per-file start-up costs);
 * ``predict``: ``predict.py`` images/s for each precision at each ``--predict-batch-sizes``;
-* ``memory``: peak RSS of every measured process (``wait4``) and CUDA max allocated where on CUDA.
+* ``memory``: peak RSS of every measured process (``wait4``) and CUDA max allocated where on CUDA; the trainer's
+  step with and without ``--checkpointing`` (CUDA max allocated, or peak RSS on CPU).
+
+``--pixel-cache both`` runs every e2e measurement without and with train.py's ``--pixel-cache`` (filled up front by
+``build-cache``), for the cache's effect on end-to-end images/s.
 
 Each measurement runs in its own process with its thread count set before torch starts (``OMP_NUM_THREADS``), so
 comparisons are fair and peak memory is per measurement (``--quick`` runs compute, data and predict in this process to
@@ -46,12 +52,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from scripts.bench.context import CARVANA_SIZE, DDP_PROCESSES, SECTIONS, BenchConfig, Context  # noqa: E402
-from scripts.bench.data import run_data  # noqa: E402
+from scripts.bench.data import run_data, run_startup  # noqa: E402
 from scripts.bench.ddp import run_ddp  # noqa: E402
 from scripts.bench.prediction import run_predict  # noqa: E402
 from scripts.bench.processes import MeasurementError, worker_main  # noqa: E402
 from scripts.bench.report import new_document, run_memory, update_document  # noqa: E402
-from scripts.bench.training import run_compute_and_e2e  # noqa: E402
+from scripts.bench.training import memory_with_checkpointing, run_compute_and_e2e  # noqa: E402
 from utils.cli import parse_size, print_error  # noqa: E402
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError  # noqa: E402
 from utils.hardware import PRECISIONS, available_cpus, cpu_has_native  # noqa: E402
@@ -73,6 +79,7 @@ _DEFAULTS: dict[str, Any] = {
     "predict_images": 16,
     "predict_workers": 2,
     "peak_max_size": 0,
+    "startup_pairs": "10000,100000",
 }
 _QUICK_DEFAULTS: dict[str, Any] = {
     "size": "64x48",
@@ -89,6 +96,7 @@ _QUICK_DEFAULTS: dict[str, Any] = {
     "predict_images": 4,
     "predict_workers": 0,
     "peak_max_size": 512,
+    "startup_pairs": "200",
 }
 
 
@@ -127,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--predict-workers", type=int, help="predict.py --workers (its default, 2; quick 0)")
     add("--peak-max-size", type=int, help="largest matmul side timed for the peak (0: 2048 on CPU, 8192 on CUDA)")
     add("--num-workers", type=int, help="train.py --num-workers (default: train.py's own default)")
+    add(
+        "--pixel-cache",
+        choices=("off", "on", "both"),
+        default="off",
+        help="e2e runs without / with train.py's --pixel-cache, or both (off)",
+    )
+    add("--startup-pairs", help=f"small pairs of the startup section ({normal['startup_pairs']}; quick 200)")
     add("--log-every", type=int, default=0, help="train.py --log-every (0: 1 on CPU, steps/4 on CUDA)")
     add("--channels-last", action="store_true", help="channels_last model and inputs (compute, e2e, ddp)")
     add("--compile", action="store_true", help="torch.compile the model (compute, e2e, ddp)")
@@ -193,6 +208,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         predict_workers=pick("predict_workers"),
         peak_max_size=pick("peak_max_size"),
         num_workers=args.num_workers,
+        pixel_cache=["off", "on"] if args.pixel_cache == "both" else [args.pixel_cache],
+        startup_pairs=[int(v) for v in _split(str(pick("startup_pairs")), "--startup-pairs")],
         log_every=args.log_every or (1 if device == "cpu" else max(1, pick("steps") // 4)),
         channels_last=args.channels_last,
         compile=args.compile,
@@ -220,6 +237,7 @@ def validate(config: BenchConfig) -> None:
         (config.n_masks >= 1, "--n-masks must be at least 1"),
         (config.items >= 1, "--items must be at least 1"),
         (all(w >= 0 for w in config.loader_workers), "--loader-workers must not be negative"),
+        (all(n >= 1 for n in config.startup_pairs), "--startup-pairs must be positive"),
         (config.loader_batches >= 2, "--loader-batches must be at least 2 (the first batch is not timed)"),
         (all(b >= 1 for b in config.predict_batch_sizes), "--predict-batch-sizes must be positive"),
         (config.predict_images >= 1, "--predict-images must be at least 1"),
@@ -269,9 +287,26 @@ SECTION_RUNNERS: list[tuple[tuple[str, ...], Callable[[Context], None]]] = [
     (("compute", "e2e"), run_compute_and_e2e),
     (("ddp",), _store("ddp", run_ddp)),
     (("data",), _store("data", run_data)),
+    (("startup",), _store("startup", run_startup)),
     (("predict",), _store("predict", run_predict)),
-    (("memory",), _store("memory", run_memory)),
+    (("memory",), _store("memory", lambda ctx: _memory(ctx))),
 ]
+
+
+def _memory(ctx: Context) -> dict[str, Any]:
+    """Every measured process's peak, then the step with and without activation checkpointing."""
+    checkpointing = memory_with_checkpointing(ctx)
+    result = run_memory(ctx)
+    measure = "CUDA max allocated" if checkpointing["measure"] == "cuda_max_allocated_mib" else "peak RSS"
+    ctx.row(
+        "memory",
+        f"{measure}, trainer step {ctx.config.size[0]}x{ctx.config.size[1]} batch {ctx.config.batch_size}, "
+        "--checkpointing / without",
+        f"{checkpointing['with_mib']:.0f} / {checkpointing['without_mib']:.0f} MiB ({checkpointing['ratio']:.2f})",
+        f"{checkpointing['images_per_s_with']:.3g} / {checkpointing['images_per_s_without']:.3g} img/s",
+    )
+    result["checkpointing"] = checkpointing
+    return result
 
 
 def run_benchmark(config: BenchConfig) -> tuple[dict[str, Any], bool]:

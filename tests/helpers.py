@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import struct
 import subprocess
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -213,3 +216,76 @@ def read_classes(path: Path, mask_values: list) -> np.ndarray:
         classes[match] = index
     assert (classes >= 0).all(), "the mask holds values that are not mask_values"
     return classes
+
+
+def flip_tensor_bytes(path: Path, count: int = 64) -> str:
+    """Invert ``count`` bytes in the middle of the largest tensor record of a torch checkpoint, in place.
+
+    The zip's CRC then no longer matches, which ``torch.load`` does not check: the file still loads. Returns the name
+    of the changed record.
+    """
+    with zipfile.ZipFile(path) as archive:
+        record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as handle:
+        handle.seek(record.header_offset)
+        name_length, extra_length = struct.unpack("<HH", handle.read(30)[26:30])
+        start = record.header_offset + 30 + name_length + extra_length + record.file_size // 2
+        handle.seek(start)
+        original = handle.read(count)
+        handle.seek(start)
+        handle.write(bytes(byte ^ 0xFF for byte in original))
+    return record.filename
+
+
+@contextlib.contextmanager
+def small_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real filesystem of ``size`` (e.g. "3m") mounted at ``mount_point`` inside the block; skips without mount."""
+    mount_point.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def fill_disk(folder: Path) -> None:
+    """Write a file into ``folder`` until its filesystem has no space left."""
+    with open(folder / "filler", "wb") as handle:
+        try:
+            while True:
+                handle.write(b"\0" * 65536)
+                handle.flush()
+        except OSError as error:
+            assert error.errno == errno.ENOSPC, error
+    with contextlib.suppress(OSError):  # the last partial block
+        with open(folder / "filler2", "wb") as handle:
+            while True:
+                handle.write(b"\0")
+                handle.flush()
+
+
+def save_checkpoint_trained_at(path: Path, model: UNet, scale: float, mask_values: Sequence | None = (0, 1)) -> Path:
+    """Our format with the run's ``args["scale"]`` recorded, as ``train.py`` writes it."""
+    payload = checkpoint_payload(model, mask_values)
+    payload["args"] = {"scale": scale}
+    torch.save(payload, path)
+    return path
+
+
+def paint_void_borders(masks_dir: Path, width: int = 2, value: int = 255) -> int:
+    """Set a ``width``-pixel frame of every grey PNG mask in ``masks_dir`` to ``value`` (a VOC-style void label);
+    returns the number of void pixels painted."""
+    painted = 0
+    for path in sorted(masks_dir.glob("*.png")):
+        with Image.open(path) as img:
+            labels = np.array(img)
+        frame = np.ones(labels.shape, dtype=bool)
+        frame[width:-width, width:-width] = False
+        labels[frame] = value
+        painted += int(frame.sum())
+        Image.fromarray(labels).save(path)
+    return painted

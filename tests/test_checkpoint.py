@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import resource
 from pathlib import Path
@@ -21,6 +22,8 @@ from utils.checkpoint import (
     FORMAT_VERSION,
     KEY_FORMAT_VERSION,
     KEY_MODEL_ARGS,
+    KEY_TENSOR_DIGESTS,
+    copy_checkpoint_atomic,
     load_checkpoint_file,
     read_model_weights,
     save_checkpoint_atomic,
@@ -164,7 +167,7 @@ def test_read_only_folder_gives_clear_error(tmp_path: Path) -> None:
     folder = tmp_path / "ro"
     folder.mkdir()
     with unwritable_folder(folder) as refusal:
-        with pytest.raises(CheckpointError, match=f"cannot write checkpoint .*{refusal}.*--checkpoint-dir"):
+        with pytest.raises(CheckpointError, match=f"could not write .*{refusal}.*--checkpoint-dir"):
             save_checkpoint_atomic(checkpoint_payload(tiny_unet()), folder / "last.pth")
     assert list(folder.iterdir()) == []
 
@@ -188,7 +191,7 @@ def _fails_to_start_the_write(path: Path, payload: dict) -> None:
 
 @pytest.mark.parametrize(
     ("failing_save", "message"),
-    [(_fails_in_the_write, "could not save checkpoint .*File too large"), (_fails_to_start_the_write, "cannot write")],
+    [(_fails_in_the_write, "could not write .*File too large"), (_fails_to_start_the_write, "could not write")],
 )
 def test_a_failed_save_over_a_file_keeps_that_file(tmp_path: Path, failing_save, message: str) -> None:
     path = tmp_path / "last.pth"
@@ -202,3 +205,51 @@ def test_a_failed_save_over_a_file_keeps_that_file(tmp_path: Path, failing_save,
     # The same save without the fault does replace the file: the failure above was what kept it.
     save_checkpoint_atomic(newer, path)
     assert path.read_bytes() != previous
+
+
+def _trained_payload() -> dict:
+    model = tiny_unet(0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.rand(1, 3, 16, 16)).sum().backward()
+    optimizer.step()
+    return {**checkpoint_payload(model), "optimizer": optimizer.state_dict()}
+
+
+def test_a_copy_is_a_separate_atomic_file_with_the_same_bytes_and_mode(tmp_path: Path) -> None:
+    save_checkpoint_atomic(_trained_payload(), tmp_path / "last.pth")
+    copy_checkpoint_atomic(tmp_path / "last.pth", tmp_path / "best.pth")
+    last, best = tmp_path / "last.pth", tmp_path / "best.pth"
+    assert best.read_bytes() == last.read_bytes()
+    assert best.stat().st_ino != last.stat().st_ino
+    umask = os.umask(0)
+    os.umask(umask)
+    assert best.stat().st_mode & 0o777 == last.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pth", "last.pth"]
+
+
+def test_every_tensor_is_digested_and_a_changed_one_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "last.pth"
+    save_checkpoint_atomic(_trained_payload(), path)
+    raw = torch.load(path, weights_only=True)
+    assert "model_state/inc.double_conv.0.weight" in raw[KEY_TENSOR_DIGESTS]
+    assert "optimizer/state/0/exp_avg" in raw[KEY_TENSOR_DIGESTS]
+    assert load_checkpoint_file(path).keys() == raw.keys()
+    # The optimizer state changed after the save, the digests kept: resuming from it would be silently wrong.
+    raw["optimizer"]["state"][0]["exp_avg"].add_(1e-3)
+    torch.save(raw, path)
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) differ from what was saved \(e.g. optimizer/state/0/"):
+        load_checkpoint_file(path)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_weights_are_refused_and_large_finite_ones_are_not(tmp_path: Path, value: float) -> None:
+    model = tiny_unet(0)
+    with torch.no_grad():
+        model.outc.conv.weight.fill_(3e38)  # a float32 sum of these overflows; they are finite all the same
+    save_checkpoint_atomic(checkpoint_payload(model), tmp_path / "large.pth")
+    assert read_model_weights(tmp_path / "large.pth").state_dict
+    with torch.no_grad():
+        model.outc.conv.weight[0, 0, 0, 0] = value
+    save_checkpoint_atomic(checkpoint_payload(model), tmp_path / "bad.pth")
+    with pytest.raises(CheckpointError, match=r"holds NaN or inf weights \(outc.conv.weight\)"):
+        read_model_weights(tmp_path / "bad.pth")

@@ -15,7 +15,7 @@ from utils.dice_score import (
     iou_from_counts,
     multiclass_dice_coeff,
 )
-from utils.evaluation import SegmentationMetrics, evaluate
+from utils.evaluation import SegmentationMetrics, evaluate_segmentation
 
 
 def test_dice_coeff_perfect_disjoint_and_empty() -> None:
@@ -114,8 +114,8 @@ def test_evaluate_is_batch_size_invariant_and_keeps_train_mode(n_classes) -> Non
         return [{"image": x, "mask": y} for x, y in DataLoader(dataset, batch_size=batch_size)]
 
     model.train()
-    first = evaluate(model, loader(1), torch.device("cpu"), n_classes=n_classes, progress=False)
-    second = evaluate(model, loader(4), torch.device("cpu"), n_classes=n_classes, progress=False)
+    first = evaluate_segmentation(model, loader(1), torch.device("cpu"), n_classes=n_classes, progress=False)
+    second = evaluate_segmentation(model, loader(4), torch.device("cpu"), n_classes=n_classes, progress=False)
     assert model.training
     assert first.n_images == second.n_images == 6
     assert first.per_class_dice == pytest.approx(second.per_class_dice, abs=1e-6)

@@ -13,8 +13,10 @@ from torch.utils.checkpoint import checkpoint
 
 from .unet_parts import DoubleConv, Down, OutConv, Up
 
-# The smallest side that survives the four 2x2 poolings.
-MIN_SIDE = 16
+# The smallest side the model runs at: four 2x2 poolings leave a 2x2 bottleneck, so BatchNorm in training mode sees
+# at least 4 values per channel even in a batch of one image. (16 px would survive the poolings but leave a 1x1
+# bottleneck, on which BatchNorm cannot train a batch of one: "Expected more than 1 value per channel".)
+MIN_SIDE = 32
 
 
 class UNet(nn.Module):
@@ -78,8 +80,8 @@ class UNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         height, width = x.shape[-2:]
-        # Four 2x2 poolings need at least 16 pixels per side; pad smaller inputs and crop the logits back, so any size
-        # works while inputs of 16 pixels or more run exactly as in the classic model.
+        # Pad sides under MIN_SIDE (zeros at the bottom/right) and crop the logits back, so any size trains and
+        # predicts, a batch of one included, while inputs of 32 pixels or more run exactly as in the classic model.
         pad_bottom, pad_right = max(0, MIN_SIDE - height), max(0, MIN_SIDE - width)
         if pad_bottom or pad_right:
             x = F.pad(x, [0, pad_right, 0, pad_bottom])

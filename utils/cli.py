@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from utils.errors import ConfigError
+from utils.errors import ConfigError, user_message
 
 
 def setup_logging(rank: int, world_size: int) -> None:
@@ -29,8 +29,12 @@ def setup_logging(rank: int, world_size: int) -> None:
 
 
 def print_error(message: object) -> None:
-    """The one line a person reads when a run stops for something they can fix."""
-    print(f"Error: {message}", file=sys.stderr)
+    """The one line a person reads when a run stops for something they can fix.
+
+    An exception re-raised from a DataLoader worker gives its own message, not the worker's traceback.
+    """
+    text = user_message(message) if isinstance(message, BaseException) else " ".join(str(message).split())
+    print(f"Error: {text}", file=sys.stderr)
 
 
 def parse_size(text: str, flag: str) -> tuple[int, int]:

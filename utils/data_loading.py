@@ -7,9 +7,13 @@ run once at construction, so bad data fails before training starts, with one mes
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import gc
 import logging
 import operator
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,8 +24,16 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from utils.datasets.augmentation import JointAugmentation
-from utils.datasets.image_files import IMAGE_EXTENSIONS, UNREADABLE_FILE_ERRORS, FileInfo, index_folder, load_image
+from utils.datasets.image_files import (
+    IMAGE_EXTENSIONS,
+    UNREADABLE_FILE_ERRORS,
+    FileInfo,
+    index_folder,
+    load_image,
+    mode_channels,
+)
 from utils.datasets.mask_values import (
+    IGNORE_INDEX,
     MaskPair,
     MaskValues,
     format_examples,
@@ -29,11 +41,13 @@ from utils.datasets.mask_values import (
     scan_masks,
     values_to_classes,
 )
+from utils.datasets.pixel_cache import IMAGE, MASK, PixelCache
 from utils.errors import ConfigError, DatasetError
 
 __all__ = [
     "IMAGE_EXTENSIONS",
     "BasicDataset",
+    "IGNORE_INDEX",
     "CarvanaDataset",
     "detect_mask_suffix",
     "image_tensor",
@@ -54,17 +68,24 @@ class BasicDataset(Dataset):
 
     Args:
         images_dir: folder of images (any of ``IMAGE_EXTENSIONS``, any letter case; hidden files and sub-folders
-            are ignored). Colour images load as RGB (alpha dropped), grey ones as one channel.
+            are ignored). Colour images load as RGB (alpha dropped), grey ones as one channel; see ``channels``.
         mask_dir: folder of masks: palette images (their indices are the values, as Carvana's GIFs), grey images,
             16/32-bit grey label maps, RGB colour-coded images, or ``.npy``/``.pt`` arrays.
         scale: resize factor in (0, 1]; images use bicubic and masks nearest-neighbour interpolation.
-        mask_suffix: text between the image id and the mask's extension (``"_mask"`` for Carvana).
+        mask_suffix: text between the image id and the mask's extension (``"_mask"`` for Carvana); ``None``
+            detects it from the file names (as ``detect_mask_suffix``, without indexing the folders twice).
         n_classes: if given, more distinct mask values than the model can predict is an error (``1`` means binary
             with one logit, which allows two values).
         augment: apply ``JointAugmentation``; off by default.
         seed: augmentation seed; with ``set_epoch`` and the sample index it fixes each sample's augmentation.
         cache_dir: where the mask-value cache lives (default ``utils.datasets.mask_values.default_cache_dir()``).
         scan_workers: processes for the first mask scan (default ``min(cpu count, 8)``).
+        channels: the model's input channels, 1 or 3; photos of the other kind are converted (grey to RGB or RGB to
+            grey) with one warning counting them. ``None``: the kind most images have (RGB on a tie).
+        pixel_cache_dir: a folder (outside the data folders) for decoded, resized uint8 pixels, filled as items load
+            and memory-mapped afterwards (``utils.datasets.pixel_cache``); items are identical with or without it.
+        ignore_values: void mask values (e.g. 255 for VOC/Cityscapes borders; single-channel masks only): left out of
+            ``mask_values`` and of the class count, their pixels become ``IGNORE_INDEX`` in ``dataset[i]["mask"]``.
     """
 
     def __init__(
@@ -72,13 +93,16 @@ class BasicDataset(Dataset):
         images_dir: str | Path,
         mask_dir: str | Path,
         scale: float = 1.0,
-        mask_suffix: str = "",
+        mask_suffix: str | None = "",
         *,
         n_classes: int | None = None,
         augment: bool = False,
         seed: int = 0,
         cache_dir: str | Path | None = None,
         scan_workers: int | None = None,
+        channels: int | None = None,
+        pixel_cache_dir: str | Path | None = None,
+        ignore_values: Iterable[int] = (),
     ) -> None:
         if not 0 < scale <= 1:
             raise ConfigError(f"scale must be in (0, 1], got {scale}; pass a value such as --scale 0.5")
@@ -86,49 +110,105 @@ class BasicDataset(Dataset):
             raise ConfigError(f"n_classes must be at least 1, got {n_classes}; pass --classes 1 for binary masks")
         if scan_workers is not None and scan_workers < 1:
             raise ConfigError(f"scan_workers must be at least 1, got {scan_workers}")
+        if channels not in (None, 1, 3):
+            raise ConfigError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
         self.images_dir = Path(images_dir)
         self.mask_dir = Path(mask_dir)
         self.scale = scale
-        self.mask_suffix = mask_suffix
 
-        images = index_folder(self.images_dir, "image")
-        if not images:
-            raise DatasetError(
-                f"no images in {self.images_dir} (looked for {_extension_list()}; hidden files and sub-folders are "
-                "ignored); put the training images there"
-            )
-        masks = index_folder(self.mask_dir, "mask")
-        if not masks:
-            raise DatasetError(
-                f"no masks in {self.mask_dir} (looked for {_extension_list()}); put one mask per image there"
-            )
-        pairs = _pair_files(images, masks, mask_suffix, self.images_dir, self.mask_dir)
-        _check_no_empty_files(pairs)
-        jpeg_masks = [pair.mask.path.name for pair in pairs if pair.mask.path.suffix.lower() in JPEG_EXTENSIONS]
-        if jpeg_masks:
-            logger.warning(
-                "%d mask(s) in %s are JPEG files (e.g. %s): JPEG compression noise creates extra mask values along "
-                "edges; save masks as PNG or GIF",
-                len(jpeg_masks),
-                self.mask_dir,
-                format_examples(jpeg_masks),
-            )
+        # Tens of thousands of small objects (one per file) trigger full garbage collections that walk every object
+        # of the process (torch has many): pausing the collector halves a second start over 10,000 pairs.
+        with _gc_paused():
+            images = index_folder(self.images_dir, "image")
+            if not images:
+                raise DatasetError(
+                    f"no images in {self.images_dir} (looked for {_extension_list()}; hidden files and sub-folders are "
+                    "ignored); put the training images there"
+                )
+            masks = index_folder(self.mask_dir, "mask")
+            if not masks:
+                raise DatasetError(
+                    f"no masks in {self.mask_dir} (looked for {_extension_list()}); put one mask per image there"
+                )
+            if mask_suffix is None:
+                mask_suffix = _suffix_from_names(images.keys(), masks.keys())
+            self.mask_suffix = mask_suffix
+            pairs = _pair_files(images, masks, mask_suffix, self.images_dir, self.mask_dir)
+            _check_no_empty_files(pairs)
+            jpeg_masks = [pair.mask.name for pair in pairs if pair.mask.ext in JPEG_EXTENSIONS]
+            if jpeg_masks:
+                logger.warning(
+                    "%d mask(s) in %s are JPEG files (e.g. %s): JPEG compression noise creates extra mask values along "
+                    "edges; save masks as PNG or GIF",
+                    len(jpeg_masks),
+                    self.mask_dir,
+                    format_examples(jpeg_masks),
+                )
 
-        scan = scan_masks(pairs, cache_dir=cache_dir, workers=scan_workers)
-        _check_value_count(scan.mask_values, n_classes, self.mask_dir, jpeg=bool(jpeg_masks))
-        _check_scaled_sizes(scan.image_sizes, scale, images)
+            scan = scan_masks(pairs, cache_dir=cache_dir, workers=scan_workers)
+            self.ignore_values: list[int] = sorted(set(ignore_values))
+            if self.ignore_values and scan.mask_values and not isinstance(scan.mask_values[0], int):
+                raise ConfigError(
+                    f"--ignore-value {self.ignore_values[0]} needs single-channel masks, but the masks in "
+                    f"{self.mask_dir} are colour images; save void pixels as a grey value or drop --ignore-value"
+                )
+            kept = [k for k, value in enumerate(scan.mask_values) if value not in self.ignore_values]
+            # Per image, pixels of each class (scan value k becomes class class_of[k]); void pixels counted apart.
+            class_of = {k: position for position, k in enumerate(kept)}
+            self._class_counts = {
+                name: {class_of[k]: count for k, count in counts if k in class_of}
+                for name, counts in scan.value_counts.items()
+            }
+            self.void_pixels: int = sum(
+                c for counts in scan.value_counts.values() for k, c in counts if k not in class_of
+            )
+            scan_values: MaskValues = [scan.mask_values[k] for k in kept]
+            _check_value_count(scan_values, n_classes, self.mask_dir, jpeg=bool(jpeg_masks))
+            _check_scaled_sizes(scan.image_sizes, scale, images)
 
-        self.ids: list[str] = sorted(images)
-        self.mask_values: MaskValues = scan.mask_values
-        self._image_paths = {pair.name: pair.image.path for pair in pairs}
-        self._mask_paths = {pair.name: pair.mask.path for pair in pairs}
-        self._augmentation = JointAugmentation(seed) if augment else None
-        self._epoch = 0
+            self.ids: list[str] = sorted(images)
+            self.mask_values: MaskValues = scan_values
+            self.channels: int = _choose_channels(scan.image_channels, channels, images, self.images_dir)
+            self._files = {pair.name: (pair.image, pair.mask) for pair in pairs}
+            self._augmentation = JointAugmentation(seed) if augment else None
+            self._seed = seed
+            self._epoch = 0
+            self.pixel_cache: PixelCache | None = None
+            if pixel_cache_dir is not None:
+                self.pixel_cache = PixelCache(pixel_cache_dir, scale=scale, channels=self.channels)
+                self.pixel_cache.check_outside(self.images_dir, self.mask_dir)
         logger.info("Creating dataset with %d examples", len(self.ids))
         logger.info("Unique mask values: %s", self.mask_values)
+        if self.ignore_values:
+            total = sum(c for counts in scan.value_counts.values() for _, c in counts)
+            logger.info(
+                "%d of %d mask pixels (%.2f%%) are void (mask value(s) %s): left out of the loss and the metrics",
+                self.void_pixels,
+                total,
+                100 * self.void_pixels / max(total, 1),
+                ", ".join(map(str, self.ignore_values)),
+            )
+
+    def class_pixel_counts(self, indices: Iterable[int] | None = None) -> list[int]:
+        """Pixels of each class (void excluded) over the items ``indices`` (all by default), from the mask scan."""
+        totals = [0] * len(self.mask_values)
+        for index in range(len(self.ids)) if indices is None else indices:
+            for k, count in self._class_counts.get(self.ids[index], {}).items():
+                totals[k] += count
+        return totals
+
+    def has_foreground(self, index: int) -> bool:
+        """Whether item ``index``'s mask holds a class other than class 0 (background), from the mask scan."""
+        return any(k > 0 for k in self._class_counts.get(self.ids[index], {}))
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def with_augmentation(self, seed: int | None = None) -> BasicDataset:
+        """The same files with ``JointAugmentation`` on (seed: this dataset's by default), without a second scan."""
+        twin = copy.copy(self)
+        twin._augmentation = JointAugmentation(self._seed if seed is None else seed)
+        return twin
 
     def set_epoch(self, epoch: int) -> None:
         """Select the augmentation of ``epoch``.
@@ -145,18 +225,53 @@ class BasicDataset(Dataset):
         index = operator.index(index)
         if index < 0:
             index += len(self.ids)
-        name = self.ids[index]
-        image_path, mask_path = self._image_paths[name], self._mask_paths[name]
-        image = _decode(image_path, lambda img: image_tensor(img, self.scale))
-        mask = _decode(mask_path, lambda img: torch.from_numpy(mask_classes(img, self.scale, self.mask_values)))
-        if image.shape[1:] != mask.shape:
+        image_info, mask_info = self._files[self.ids[index]]
+        pixels = self._image_pixels(image_info)
+        raw_mask = self._mask_pixels(mask_info)
+        if pixels.shape[1:] != raw_mask.shape[:2]:
             raise DatasetError(
-                f"{mask_path} and {image_path} differ in size ({mask.shape[1]}x{mask.shape[0]} vs "
-                f"{image.shape[2]}x{image.shape[1]}): a file changed after the dataset was built; fix it and restart"
+                f"{mask_info.path} and {image_info.path} differ in size ({raw_mask.shape[1]}x{raw_mask.shape[0]} vs "
+                f"{pixels.shape[2]}x{pixels.shape[1]}): a file changed after the dataset was built; fix it and restart"
             )
         if self._augmentation is not None:
-            image, mask = self._augmentation(image, mask, epoch=self._epoch, index=index)
-        return {"image": image, "mask": mask}
+            # On the uint8 pixels and the raw mask values (cached or not): the crop is cut before anything is
+            # converted, and gathering 8-bit mask values before the class mapping moves an eighth of the bytes.
+            raw = np.array(raw_mask, dtype=np.int32 if raw_mask.dtype == np.uint16 else None)  # torch lacks uint16 ops
+            pixels, moved = self._augmentation(pixels, torch.from_numpy(raw), epoch=self._epoch, index=index)
+            raw_mask = moved.numpy()
+        mask = torch.from_numpy(values_to_classes(raw_mask, self.mask_values, mask_info.path, self.ignore_values))
+        return {"image": _unit_float(pixels), "mask": mask}
+
+    def fill_pixel_cache(self, index: int) -> None:
+        """Make sure item ``index``'s pixels are in the pixel cache (``build-cache`` runs this for every item)."""
+        image_info, mask_info = self._files[self.ids[index]]
+        self._image_pixels(image_info)
+        self._mask_pixels(mask_info)
+
+    def _image_pixels(self, info: FileInfo) -> torch.Tensor:
+        """The resized image, [C, H, W]: uint8, or float32 in [0, 1] for 16-bit and float images."""
+        cache = self.pixel_cache
+        if cache is not None:
+            cached = cache.read(info, IMAGE)
+            if cached is not None:
+                # Stored [H, W, C]; a writable copy of the mapped pages, seen as [C, H, W].
+                return torch.from_numpy(np.array(cached)).permute(2, 0, 1)
+        pixels = _decode(info.path, lambda img: resized_image(img, self.scale, self.channels))
+        if cache is not None and pixels.dtype == torch.uint8:
+            cache.write(info, IMAGE, pixels.permute(1, 2, 0).numpy())
+        return pixels
+
+    def _mask_pixels(self, info: FileInfo) -> np.ndarray:
+        """The resized mask's raw values (``mask_array`` sampled to the network's size), before the class mapping."""
+        cache = self.pixel_cache
+        if cache is not None:
+            cached = cache.read(info, MASK)
+            if cached is not None:
+                return cached
+        raw = _decode(info.path, lambda img: resized_mask(img, self.scale))
+        if cache is not None:
+            cache.write(info, MASK, raw)
+        return raw
 
     @staticmethod
     def preprocess(mask_values: MaskValues, pil_img: Image.Image, scale: float, is_mask: bool) -> np.ndarray:
@@ -183,31 +298,45 @@ def detect_mask_suffix(images_dir: str | Path, mask_dir: str | Path) -> str:
     """
     image_ids = index_folder(images_dir, "image").keys()
     mask_stems = index_folder(mask_dir, "mask").keys()
-    with_suffix = _count_named(image_ids, mask_stems, CARVANA_MASK_SUFFIX)
-    return CARVANA_MASK_SUFFIX if with_suffix > _count_named(image_ids, mask_stems, "") else ""
+    return _suffix_from_names(image_ids, mask_stems)
 
 
-def image_tensor(img: Image.Image, scale: float) -> torch.Tensor:
+def image_tensor(img: Image.Image, scale: float, channels: int | None = None) -> torch.Tensor:
     """Return an image as float32 [C, H, W] in [0, 1], resized by ``scale`` with antialiased bicubic filtering.
 
-    Resizing runs on the uint8 tensor: torchvision's uint8 path is about 3x faster than PIL's and agrees with it
-    to within one grey level.
+    ``channels`` (1 or 3) converts grey photos to RGB or the reverse; ``None`` keeps the photo's own kind.
     """
-    array = _image_array(img)
+    return _unit_float(resized_image(img, scale, channels))
+
+
+def resized_image(img: Image.Image, scale: float, channels: int | None = None) -> torch.Tensor:
+    """The image resized by ``scale`` as [C, H, W]: uint8, or float32 in [0, 1] for 16-bit and float images.
+
+    Resizing runs on the uint8 tensor: torchvision's uint8 path is about 3x faster than PIL's and agrees with it
+    to within one grey level. The result is a view of [H, W, C] memory (channels last, as decoded and as the pixel
+    cache stores it): the augmentation's crop-and-resize runs fastest on that layout, and the conversion to float
+    returns to [C, H, W] in the same pass.
+    """
+    array = _image_array(img, channels)
     tensor = torch.from_numpy(array)
     tensor = tensor.permute(2, 0, 1) if tensor.ndim == 3 else tensor[None]
     height, width = tensor.shape[1:]
     new_width, new_height = scaled_size(width, height, scale)
     if (new_width, new_height) != (width, height):
         tensor = TF.resize(tensor, [new_height, new_width], interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
-    if tensor.dtype == torch.uint8:
-        return tensor.to(torch.float32, memory_format=torch.contiguous_format).div_(255)
-    # Bicubic filtering overshoots at edges; float images must stay within [0, 1].
-    return tensor.to(torch.float32, memory_format=torch.contiguous_format).clamp_(0.0, 1.0)
+    if tensor.dtype != torch.uint8:
+        # Bicubic filtering overshoots at edges; float images must stay within [0, 1].
+        tensor = tensor.clamp(0.0, 1.0)
+    return tensor.permute(1, 2, 0).contiguous().permute(2, 0, 1)
 
 
 def mask_classes(img: Image.Image, scale: float, mask_values: MaskValues) -> np.ndarray:
     """Return a mask as int64 [H, W] class indices, resized by ``scale`` with nearest-neighbour sampling."""
+    return values_to_classes(resized_mask(img, scale), mask_values)
+
+
+def resized_mask(img: Image.Image, scale: float) -> np.ndarray:
+    """A mask's raw values (``mask_array``) resized by ``scale`` with nearest-neighbour sampling."""
     mask = mask_array(img)
     height, width = mask.shape[:2]
     new_width, new_height = scaled_size(width, height, scale)
@@ -216,7 +345,14 @@ def mask_classes(img: Image.Image, scale: float, mask_values: MaskValues) -> np.
         rows = np.minimum(((np.arange(new_height) + 0.5) * height / new_height).astype(np.intp), height - 1)
         cols = np.minimum(((np.arange(new_width) + 0.5) * width / new_width).astype(np.intp), width - 1)
         mask = mask[rows[:, None], cols[None, :]]
-    return values_to_classes(mask, mask_values)
+    return mask
+
+
+def _unit_float(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels as float32 in [0, 1] (float pixels pass through as float32)."""
+    if pixels.dtype == torch.uint8:
+        return pixels.to(torch.float32, memory_format=torch.contiguous_format).div_(255)
+    return pixels.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def scaled_size(width: int, height: int, scale: float) -> tuple[int, int]:
@@ -227,8 +363,17 @@ def scaled_size(width: int, height: int, scale: float) -> tuple[int, int]:
     return new_width, new_height
 
 
-def _image_array(img: Image.Image) -> np.ndarray:
-    """Return HxW or HxWx3 pixels: uint8, or float32 in [0, 1] for 16-bit and float images."""
+def _image_array(img: Image.Image, channels: int | None = None) -> np.ndarray:
+    """Return HxW or HxWx3 pixels: uint8, or float32 in [0, 1] for 16-bit and float images.
+
+    ``channels`` converts by mode: a grey photo (any grey mode) to RGB, a colour one (RGB, RGBA, palette, CMYK, ...)
+    to grey, as ``PIL.Image.convert`` does.
+    """
+    if channels is not None and mode_channels(img.mode) != channels:
+        if channels == 1:
+            return np.array(img.convert("L"))
+        grey = _image_array(img)
+        return np.ascontiguousarray(np.repeat(grey[:, :, None], 3, axis=2))
     mode = img.mode
     if mode in ("L", "RGB"):
         return np.array(img)  # a writable copy: torch.from_numpy warns on PIL's read-only buffers
@@ -242,7 +387,18 @@ def _image_array(img: Image.Image) -> np.ndarray:
     return np.array(img.convert("RGB"))
 
 
-def _decode(path: Path, convert: Callable[[Image.Image], _T]) -> _T:
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _decode(path: str | Path, convert: Callable[[Image.Image], _T]) -> _T:
     """Open ``path`` and convert it, turning decoding failures into a ``DatasetError`` that names the file."""
     try:
         with load_image(path) as img:
@@ -261,9 +417,9 @@ def _pair_files(
     for name in sorted(images):
         mask = masks.get(name + mask_suffix)
         if mask is None:
-            missing.append(images[name].path.name)
+            missing.append(images[name].name)
         else:
-            pairs.append(MaskPair(name, images[name], mask))
+            pairs.append(_new_tuple(MaskPair, (name, images[name], mask)))  # MaskPair without its Python __new__
     if missing:
         expected = f"<id>{mask_suffix}.<ext>"
         hint = _suffix_hint(images.keys(), masks.keys(), mask_suffix)
@@ -272,7 +428,7 @@ def _pair_files(
             f"{format_examples(missing)}; add their masks or remove those images{hint}"
         )
     used = {name + mask_suffix for name in images}
-    orphans = sorted(info.path.name for stem, info in masks.items() if stem not in used)
+    orphans = sorted(info.name for stem, info in masks.items() if stem not in used)
     if orphans:
         logger.warning(
             "%d mask(s) in %s have no image in %s and are ignored: %s",
@@ -282,6 +438,9 @@ def _pair_files(
             format_examples(orphans),
         )
     return pairs
+
+
+_new_tuple = tuple.__new__
 
 
 def _suffix_hint(image_ids: Iterable[str], mask_stems: Iterable[str], mask_suffix: str) -> str:
@@ -294,13 +453,42 @@ def _suffix_hint(image_ids: Iterable[str], mask_stems: Iterable[str], mask_suffi
     return ""
 
 
+def _suffix_from_names(image_ids: Iterable[str], mask_stems: Iterable[str]) -> str:
+    """``"_mask"`` if more images have a mask named ``<id>_mask`` than ``<id>``, else ``""`` (also on a tie)."""
+    with_suffix = _count_named(image_ids, mask_stems, CARVANA_MASK_SUFFIX)
+    return CARVANA_MASK_SUFFIX if with_suffix > _count_named(image_ids, mask_stems, "") else ""
+
+
+def _choose_channels(
+    image_channels: dict[str, int], requested: int | None, images: dict[str, FileInfo], images_dir: Path
+) -> int:
+    """The model's input channels; warns once, with a count, about the photos that will be converted."""
+    counts = Counter(image_channels.values())
+    channels = requested if requested is not None else (1 if counts[1] > counts[3] else 3)
+    converted = sorted(images[name].name for name, count in image_channels.items() if count != channels)
+    if converted:
+        kind, target = ("grey", "RGB") if channels == 3 else ("colour", "grey")
+        logger.warning(
+            "%d of %d images in %s are %s and are converted to %s for a %d-channel model: %s",
+            len(converted),
+            len(image_channels),
+            images_dir,
+            kind,
+            target,
+            channels,
+            format_examples(converted),
+        )
+    return channels
+
+
 def _count_named(image_ids: Iterable[str], mask_stems: Iterable[str], suffix: str) -> int:
     stems = set(mask_stems)
     return sum(1 for name in image_ids if name + suffix in stems)
 
 
 def _check_no_empty_files(pairs: list[MaskPair]) -> None:
-    empty = [str(info.path) for pair in pairs for info in (pair.image, pair.mask) if info.size == 0]
+    with_empty = [pair for pair in pairs if pair.image.size == 0 or pair.mask.size == 0]
+    empty = [info.path for pair in with_empty for info in (pair.image, pair.mask) if info.size == 0]
     if empty:
         raise DatasetError(
             f"{len(empty)} file(s) are empty (0 bytes), e.g. from an interrupted copy: {format_examples(empty)}; "
@@ -338,8 +526,14 @@ def _check_value_count(mask_values: MaskValues, n_classes: int | None, mask_dir:
 
 
 def _check_scaled_sizes(sizes: dict[str, tuple[int, int]], scale: float, images: dict[str, FileInfo]) -> None:
+    if (
+        sizes
+        and int(scale * min(w for w, _ in sizes.values())) > 0
+        and int(scale * min(h for _, h in sizes.values())) > 0
+    ):
+        return
     too_small = [
-        f"{images[name].path.name} ({width}x{height})"
+        f"{images[name].name} ({width}x{height})"
         for name, (width, height) in sorted(sizes.items())
         if int(scale * width) <= 0 or int(scale * height) <= 0
     ]

@@ -47,7 +47,8 @@ def confusion_counts(pred: Tensor, target: Tensor, n_classes: int) -> tuple[Tens
     """Per-image, per-class true-positive, false-positive and false-negative pixel counts.
 
     ``pred`` and ``target`` are ``[B, H, W]`` class indices in ``0..n_classes-1``; each result is ``[B, n_classes]``
-    (float64, exact for any image size that fits in memory).
+    (float64, exact for any image size that fits in memory). Pixels whose target is negative (void,
+    ``IGNORE_INDEX``) are counted nowhere, whatever was predicted there.
     """
     if pred.shape != target.shape or pred.dim() != 3:
         raise ValueError(
@@ -55,10 +56,13 @@ def confusion_counts(pred: Tensor, target: Tensor, n_classes: int) -> tuple[Tens
         )
     batch = pred.shape[0]
     # Encode (truth, prediction) pairs as one index and count them with bincount: one pass, no one-hot tensors.
-    pair = (target.reshape(batch, -1).long() * n_classes + pred.reshape(batch, -1).long()).cpu()
-    offsets = torch.arange(batch).unsqueeze(1) * n_classes * n_classes
-    confusion = torch.bincount((pair + offsets).flatten(), minlength=batch * n_classes * n_classes)
-    confusion = confusion.reshape(batch, n_classes, n_classes).double()  # [B, truth, prediction]
+    target, pred = target.reshape(batch, -1).long().cpu(), pred.reshape(batch, -1).long().cpu()
+    # Void pixels go to one extra bin per image, dropped below.
+    bins = n_classes * n_classes + 1
+    pair = torch.where(target >= 0, target * n_classes + pred, bins - 1)
+    offsets = torch.arange(batch).unsqueeze(1) * bins
+    confusion = torch.bincount((pair + offsets).flatten(), minlength=batch * bins)
+    confusion = confusion.reshape(batch, bins)[:, :-1].reshape(batch, n_classes, n_classes).double()
     true_pos = confusion.diagonal(dim1=1, dim2=2)
     false_pos = confusion.sum(dim=1) - true_pos
     false_neg = confusion.sum(dim=2) - true_pos

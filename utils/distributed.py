@@ -69,6 +69,10 @@ class LaunchPlan:
     """HOST:PORT of the rendezvous store of an ``env://`` launch (MASTER_ADDR/MASTER_PORT)."""
     store_namespace: str | None = None
     """Key prefix of this torchrun attempt in the agent's store (which outlives restarted workers); None otherwise."""
+    restart_count: int = 0
+    """How many times torchrun restarted the workers before this attempt (``--max-restarts``); 0 without torchrun."""
+    supervised: bool = False
+    """This process is a worker of torchrun's agent, its parent: when the agent dies, nobody else will stop it."""
 
 
 @dataclass
@@ -84,6 +88,8 @@ class DistributedContext:
     # A second (gloo, CPU) group for small control messages, so they never wait behind gradient traffic or force a
     # GPU synchronisation.
     control_group: Any = None
+    restart_count: int = 0
+    """torchrun restarts before this attempt (see ``LaunchPlan.restart_count``)."""
 
     @property
     def is_main(self) -> bool:
@@ -151,6 +157,8 @@ def plan_launch(
             warning=warning,
             master_address=_master_address(environ),
             store_namespace=_attempt_namespace(environ),
+            restart_count=_env_int(environ, "TORCHELASTIC_RESTART_COUNT") or 0,
+            supervised="TORCHELASTIC_RUN_ID" in environ,
         )
 
     if ddp_mode:
@@ -174,7 +182,7 @@ def setup(
     if plan.warning:
         logger.warning(plan.warning)
     if not plan.distributed:
-        return DistributedContext(0, plan.local_rank, 1, 1, device)
+        return DistributedContext(0, plan.local_rank, 1, 1, device, restart_count=plan.restart_count)
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -210,6 +218,7 @@ def setup(
         device=device,
         backend=backend,
         control_group=control_group,
+        restart_count=plan.restart_count,
     )
 
 
@@ -267,7 +276,7 @@ def decide_on_main(ctx: DistributedContext, decide: Callable[[], _T]) -> _T:
             outcome = ("error", type(error).__name__, str(error))
     outcome = broadcast_from_main(ctx, outcome)
     if outcome[0] == "error":
-        raise _user_error(outcome[1], outcome[2])
+        raise raised_on_every_rank(_user_error(outcome[1], outcome[2]))
     return outcome[1]
 
 
@@ -288,9 +297,31 @@ def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
     for rank, report in enumerate(reports):
         if report is not None:
             if rank == ctx.rank:
-                raise failure
-            raise _user_error(report[0], f"rank {rank}: {report[1]}")
+                raise raised_on_every_rank(failure)
+            raise raised_on_every_rank(_user_error(report[0], f"rank {rank}: {report[1]}"))
     return result
+
+
+def raised_on_every_rank(error: UserError) -> UserError:
+    """Mark ``error`` as raised with the same message on every rank, so that only global rank 0 needs to print it."""
+    error.on_every_rank = True  # type: ignore[attr-defined]
+    return error
+
+
+def is_raised_on_every_rank(error: BaseException) -> bool:
+    return bool(getattr(error, "on_every_rank", False))
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """The global rank a launcher gave this process (``RANK``), 0 without one or when unreadable.
+
+    For deciding who prints an error found before the launch plan exists (a bad flag: every rank has the same).
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        return int(environ.get("RANK") or 0)
+    except ValueError:
+        return 0
 
 
 def _user_error(type_name: str, message: str) -> UserError:

@@ -7,9 +7,18 @@ into one line on stderr and a non-zero exit; anything else is a bug and keeps it
 
 from __future__ import annotations
 
+import re
+
 
 class UserError(Exception):
-    """A problem the user can fix; the message names the file or flag and the fix."""
+    """A problem the user can fix; the message names the file or flag and the fix.
+
+    Raised in a DataLoader worker, it comes back to the main process as the same class carrying the worker's
+    traceback; ``str()`` still gives the one-line message, so every entry point prints the same ``Error:`` line.
+    """
+
+    def __str__(self) -> str:
+        return _worker_message(type(self).__name__, super().__str__())
 
 
 class ConfigError(UserError):
@@ -26,3 +35,22 @@ class CheckpointError(UserError):
 
 # Exit status used by entry scripts for user errors (argparse uses 2 for bad flags too).
 USER_ERROR_EXIT_CODE = 2
+
+
+# PyTorch re-raises an exception from a DataLoader worker as the same class with this text before the worker's
+# traceback; the message a user should read is the last line of that traceback.
+_WORKER_PREFIX = re.compile(r"^Caught \w+ in DataLoader worker process \d+\.")
+
+
+def _worker_message(class_name: str, text: str) -> str:
+    """``text`` without the worker's traceback when PyTorch wrapped it, else unchanged."""
+    if not _WORKER_PREFIX.match(text):
+        return text
+    # The traceback ends with "module.ClassName: message" (the message itself may span lines).
+    found = list(re.finditer(rf"^(?:[\w.]+\.)?{re.escape(class_name)}: ", text, re.MULTILINE))
+    return " ".join(text[found[-1].end() :].split()) if found else text
+
+
+def user_message(error: BaseException) -> str:
+    """The one-line message of ``error``; for one re-raised from a loader worker, the worker's own message."""
+    return " ".join(_worker_message(type(error).__name__, str(error)).split())

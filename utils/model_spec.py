@@ -4,10 +4,16 @@ Training (``--load``, ``--resume``), ``predict.py``, ``evaluate.py`` and ``hubco
 through this module, with one policy: the file decides the architecture, and a flag (or argument) that contradicts
 it is an error that names the flag. Files that store no arguments (milesial/Pytorch-UNet's, the documented DDP
 script's) have them inferred from the shapes of their weights.
+
+The spec also says how images are prepared for the model: the scale it was trained at (the run's ``args["scale"]``)
+and its channel count (grey photos for an RGB model are converted). ``resolve_scale`` is the one policy for a
+``--scale`` flag: unset means the checkpoint's; a different explicit value is used with one warning naming both.
+Files without that record keep milesial/Pytorch-UNet's default, 0.5.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +22,13 @@ from typing import Any
 import torch
 
 from unet import UNet
-from utils.checkpoint import LoadedWeights, load_state_dict_checked, read_model_weights
+from utils.checkpoint import KEY_ARGS, LoadedWeights, load_state_dict_checked, read_model_weights
 from utils.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+# milesial/Pytorch-UNet's predict.py and evaluate default: used for files that do not record their training scale.
+DEFAULT_SCALE = 0.5
 
 # How a user sets each constructor argument; the image channels come from the data, not from a flag.
 ARG_FLAGS = {
@@ -39,6 +50,15 @@ class ModelSpec:
     bilinear: bool
     base_channels: int
     mask_values: list | None = None
+    training_scale: float | None = None
+    """The ``--scale`` the model was trained at, when the file records it (ours do; milesial's do not)."""
+    ignore_values: tuple[int, ...] = ()
+    """The void mask values the model was trained with (``--ignore-value``): never a class, never predicted."""
+
+    @property
+    def scale(self) -> float:
+        """The resize factor images get by default: the training scale, else milesial's 0.5."""
+        return DEFAULT_SCALE if self.training_scale is None else self.training_scale
 
     @property
     def model_args(self) -> dict[str, Any]:
@@ -93,7 +113,50 @@ def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
         args = validate_model_args(loaded.model_args, path)
     else:
         args = validate_model_args(infer_model_args(loaded.state_dict, path), path)
-    return ModelSpec(**args, mask_values=loaded.mask_values)
+    return ModelSpec(
+        **args,
+        mask_values=loaded.mask_values,
+        training_scale=_training_scale(loaded.raw),
+        ignore_values=_ignore_values(loaded.raw),
+    )
+
+
+def _ignore_values(raw: Mapping[str, Any]) -> tuple[int, ...]:
+    """``args["ignore_values"]`` of one of our checkpoints (void mask values), when it is a list of ints."""
+    run_args = raw.get(KEY_ARGS) if isinstance(raw, Mapping) else None
+    values = run_args.get("ignore_values") if isinstance(run_args, Mapping) else None
+    if not isinstance(values, list | tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return ()
+    return tuple(values)
+
+
+def _training_scale(raw: Mapping[str, Any]) -> float | None:
+    """``args["scale"]`` of one of our checkpoints, when it is a usable factor; None otherwise."""
+    run_args = raw.get(KEY_ARGS) if isinstance(raw, Mapping) else None
+    scale = run_args.get("scale") if isinstance(run_args, Mapping) else None
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale <= 1:
+        return None
+    return float(scale)
+
+
+def resolve_scale(spec: ModelSpec, flag_value: float | None, path: str | Path, *, flag: str = "--scale") -> float:
+    """The scale to prepare images at: ``flag_value`` when given (warning once if it differs), else the spec's."""
+    if flag_value is None:
+        if spec.training_scale is None:
+            logger.info("%s records no training scale; using %s %s (milesial's default)", path, flag, DEFAULT_SCALE)
+        return spec.scale
+    if spec.training_scale is not None and flag_value != spec.training_scale:
+        logger.warning(
+            "%s %s differs from the scale %s was trained at (%s); using %s as asked (drop %s to use %s)",
+            flag,
+            flag_value,
+            path,
+            spec.training_scale,
+            flag_value,
+            flag,
+            spec.training_scale,
+        )
+    return flag_value
 
 
 def check_expected(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("compute", "e2e", "ddp", "data", "predict", "memory")
+SECTIONS = ("compute", "e2e", "ddp", "data", "startup", "predict", "memory")
 # Carvana's image size: the data section's "full-size" masks.
 CARVANA_SIZE = (1918, 1280)
 DDP_PROCESSES = 2
@@ -55,6 +55,10 @@ class BenchConfig:
     """Largest matmul side timed for the peak (0: the device's default)."""
     num_workers: int | None
     """``--num-workers`` of train.py (None: its default)."""
+    pixel_cache: list[str]
+    """e2e runs without (``off``) and/or with (``on``) train.py's ``--pixel-cache``, filled up front by build-cache."""
+    startup_pairs: list[int]
+    """Small pairs of the startup section's second-start figures."""
     log_every: int
     channels_last: bool
     compile: bool

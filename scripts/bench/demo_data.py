@@ -79,3 +79,26 @@ def _link_or_copy(source: Path, target: Path) -> None:
         os.link(source, target)
     except OSError:
         shutil.copy2(source, target)
+
+
+def write_small_pairs(folder: Path, count: int) -> Path:
+    """``count`` Carvana-named 16x16 pairs, hard links to one drawn pair: a large folder that is cheap to write.
+
+    Each link is a directory entry of its own, so indexing, pairing and the value cache's key see ``count`` files.
+    """
+    marker = folder / f".complete-{count}"
+    if marker.exists():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    from utils.datasets.synthetic import generate_carvana_like
+
+    source = folder / ".source"
+    name = generate_carvana_like(source, 1, size=(16, 16), seed=0)[0]
+    for sub in ("imgs", "masks"):
+        (folder / sub).mkdir(parents=True)
+    image, mask = source / "imgs" / f"{name}.jpg", source / "masks" / f"{name}_mask.gif"
+    for index in range(count):
+        _link_or_copy(image, folder / "imgs" / f"{index:012x}.jpg")
+        _link_or_copy(mask, folder / "masks" / f"{index:012x}_mask.gif")
+    marker.touch()
+    return folder

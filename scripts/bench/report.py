@@ -80,6 +80,7 @@ def update_document(document: dict[str, Any], ctx: Context, started: float) -> N
     document["machine"]["load_average_end"] = os.getloadavg()[0]
     document["wall_s"] = time.perf_counter() - started
     document["table"] = format_table(ctx.rows)
+    document["rows"] = [list(row) for row in ctx.rows]
     path = ctx.config.json_path
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

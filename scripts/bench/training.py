@@ -72,7 +72,17 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return chosen
 
 
-def train_argv(config: BenchConfig, data: Path, precision: str, *, processes: int, name: str, runs: Path) -> list[str]:
+def train_argv(
+    config: BenchConfig,
+    data: Path,
+    precision: str,
+    *,
+    processes: int,
+    name: str,
+    runs: Path,
+    pixel_cache: Path | None = None,
+    checkpointing: bool = False,
+) -> list[str]:
     """The ``train.py`` flags of a measured run: the end-to-end run gets them, compute-only parses them."""
     args = [
         "--imgs", str(data / "imgs"), "--masks", str(data / "masks"), "--scale", str(config.scale),
@@ -89,7 +99,16 @@ def train_argv(config: BenchConfig, data: Path, precision: str, *, processes: in
         args.append("--channels-last")
     if config.compile:
         args.append("--compile")
+    if pixel_cache is not None:
+        args += ["--pixel-cache", str(pixel_cache)]
+    if checkpointing:
+        args.append("--checkpointing")
     return args
+
+
+def pixel_cache_folder(ctx: Context) -> Path:
+    """The e2e runs' ``--pixel-cache``, filled by ``build-cache`` before the first cached run."""
+    return ctx.work_dir / "pixel-cache"
 
 
 def runs_folder(ctx: Context) -> Path:
@@ -112,48 +131,115 @@ def run_compute_and_e2e(ctx: Context) -> None:
     data = ensure_demo_data(ctx)  # compute-only builds the same run as train.py, data set included
     compute_out: dict[str, Any] = {}
     e2e_out: dict[str, Any] = {}
+    modes = config.pixel_cache if want_e2e else []
+    if "on" in modes:
+        e2e_out["pixel_cache_build"] = fill_pixel_cache(ctx, data)
     for precision in config.precisions:
         computes: list[dict[str, Any]] = []
-        trains: list[dict[str, Any]] = []
+        trains: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         for repeat in range(config.repeat):
             suffix = f"{precision}" + (f"-{repeat + 1}" if config.repeat > 1 else "")
             if want_compute:
                 computes.append(compute_run(ctx, data, precision, name=f"compute-{suffix}"))
-            if want_e2e:
-                trains.append(train_run(ctx, data, precision, processes=1, name=f"e2e-{suffix}"))
+            for mode in modes:
+                name = f"e2e-{suffix}" + ("-pixel-cache" if mode == "on" else "")
+                cache = pixel_cache_folder(ctx) if mode == "on" else None
+                trains[mode].append(train_run(ctx, data, precision, processes=1, name=name, pixel_cache=cache))
         if computes:
             compute_out[precision] = median_run(computes)
             ctx.remember_memory(f"compute {precision}", compute_out[precision])
             _compute_row(ctx, precision, compute_out[precision])
-        if trains:
-            e2e_out[precision] = result = median_run(trains)
-            ratios = [t["images_per_s"] / c["images_per_s"] for c, t in zip(computes, trains, strict=False)]
+        for mode, runs in trains.items():
+            key = precision if mode == "off" else f"{precision} pixel-cache"
+            e2e_out[key] = result = median_run(runs)
+            ratios = [t["images_per_s"] / c["images_per_s"] for c, t in zip(computes, runs, strict=False)]
+            result["pixel_cache"] = mode == "on"
             result["ratios_to_compute"] = ratios
             result["ratio_to_compute"] = statistics.median(ratios) if ratios else None
-            _e2e_row(ctx, precision, result)
+            if mode == "on" and "off" in trains:
+                pairs = zip(trains["off"], runs, strict=True)
+                result["ratios_to_uncached"] = [on["images_per_s"] / off["images_per_s"] for off, on in pairs]
+                result["ratio_to_uncached"] = statistics.median(result["ratios_to_uncached"])
+            _e2e_row(ctx, key, result)
     if want_compute:
         ctx.results["compute"] = compute_out
     if want_e2e:
         ctx.results["e2e"] = e2e_out
 
 
-def compute_run(ctx: Context, data: Path, precision: str, *, name: str) -> dict[str, Any]:
+def compute_run(
+    ctx: Context,
+    data: Path,
+    precision: str,
+    *,
+    name: str,
+    checkpointing: bool = False,
+    steps: int | None = None,
+    peak: bool = True,
+) -> dict[str, Any]:
     config = ctx.config
     shutil.rmtree(runs_folder(ctx) / name, ignore_errors=True)
+    argv = train_argv(
+        config, data, precision, processes=1, name=name, runs=runs_folder(ctx), checkpointing=checkpointing
+    )
     spec = {
-        "train_argv": train_argv(config, data, precision, processes=1, name=name, runs=runs_folder(ctx)),
-        "steps": config.steps,
+        "train_argv": argv,
+        "steps": config.steps if steps is None else steps,
         "warmup": config.warmup,
         "peak_max_size": config.peak_max_size,
+        "peak": peak,
     }
     return call_worker("compute", spec, threads=config.threads, config=config, log_dir=ctx.log_dir)
 
 
-def train_run(ctx: Context, data: Path, precision: str, *, processes: int, name: str) -> dict[str, Any]:
+def memory_with_checkpointing(ctx: Context) -> dict[str, Any]:
+    """Peak memory of the trainer's step with and without ``--checkpointing`` (one timed step each, no peak)."""
+    config = ctx.config
+    data = ensure_demo_data(ctx)
+    precision = config.precisions[0]
+    runs = {}
+    for checkpointing in (False, True):
+        name = f"memory-{precision}" + ("-checkpointing" if checkpointing else "")
+        runs[checkpointing] = compute_run(
+            ctx, data, precision, name=name, checkpointing=checkpointing, steps=1, peak=False
+        )
+    plain, checkpointed = runs[False], runs[True]
+    key = "cuda_max_allocated_mib" if plain.get("cuda_max_allocated_mib") is not None else "max_rss_mib"
+    return {
+        "precision": precision,
+        "measure": key,
+        "without_mib": plain[key],
+        "with_mib": checkpointed[key],
+        "ratio": checkpointed[key] / plain[key],
+        "images_per_s_without": plain["images_per_s"],
+        "images_per_s_with": checkpointed["images_per_s"],
+    }
+
+
+def fill_pixel_cache(ctx: Context, data: Path) -> dict[str, Any]:
+    """``build-cache`` over the training data, as a user would before a run; its wall time."""
+    config = ctx.config
+    command = [
+        sys.executable, "-m", "utils.datasets.pixel_cache", "build-cache", "--imgs", str(data / "imgs"),
+        "--masks", str(data / "masks"), "--scale", str(config.scale), "--cache", str(pixel_cache_folder(ctx)),
+        "--workers", str(config.threads),
+    ]  # fmt: skip
+    run = run_child(command, threads=1, timeout=config.timeout, log_path=ctx.log_dir / "build-cache.log")
+    if run.returncode != 0:
+        raise MeasurementError(f"build-cache exited with {run.returncode}:\n{tail(run.output)}")
+    ctx.row("e2e", "pixel cache build-cache (up front)", f"{run.wall_s:.3g} s", f"{config.threads} process(es)")
+    return {"wall_s": run.wall_s, "max_rss_mib": run.max_rss_mib}
+
+
+def train_run(
+    ctx: Context, data: Path, precision: str, *, processes: int, name: str, pixel_cache: Path | None = None
+) -> dict[str, Any]:
     """Run train.py (under torchrun when ``processes > 1``) and return its steady-state throughput."""
     config = ctx.config
     threads = max(1, config.threads // processes)
-    args = train_argv(config, data, precision, processes=processes, name=name, runs=runs_folder(ctx))
+    args = train_argv(
+        config, data, precision, processes=processes, name=name, runs=runs_folder(ctx), pixel_cache=pixel_cache
+    )
     train_py = str(REPO_ROOT / "train.py")
     if processes > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
@@ -207,9 +293,14 @@ def _e2e_row(ctx: Context, precision: str, result: dict[str, Any]) -> None:
     else:
         note = f"{result['ratio_to_compute']:.2f} of compute-only (median of {len(ratios)} paired runs: "
         note += ", ".join(f"{r:.2f}" for r in ratios) + ")"
+    if result.get("ratio_to_uncached") is not None:
+        note += f"; {result['ratio_to_uncached']:.2f} of the uncached run's images/s"
     if result["validation_ran"]:
         note += "; validation ran inside the window (too few images in --data-dir)"
-    ctx.row("e2e", f"{precision} train.py steady state", f"{result['images_per_s']:.3g} img/s{_spread(result)}", note)
+    label = precision.replace(" pixel-cache", " train.py steady state, --pixel-cache")
+    if label == precision:
+        label = f"{precision} train.py steady state"
+    ctx.row("e2e", label, f"{result['images_per_s']:.3g} img/s{_spread(result)}", note)
 
 
 # ------------------------------------------------------------------------------------------------- worker
@@ -252,7 +343,8 @@ def _time_train_step(step: TrainStep, loader: Any, model_args: dict[str, Any], s
     flops = training_flops_per_image(
         lambda: UNet(**model_args), loss_fn, channels=model_args["n_channels"], height=height, width=width
     )
-    peaks = [measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None)]
+    want_peak = spec.get("peak", True)
+    peaks = [measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None)] if want_peak else []
 
     step.raw_model.train()
     if device.type == "cuda":
@@ -274,8 +366,10 @@ def _time_train_step(step: TrainStep, loader: Any, model_args: dict[str, Any], s
     images_per_s = batch_size * steps / total
     # Measured again after the steps, the best of the two kept: a peak taken while other work briefly held the
     # device would make the steps look faster than the peak.
-    peaks.append(measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None))
-    peak = max(peaks, key=lambda p: p.flops_per_s)
+    if want_peak:
+        peaks.append(measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None))
+    peak = max(peaks, key=lambda p: p.flops_per_s) if peaks else None
+    peak_flops = peak.flops_per_s if peak is not None else None
     return {
         "precision": precision,
         "images_per_s": images_per_s,
@@ -284,9 +378,9 @@ def _time_train_step(step: TrainStep, loader: Any, model_args: dict[str, Any], s
         "batches_held": len(batches),
         "flops_per_image": flops,
         "achieved_flops_per_s": flops * images_per_s,
-        "matmul_peak_flops_per_s": peak.flops_per_s,
-        "matmul_peak_size": peak.size,
-        "fraction_of_peak": flops * images_per_s / peak.flops_per_s,
+        "matmul_peak_flops_per_s": peak_flops,
+        "matmul_peak_size": peak.size if peak is not None else None,
+        "fraction_of_peak": flops * images_per_s / peak_flops if peak_flops else None,
         "cuda_max_allocated_mib": cuda_max_allocated_mib(device),
     }
 

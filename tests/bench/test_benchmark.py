@@ -34,7 +34,8 @@ def test_quick_run_measures_every_section(
     out = tmp_path / "bench.json"
     threads = torch.get_num_threads()
     try:
-        status = benchmark.main(["--quick", "--json", str(out), "--work-dir", str(tmp_path / "w")])
+        argv = ["--quick", "--pixel-cache", "both", "--json", str(out), "--work-dir", str(tmp_path / "w")]
+        status = benchmark.main(argv)
     finally:
         torch.set_num_threads(threads)
     stdout = capsys.readouterr().out
@@ -57,6 +58,11 @@ def test_quick_run_measures_every_section(
     assert positive(e2e["images_per_s"]) and e2e["steps_timed"] >= 1 and e2e["validation_ran"] is False
     assert e2e["ratio_to_compute"] == pytest.approx(e2e["images_per_s"] / compute["images_per_s"])
     assert e2e["ratios_to_compute"] == [e2e["ratio_to_compute"]]
+    cached = doc["e2e"]["fp32 pixel-cache"]
+    assert cached["pixel_cache"] is True and e2e["pixel_cache"] is False
+    assert cached["ratio_to_uncached"] == pytest.approx(cached["images_per_s"] / e2e["images_per_s"])
+    assert positive(doc["e2e"]["pixel_cache_build"]["wall_s"])
+    assert any((tmp_path / "w" / "pixel-cache").glob("*.npy")), "build-cache filled the e2e runs' cache"
 
     ddp = doc["ddp"]
     assert ddp["multi"]["processes"] == 2 and ddp["multi"]["threads_per_process"] >= 1
@@ -70,6 +76,15 @@ def test_quick_run_measures_every_section(
     assert all(positive(v) for v in data["decode"].values()) and len(data["decode"]) == 4
     assert [entry["num_workers"] for entry in data["loader"]] == [0]
     assert positive(data["loader"][0]["images_per_s"]) and positive(data["loader"][0]["ratio_to_model"])
+    for key in ("per_worker_items_per_s_uncached", "per_worker_items_per_s_cached", "cache_fill_ms_full"):
+        assert positive(data[key]), key
+    assert data["per_worker_cached_over_uncached"] == pytest.approx(
+        data["per_worker_items_per_s_cached"] / data["per_worker_items_per_s_uncached"]
+    )
+
+    (startup,) = doc["startup"]["constructions"]
+    assert startup["pairs"] == 200 and positive(startup["first_s"]) and positive(startup["second_s"])
+    assert startup["second_us_per_pair"] == pytest.approx(1e6 * startup["second_s"] / 200)
 
     runs = doc["predict"]["runs"]
     assert [(r["precision"], r["batch_size"]) for r in runs] == [("fp32", 1), ("fp32", 2)]
@@ -79,8 +94,11 @@ def test_quick_run_measures_every_section(
     processes = [entry["process"] for entry in memory]
     assert "compute fp32" in processes and any(p.startswith("train.py ddp-2") for p in processes)
     assert all(positive(entry["max_rss_mib"]) for entry in memory)
+    checkpointing = doc["memory"]["checkpointing"]
+    assert checkpointing["measure"] == "max_rss_mib" and positive(checkpointing["with_mib"])
+    assert checkpointing["ratio"] == pytest.approx(checkpointing["with_mib"] / checkpointing["without_mib"])
 
-    for section in ("compute", "e2e", "ddp", "data", "predict", "memory"):
+    for section in ("compute", "e2e", "ddp", "data", "startup", "predict", "memory"):
         assert f"\n{section} " in stdout, section
     assert "FAILED" not in stdout
 
@@ -161,3 +179,23 @@ def test_matmul_peak_stops_growing_when_products_get_slow() -> None:
     # A product predicted to take longer than allowed is never started.
     slow = measure_matmul_peak("fp32", torch.device("cpu"), max_size=4096, min_seconds=0.01, max_seconds_per_product=0)
     assert slow.size == 256
+
+
+def test_gpu_summary_merges_runs_and_test_counts(tmp_path: Path) -> None:
+    from scripts.bench import gpu_summary
+
+    (tmp_path / "cuda-tests.xml").write_text(
+        '<testsuites><testsuite><testcase name="a"/><testcase name="b"><failure/></testcase>'
+        '<testcase name="c"><skipped/></testcase></testsuite></testsuites>'
+    )
+    machine = {"device": "cuda", "gpu": "GPU X", "cpu": "CPU Y", "torch": "2.x"}
+    run = {"complete": False, "machine": machine, "rows": [["e2e", "bf16 train.py", "9 img/s", "a | b"]]}
+    (tmp_path / "b16.json").write_text(json.dumps(run))
+    assert gpu_summary.main([str(tmp_path), "tests", "b16", "b8"]) == 0
+    merged = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert merged["tests"] == {"total": 3, "failed": ["b"], "skipped": ["c"], "passed": 1}
+    assert merged["runs"]["b8"] == {"missing": True}
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "CUDA tests: 1 passed, 1 failed, 1 skipped (failed: b)" in table and "GPU X" in table
+    assert "| b16 (cut short) | e2e | bf16 train.py | 9 img/s | a / b |" in table
+    assert "| b8 | - | not run or no result | - | - |" in table

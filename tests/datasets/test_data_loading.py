@@ -182,9 +182,10 @@ def test_npy_and_pt_images_and_masks(tmp_path: Path, cache_dir: Path) -> None:
     rgb_tensor = torch.from_numpy(rgb).permute(2, 0, 1).float() / 255
     assert torch.equal(dataset[2]["image"], rgb_tensor)
     assert torch.equal(dataset[0]["image"], rgb_tensor)  # a CxHxW tensor is recognised
-    float_image = dataset[1]["image"]
-    assert float_image.shape == (1, HEIGHT, WIDTH)
-    assert torch.allclose(float_image[0], torch.from_numpy(grey_float), atol=0.5 / 255 + 1e-6)
+    float_image = dataset[1]["image"]  # a grey array among RGB ones: converted to RGB (tested on its own below)
+    assert float_image.shape == (3, HEIGHT, WIDTH)
+    for channel in float_image:
+        assert torch.allclose(channel, torch.from_numpy(grey_float), atol=0.5 / 255 + 1e-6)
     assert torch.equal(dataset[1]["mask"], torch.from_numpy(bool_mask.astype(np.int64)))
 
 
@@ -463,7 +464,8 @@ def test_corrupt_cache_file_is_ignored_and_rewritten(tmp_path: Path, cache_dir: 
 
     assert build(images_dir, masks_dir, cache_dir).mask_values == [0, 5]
     assert "Ignoring unreadable mask-value cache" in caplog.text
-    assert json.loads(cache_file.read_text())["image_sizes"] == {"a": [WIDTH, HEIGHT]}
+    rewritten = json.loads(cache_file.read_text())
+    assert (rewritten["widths"], rewritten["heights"], rewritten["channels"]) == ([WIDTH], [HEIGHT], [3])
     assert not [p for p in cache_dir.iterdir() if p.suffix == ".tmp"]
 
 
@@ -512,3 +514,36 @@ def test_items_are_identical_without_augmentation_whatever_the_epoch(tmp_path: P
     assert torch.equal(first["image"], second["image"]) and torch.equal(first["mask"], second["mask"])
     with pytest.raises(ValueError, match="epoch must be >= 0"):
         dataset.set_epoch(-1)
+
+
+def test_cache_with_wrong_types_or_lengths_is_rescanned(tmp_path: Path, cache_dir: Path, caplog) -> None:
+    images_dir, masks_dir = write_dataset(tmp_path, {"a": index_mask(0, [0, 5]), "b": index_mask(1, [0, 5])})
+    build(images_dir, masks_dir, cache_dir)
+    (cache_file,) = cache_dir.glob("*.json")
+    good = json.loads(cache_file.read_text())
+    caplog.set_level(logging.WARNING)
+    for field, bad in [("widths", [WIDTH]), ("heights", [HEIGHT, "32"]), ("channels", [3, 2]), ("widths", [0, 1])]:
+        cache_file.write_text(json.dumps({**good, field: bad}))
+        caplog.clear()
+        dataset = build(images_dir, masks_dir, cache_dir)
+        assert "Ignoring malformed mask-value cache" in caplog.text, field
+        assert dataset.mask_values == [0, 5] and json.loads(cache_file.read_text()) == good
+
+
+def test_second_start_indexes_each_folder_once(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+    """mask_suffix=None detects the naming from the dataset's own index; an augmenting twin indexes nothing."""
+    images_dir, masks_dir = write_dataset(tmp_path, {"a": index_mask(0, [0, 1])}, mask_suffix="_mask")
+    from utils import data_loading
+
+    calls = []
+    real_index = data_loading.index_folder
+    monkeypatch.setattr(
+        data_loading, "index_folder", lambda folder, role: calls.append(role) or real_index(folder, role)
+    )
+    dataset = build(images_dir, masks_dir, cache_dir, mask_suffix=None)
+    twin = dataset.with_augmentation(1)
+    assert calls == ["image", "mask"] and dataset.mask_suffix == "_mask"
+    assert twin.ids == dataset.ids and twin[0]["image"].shape == dataset[0]["image"].shape
+    assert not torch.equal(twin[0]["image"], dataset[0]["image"]) or not torch.equal(
+        twin[0]["mask"], dataset[0]["mask"]
+    )

@@ -67,7 +67,10 @@ def test_inputs_decode_resize_and_report_unusable_files_without_raising(tmp_path
     assert item.original.dtype == torch.uint8 and item.original.shape == (3, 48, 64)
     np.testing.assert_array_equal(item.original.permute(1, 2, 0).numpy(), np.asarray(Image.open(good)))
     assert dataset[1].error.startswith(f"cannot read image {broken}")
-    assert "1 channel(s) but the model expects 3" in dataset[2].error
+    # A grey photo for an RGB model is converted (its grey repeated), as training converts it.
+    converted = dataset[2]
+    assert converted.error is None and converted.converted_from == 1 and converted.image.shape == (3, 10, 10)
+    assert torch.equal(converted.image[0], converted.image[2])
     assert dataset[3].error.startswith(f"cannot read image {tmp_path / 'gone.png'}")
 
 

@@ -70,7 +70,7 @@ def test_scores_are_those_of_the_evaluation_module_on_carvana_naming(carvana_dat
                         "-s", "0.5", "-b", "4", "--json", str(report), workers=workers) == 0  # fmt: skip
     scores = json.loads(report.read_text())
     loader = DataLoader(CarvanaDataset(carvana_data.imgs, carvana_data.masks, 0.5), batch_size=4)
-    expected = utils.evaluation.evaluate(model, loader, torch.device("cpu"), n_classes=2, progress=False)
+    expected = utils.evaluation.evaluate_segmentation(model, loader, torch.device("cpu"), n_classes=2, progress=False)
     assert scores["per_class_dice"] == pytest.approx(expected.per_class_dice, abs=1e-6)
     assert scores["per_class_iou"] == pytest.approx(expected.per_class_iou, abs=1e-6)
     assert scores["dice"] == pytest.approx(expected.dice, abs=1e-6)
@@ -106,16 +106,21 @@ def test_a_missing_mask_folder_is_one_clear_error(carvana_data, tmp_path, capsys
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_images_of_different_sizes_in_one_batch_are_one_clear_error(tmp_path, capsys, workers):
-    images = write_images(tmp_path / "imgs", [(48, 32), (64, 48)])
+def test_images_of_mixed_sizes_are_batched_by_size_with_the_scores_of_batch_size_one(tmp_path, workers):
+    images = write_images(tmp_path / "imgs", [(48, 32), (64, 48), (48, 32), (56, 40), (64, 48)])
     masks = tmp_path / "masks"
     masks.mkdir()
     for path in images:
         width, height = Image.open(path).size
         Image.fromarray((np.arange(width)[None, :].repeat(height, 0) % 2).astype(np.uint8)).save(masks / path.name)
     checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 1])
-    code = run_evaluate("-m", str(checkpoint), "--imgs", str(tmp_path / "imgs"), "--masks", str(masks), "-s", "1",
-                        "-b", "2", workers=workers)  # fmt: skip
-    assert code == USER_ERROR_EXIT_CODE
-    line = one_error_line(capsys.readouterr().err)
-    assert "images of different sizes [(3, 32, 48), (3, 48, 64)] in one batch; use --batch-size 1" in line
+    scores = {}
+    for batch_size in (1, 2, 4):
+        report = tmp_path / f"b{batch_size}.json"
+        code = run_evaluate("-m", str(checkpoint), "--imgs", str(tmp_path / "imgs"), "--masks", str(masks), "-s", "1",
+                            "-b", str(batch_size), "--json", str(report), workers=workers)  # fmt: skip
+        assert code == 0
+        scores[batch_size] = json.loads(report.read_text())
+    assert scores[1]["n_images"] == scores[4]["n_images"] == 5
+    for batch_size in (2, 4):
+        assert scores[batch_size]["per_class_dice"] == pytest.approx(scores[1]["per_class_dice"], abs=1e-6)

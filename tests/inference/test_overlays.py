@@ -7,9 +7,13 @@ import torch
 from PIL import Image
 
 from utils.inference.overlays import (
+    GAP_PIXELS,
     PALETTE,
+    ROW_PIXELS,
+    SWATCH_PIXELS,
     class_colours,
     find_truth_mask,
+    legend_entries,
     load_truth_classes,
     overlay,
     render_visualization,
@@ -37,8 +41,8 @@ def test_only_foreground_classes_are_painted():
 def test_grey_images_are_shown_in_colour():
     image = torch.full((1, 4, 4), 200, dtype=torch.uint8)
     rendered = render_visualization(image, np.zeros((4, 4), dtype=np.uint8), class_colours([0, 1], 2))
-    assert rendered.mode == "RGB" and rendered.size == (4, 4)
-    assert np.all(np.asarray(rendered) == 200)
+    assert rendered.mode == "RGB"
+    assert np.all(np.asarray(rendered)[:4, :4] == 200)
 
 
 def test_truth_masks_are_found_by_name_and_mapped_to_classes(tmp_path):
@@ -49,3 +53,31 @@ def test_truth_masks_are_found_by_name_and_mapped_to_classes(tmp_path):
     np.testing.assert_array_equal(load_truth_classes(found, [0, 255], (2, 2)), [[0, 1], [1, 0]])
     # A mask of another size is resized (nearest) to the image's.
     assert load_truth_classes(found, [0, 255], (4, 4)).shape == (4, 4)
+
+
+def test_side_by_side_view_has_captions_and_a_legend_of_every_foreground_class():
+    image = torch.full((3, 40, 60), 90, dtype=torch.uint8)
+    predicted = np.zeros((40, 60), dtype=np.uint8)
+    predicted[5:20, 5:30] = 1
+    truth = np.zeros((40, 60), dtype=np.uint8)
+    truth[10:30, 20:50] = 2
+    colours = class_colours([0, 128, 255], 3)
+    assert legend_entries(colours, [0, 128, 255]) == [(colours[1], "class 1 = 128"), (colours[2], "class 2 = 255")]
+    rendered = np.asarray(render_visualization(image, predicted, colours, truth, [0, 128, 255])).astype(int)
+    # The panels keep the image's pixel positions: truth on the left, prediction right of the gap.
+    np.testing.assert_array_equal(np.any(rendered[:40, :60] != 90, axis=-1), truth == 2)
+    np.testing.assert_array_equal(
+        np.any(rendered[:40, 60 + GAP_PIXELS : 120 + GAP_PIXELS] != 90, axis=-1), predicted == 1
+    )
+    strip = rendered[40:]
+    assert strip.shape[0] >= 2 * ROW_PIXELS
+    # Caption text (dark pixels) under each panel, and a swatch of each class colour in the legend.
+    assert (strip[:ROW_PIXELS, :60] < 100).all(axis=-1).any() and (strip[:ROW_PIXELS, 68:128] < 100).all(axis=-1).any()
+    for colour in colours[1:]:
+        assert (strip[ROW_PIXELS:] == colour).all(axis=-1).sum() >= (SWATCH_PIXELS - 2) ** 2
+
+
+def test_a_legend_wider_than_the_image_widens_the_canvas_instead_of_being_cut():
+    image = torch.zeros((3, 8, 8), dtype=torch.uint8)
+    rendered = render_visualization(image, np.ones((8, 8), dtype=np.uint8), class_colours([0, 1], 2), None, [0, 1])
+    assert rendered.width > 8 and rendered.height == 8 + 2 * ROW_PIXELS

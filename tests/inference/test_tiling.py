@@ -34,30 +34,22 @@ def test_an_axis_no_longer_than_the_window_is_one_window():
     assert tile_spans(75, 64, 0.25) == [(0, 75)]
 
 
-def test_weights_sum_to_one_where_two_windows_meet_and_stay_positive():
-    for length in (100, 130, 257):
-        spans = tile_spans(length, 64, 0.25)
-        assert len(spans) > 1
-        weights = span_weights(spans)
-        total = torch.zeros(length)
-        for (start, end), weight in zip(spans, weights, strict=True):
-            assert bool((weight > 0).all())
-            total[start:end] += weight
-        torch.testing.assert_close(total, torch.ones(length))
-        # Image borders have no neighbour to blend with: full weight there.
-        assert weights[0][0] == 1 and weights[-1][-1] == 1
-        # Tapering: the first window's weight falls towards its inner edge.
-        assert weights[0][-1] < 0.1
+def test_weights_are_gaussians_centred_on_each_window_with_sigma_an_eighth_of_the_tile():
+    spans = tile_spans(200, 64, 0.5)
+    weights = span_weights(spans, 64)
+    sigma = 64 / 8
+    for (start, end), weight in zip(spans, weights, strict=True):
+        positions = torch.arange(start, end, dtype=torch.float32) + 0.5
+        expected = torch.exp(-0.5 * ((positions - (start + end) / 2) / sigma) ** 2).clamp_min(1e-6)
+        torch.testing.assert_close(weight, expected)
+        # Peak 1 at the centre, ~exp(-8) at the window's edges: the centre, with the most context, decides.
+        assert weight.max() == pytest.approx(1.0, abs=0.01) and weight[0] < 1e-3 and bool((weight > 0).all())
 
 
-def test_weights_stay_positive_where_three_windows_meet():
-    # Overlap 0.5 of 48 rounds the stride down to 16 pixels: each pixel lies in up to three windows.
-    spans = tile_spans(130, 48, 0.5)
-    total = torch.zeros(130)
-    for (start, end), weight in zip(spans, span_weights(spans), strict=True):
-        assert bool((weight > 0).all())
-        total[start:end] += weight
-    assert bool((total > 0.5).all())
+def test_default_step_is_half_a_window():
+    assert TileSettings(64).overlap == 0.5
+    starts = [start for start, _ in tile_spans(320, 64, TileSettings(64).overlap)]
+    assert starts == list(range(0, 257, 32))
 
 
 def test_invalid_tile_settings_name_the_flag():
@@ -73,12 +65,13 @@ def _pointwise_model() -> nn.Module:
     return nn.Conv2d(3, 4, kernel_size=1).eval()
 
 
+@pytest.mark.parametrize("tta", [False, True])
 @pytest.mark.parametrize(("size", "tile", "overlap"), [((100, 130), 32, 0.25), ((64, 200), 48, 0.5), ((90, 90), 32, 0)])
-def test_stitching_and_blending_reproduce_a_pointwise_model_exactly(size, tile, overlap):
+def test_stitching_and_blending_reproduce_a_pointwise_model_exactly(size, tile, overlap, tta):
     model = _pointwise_model()
     images = torch.rand(2, 3, *size)
     whole = run_model(model, images, "fp32")
-    tiled = predict_logits_tiled(model, images, TileSettings(tile, overlap), "fp32", batch_size=3)
+    tiled = predict_logits_tiled(model, images, TileSettings(tile, overlap, tta=tta), "fp32", batch_size=3)
     torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, TrainRunner, assert_same_training_state, child_env, load_checkpoint
-from tests.helpers import one_error_line, unwritable_folder
+from tests.helpers import fill_disk, one_error_line, small_tmpfs, unwritable_folder
 from utils.checkpoint import PARTIAL_FILE_PATTERN
 
 # Saves versions of a real training checkpoint, padded to a few MB so that every write takes a while, in a loop
@@ -131,6 +131,19 @@ def test_a_full_disk_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(
         subprocess.run(["umount", str(mount_point)], check=True)
 
 
+def test_a_disk_already_full_at_start_is_the_same_one_line_error_as_during_a_save(
+    runner: TrainRunner, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    with small_tmpfs(tmp_path / "full-disk", "3m") as disk:
+        fill_disk(disk)
+        full = TrainRunner(runner.data, disk / "checkpoints")
+        assert full.main("full", "-e", "1") == 2
+        error = one_error_line(capsys.readouterr().err)
+    # The wording of a failed save (see the test above): the file, the reason, and the fixes.
+    assert error.startswith(f"Error: could not write {disk / 'checkpoints' / 'full'}"), error
+    assert "No space left on device" in error and "free disk space" in error and "--checkpoint-dir" in error
+
+
 def test_a_file_size_limit_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(
     runner: TrainRunner, capsys: pytest.CaptureFixture
 ) -> None:
@@ -155,7 +168,7 @@ def test_a_folder_nobody_may_write_stops_with_a_clear_error(runner: TrainRunner,
         code = runner.main("locked", "-e", "1", "--max-steps", "3", "--resume", "auto")
     assert code == 2
     _assert_error_kept_previous(
-        run_dir, previous, capsys.readouterr().err, "cannot write checkpoint", refusal, "--checkpoint-dir"
+        run_dir, previous, capsys.readouterr().err, "could not write", refusal, "--checkpoint-dir"
     )
 
 

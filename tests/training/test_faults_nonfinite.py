@@ -3,15 +3,18 @@ and no checkpoint ever holds a state after a skipped step or non-finite weights.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+import train
 from tests.conftest import TrainRunner, load_checkpoint
 from tests.helpers import one_error_line, read_metrics
 from unet import UNet
+from utils.training.config import parse_config
 from utils.training.nonfinite import NonFiniteStepGuard
 from utils.training.objective import OptimizerConfig, build_optimizer, segmentation_loss
 
@@ -58,12 +61,36 @@ def test_a_step_with_nan_gradients_changes_neither_weights_nor_statistics(optimi
     assert (report.skipped, report.longest_run, report.current_run) == (0, 1, 0)
 
 
+@pytest.fixture
+def absurd_learning_rate(monkeypatch: pytest.MonkeyPatch):
+    """Lets train.main run with a learning rate its flag check refuses (the way to make a real run diverge).
+
+    ``-l`` above 1 is refused up front; the guard below it still matters (fp16 overflow, bad data, a learning rate
+    that is merely too large), and a huge rate is the reliable way to make a real run produce NaN gradients.
+    """
+
+    def use(learning_rate: float) -> None:
+        def parse_with_rate(argv):
+            return dataclasses.replace(parse_config(argv), learning_rate=learning_rate)
+
+        monkeypatch.setattr(train, "parse_config", parse_with_rate)
+
+    return use
+
+
+def test_the_flag_check_refuses_the_learning_rates_these_tests_need(runner: TrainRunner, capsys) -> None:
+    for rate in ("1e30", "1e39"):
+        assert runner.main("refused", "-l", rate) == 2
+        assert "--learning-rate" in one_error_line(capsys.readouterr().err)
+
+
 def test_nonfinite_steps_in_a_row_stop_the_run_and_keep_the_last_good_checkpoint(
-    runner: TrainRunner, capsys: pytest.CaptureFixture
+    runner: TrainRunner, capsys: pytest.CaptureFixture, absurd_learning_rate
 ) -> None:
     # A learning rate typed with a wrong exponent: step 1 takes the weights to ~1e30, from there every loss is NaN.
+    absurd_learning_rate(1e30)
     code = runner.main(
-        "diverged", "-e", "3", "-l", "1e30", "--save-every-steps", "1", "--log-every", "1",
+        "diverged", "-e", "3", "--save-every-steps", "1", "--log-every", "1",
         "--max-nonfinite-steps", "3",
     )  # fmt: skip
     assert code == 2
@@ -79,9 +106,12 @@ def test_nonfinite_steps_in_a_row_stop_the_run_and_keep_the_last_good_checkpoint
     assert math.isfinite(losses[0]) and not any(math.isfinite(loss) for loss in losses[1:])
 
 
-def test_weights_that_became_nonfinite_are_never_saved(runner: TrainRunner, capsys: pytest.CaptureFixture) -> None:
+def test_weights_that_became_nonfinite_are_never_saved(
+    runner: TrainRunner, capsys: pytest.CaptureFixture, absurd_learning_rate
+) -> None:
     # Beyond float32's range: the first step's finite gradients already make the weights inf.
-    assert runner.main("overflow", "-e", "1", "-l", "1e39", "--save-every-steps", "1") == 2
+    absurd_learning_rate(1e39)
+    assert runner.main("overflow", "-e", "1", "--save-every-steps", "1") == 2
     err = one_error_line(capsys.readouterr().err)
     assert err.startswith("Error: the weights became NaN or inf by step 1") and "--learning-rate" in err
     assert not list(Path(runner.run_dir("overflow")).glob("*.pth"))

@@ -46,13 +46,12 @@ def test_legacy_launcher_local_rank_argument(flag: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--scale", "0"], "--scale must be in"),
-        (["--scale", "1.5"], "--scale must be in"),
+        (["--scale", "0"], r"--scale must be a finite number in \(0, 1\]"),
+        (["--scale", "1.5"], r"--scale must be a finite number in \(0, 1\]"),
         (["--validation", "0"], "--validation"),
         (["--validation", "100"], "--validation"),
         (["--epochs", "0"], "--epochs"),
         (["-b", "0"], "--batch-size"),
-        (["--start_from", "9", "-e", "5"], r"pass --epochs 13"),
         (["--amp", "--precision", "fp32"], "--amp"),
         (["--load", "a.pth", "--resume"], "only one of them"),
         (["--rank", "0"], "--rank and --world-size"),
@@ -62,8 +61,75 @@ def test_legacy_launcher_local_rank_argument(flag: str) -> None:
         (["--exp_name", "a/b"], "--exp_name"),
         (["--epochs", "three"], "argument --epochs/-e: invalid int value"),
         (["--optimizer", "sgd"], "argument --optimizer: invalid choice"),
+        (["--start_from", "0"], "--start_from must be at least 1"),
+        # Numbers that parse but cannot train: infinite, NaN, or finite and absurd.
+        (["-l", "inf"], r"--learning-rate must be a finite number in \(0, 1\], got inf"),
+        (["-l", "1e308"], r"--learning-rate must be a finite number in \(0, 1\], got 1e\+308"),
+        (["-l", "nan"], "--learning-rate must be a finite number"),
+        (["-l", "0"], "--learning-rate must be a finite number"),
+        (["--weight-decay", "inf"], r"--weight-decay must be a finite number in \[0, 1\], got inf"),
+        (["--weight-decay=-1e-4"], "--weight-decay must be a finite number"),
+        (["--momentum", "nan"], r"--momentum must be a finite number in \[0, 1\), got nan"),
+        (["--momentum", "1"], "--momentum must be a finite number"),
+        (["--grad-clip", "inf"], "--grad-clip must be a finite number at least 0"),
+        (["--dist-timeout", "inf"], r"--dist-timeout must be a finite number in \(0, 604800\] seconds"),
+        (["--dist-timeout", "0"], "--dist-timeout must be a finite number"),
+        (["--scale", "nan"], "--scale must be a finite number in"),
+        (["-v", "inf"], "--validation must be a finite number in"),
+        (["--seed", "-1"], r"--seed must be in 0\.\.4294967295, got -1"),
+        (["--seed", "4294967296"], r"--seed must be in 0\.\.4294967295, got 4294967296"),
+        (["--local-rank", "-1"], "--local-rank must not be negative"),
     ],
 )
 def test_invalid_flags_name_the_flag(argv: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_config(argv)
+
+
+def test_epochs_count_from_start_from_as_the_ddp_script() -> None:
+    # --start_from 9 --epochs 5 trains epochs 9..13 (it used to be refused: --epochs was the last epoch's number).
+    config = parse_config(["--start_from", "9", "-e", "5"])
+    assert (config.start_from, config.epochs) == (9, 5)
+    assert parse_config(["--start_from", "2", "-e", "1"]).epochs == 1
+
+
+def test_largest_accepted_values() -> None:
+    config = parse_config(["-l", "1", "--weight-decay", "1", "--momentum", "0.99", "--seed", str(2**32 - 1)])
+    assert (config.learning_rate, config.weight_decay, config.seed) == (1.0, 1.0, 2**32 - 1)
+    assert parse_config(["--dist-timeout", "604800", "--grad-clip", "0"]).dist_timeout == 604800
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--epoch", "1"], r"unrecognized arguments: --epoch 1; did you mean --epochs\?"),
+        (["--learning-rat=1e-3"], r"did you mean --learning-rate\?"),
+        (["--save-evry", "2"], r"did you mean --save-every\?"),
+        (["--frobnicate"], r"unrecognized arguments: --frobnicate \(see python train.py --help\)$"),
+    ],
+)
+def test_abbreviations_are_refused_and_typos_get_a_suggestion(argv: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_config(argv)
+
+
+def test_help_is_grouped() -> None:
+    from utils.training.config import HELP_GROUPS, build_parser
+
+    text = build_parser().format_help()
+    positions = [text.index(f"\n{group}:\n") for group in HELP_GROUPS]
+    assert positions == sorted(positions)
+    # Each flag is listed under its group: the text between a group's title and the next one's.
+    ends = [*positions[1:], len(text)]
+    sections = {group: text[start:end] for group, start, end in zip(HELP_GROUPS, positions, ends, strict=True)}
+    for group, flag in [
+        ("data", "--imgs"),
+        ("model", "--base-channels"),
+        ("optimisation", "--learning-rate"),
+        ("distributed", "--dist-timeout"),
+        ("checkpoints", "--start_from"),
+        ("logging", "--log-every"),
+        ("performance", "--channels-last"),
+    ]:
+        assert flag in sections[group], (group, flag)
+    assert "options:" in text and "--help" in text.split("\ndata:\n")[0]

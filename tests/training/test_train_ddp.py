@@ -108,7 +108,7 @@ def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(ddp_reference: Tr
     out, err = finish(launcher)
     assert launcher.returncode != 0
     assert "[rank 0] WARNING Stopped by SIGTERM" in out and "--resume auto" in out
-    assert "[rank 1] WARNING Stopped by SIGTERM" in out
+    assert "[rank 1]" not in out  # rank 0 speaks for the job
     assert (out + err).count("exitcode  : 143") >= 1  # torchrun's report of the workers' exit status
     interrupted = load_checkpoint(run_dir / "INTERRUPTED.pth")
     assert interrupted["world_size"] == 2 and 1 <= interrupted["global_step"] < STOP_AT

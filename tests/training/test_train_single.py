@@ -34,7 +34,8 @@ def test_run_outputs_and_bit_exact_resume(runner: TrainRunner) -> None:
     straight = runner.run_dir("straight")
     names = sorted(p.name for p in straight.iterdir())
     assert names == [
-        "best.pth", "checkpoint_epoch1.pth", "checkpoint_epoch2.pth", "curves.png", "last.pth", "metrics.jsonl"
+        ".lock", "best.pth", "checkpoint_epoch1.pth", "checkpoint_epoch2.pth", "curves.png", "last.pth",
+        "metrics.jsonl",
     ]  # fmt: skip
     last = load_checkpoint(straight / "last.pth")
     assert (last["epoch"], last["global_step"], last["step_in_epoch"], last["world_size"]) == (2, 16, 0, 1)
@@ -99,8 +100,8 @@ def _weights_file(tmp_path: Path, kind: str, *, n_channels: int = 3, n_classes: 
 @pytest.mark.parametrize("kind", ["milesial", "ddp", "ours"])
 def test_load_weights_in_every_accepted_format(runner: TrainRunner, tmp_path: Path, kind: str) -> None:
     path, loaded = _weights_file(tmp_path, kind)
-    # --start_from 2 -e 2: one epoch, numbered 2 (as the documented script numbers epochs).
-    assert runner.main(kind, "--load", str(path), "--start_from", "2", "-e", "2", "-l", "1e-5") == 0
+    # --start_from 2 -e 1: one epoch, numbered 2 (as the documented script numbers epochs).
+    assert runner.main(kind, "--load", str(path), "--start_from", "2", "-e", "1", "-l", "1e-5") == 0
     run_dir = runner.run_dir(kind)
     assert sorted(p.name for p in run_dir.glob("checkpoint_epoch*.pth")) == ["checkpoint_epoch2.pth"]
     saved = load_checkpoint(run_dir / "last.pth")
@@ -129,7 +130,7 @@ def _bad_weights(tmp_path: Path, which: str) -> Path:
     [
         (["-v", "1"], "--validation 1 leaves 16 training and 0 validation images"),
         (["-b", "64"], "--batch-size 64 is larger than the 15 training images"),
-        (["--scale", "0"], "--scale must be in"),
+        (["--scale", "0"], "--scale must be a finite number in (0, 1]"),
         (["--load", "BAD:classes"], "trained with n_classes=3 but --classes asks for 2; pass --classes 3"),
         (["--load", "BAD:channels"], "expects 1-channel images but the images in --imgs have 3 channels"),
         (["--load", "BAD:text"], "notes.pth is corrupt"),
@@ -158,13 +159,23 @@ def test_no_data(runner: TrainRunner, tmp_path: Path, capsys: pytest.CaptureFixt
     assert "Error: no images in" in capsys.readouterr().err
 
 
-def test_a_finished_run_is_not_overwritten(runner: TrainRunner, capsys: pytest.CaptureFixture) -> None:
+def test_a_rerun_begins_a_new_numbered_folder_and_overwrites_nothing(
+    runner: TrainRunner, caplog: pytest.LogCaptureFixture
+) -> None:
     run_dir = runner.run_dir("taken")
     run_dir.mkdir(parents=True)
     (run_dir / "last.pth").write_bytes(b"precious")
-    assert runner.main("taken", "-e", "1") == 2
-    assert "already holds checkpoints (last.pth)" in capsys.readouterr().err
+    assert runner.main("taken", "-e", "1", "--max-steps", "1") == 0
+    assert f"this run writes to {runner.run_dir('taken-2')}" in caplog.text
     assert (run_dir / "last.pth").read_bytes() == b"precious"
+    assert (runner.run_dir("taken-2") / "last.pth").is_file()
+    assert runner.main("taken", "-e", "1", "--max-steps", "1") == 0
+    assert (runner.run_dir("taken-3") / "last.pth").is_file()
+    # --resume auto continues the newest of them.
+    caplog.clear()
+    assert runner.main("taken", "-e", "1", "--max-steps", "2", "--resume", "auto") == 0
+    assert f"Resuming from {runner.run_dir('taken-3') / 'last.pth'}" in caplog.text
+    assert not runner.run_dir("taken-4").exists()
 
 
 def test_a_resumed_checkpoint_does_not_continue_in_another_runs_folder(

@@ -7,6 +7,7 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -14,7 +15,7 @@ from torch.utils.data import DistributedSampler
 
 from utils.dice_score import dice_loss
 from utils.errors import CheckpointError
-from utils.training.curves import draw_curves, read_series
+from utils.training.curves import build_figure, draw_curves, read_series
 from utils.training.interrupts import InterruptFlag, exit_code_for
 from utils.training.objective import cosine_lr_factor, segmentation_loss
 from utils.training.run_folder import RunFolder
@@ -127,17 +128,39 @@ def test_cosine_schedule() -> None:
 
 def test_curves_png(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    events = [{"event": "train", "global_step": s, "loss": 1.0 / s} for s in range(1, 6)]
-    events += [{"event": "val", "global_step": 5, "dice": 0.4}, {"event": "train", "global_step": 5, "loss": 0.1}]
+    events = [
+        {"event": "train", "epoch": 1 + (s > 3), "global_step": s, "loss": 1.0 / s, "lr": 1e-3, "images_per_s": 10.0,
+         "time": 100.0 + 2 * s}
+        for s in range(1, 6)
+    ]  # fmt: skip
+    events += [
+        {"event": "val", "global_step": 5, "dice": 0.4, "per_class_dice": [0.9, 0.4]},
+        {"event": "train", "epoch": 2, "global_step": 5, "loss": 0.1, "lr": 5e-4, "time": 110.0},
+    ]
     metrics.write_text("\n".join(json.dumps(e) for e in events) + "\n{truncated")
-    losses, dices = read_series(metrics)
-    assert losses[-1] == (5, 0.1) and len(losses) == 5  # a re-logged step keeps its last value
-    assert dices == [(5, 0.4)]
+    series = read_series(metrics)
+    assert series.loss[-1] == (5, 0.1) and len(series.loss) == 5  # a re-logged step keeps its last value
+    assert series.dice == [(5, 0.4)]
+    assert series.per_class_dice == {0: [(5, 0.9)], 1: [(5, 0.4)]}
+    assert series.learning_rate[-1] == (5, 5e-4)
+    # Epoch 1 logged steps 1..3 two seconds apart: 3 steps x 2 s; epoch 2 ran steps 4..5 at 2 s each.
+    assert series.epoch_seconds == [(1, pytest.approx(6.0)), (2, pytest.approx(4.0))]
+
+    figure = build_figure(series)
+    titles = [axes.get_title() for axes in figure.axes]
+    assert titles == ["Training loss", "Validation Dice", "Learning rate", "Throughput", "Training time per epoch"]
+    assert all(axes.get_xlabel() and axes.get_ylabel() for axes in figure.axes)
+    # One validation is one point, drawn with a marker (the old drawing showed a lone dot without a scale).
+    dice_lines = {line.get_label(): line for line in figure.axes[1].get_lines()}
+    assert list(dice_lines["mean (foreground)"].get_ydata()) == [0.4] and dice_lines["class 1"].get_marker() == "o"
+
     draw_curves(metrics, tmp_path / "curves.png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]  # no temporary left
     with Image.open(tmp_path / "curves.png") as image:
-        assert image.size == (960, 320)
-        # Something was drawn in the loss colour.
-        assert (31, 119, 180) in {colour for _, colour in image.getcolors(100000)}
+        assert image.format == "PNG" and image.size == (14 * 80, 8 * 80)
+        pixels = np.asarray(image.convert("RGB")).reshape(-1, 3).astype(int)
+    # Something was drawn in the loss colour.
+    assert (np.abs(pixels - [31, 119, 180]).sum(axis=1) < 30).sum() > 50
 
 
 def test_prune_keeps_the_newest_epoch_files(tmp_path: Path) -> None:

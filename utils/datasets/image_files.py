@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -39,29 +39,53 @@ UNREADABLE_FILE_ERRORS = (
 # Channel counts an HxWxC array may have: grey, RGB, RGBA.
 _CHANNEL_COUNTS = (1, 3, 4)
 
+# Name endings of predict.py's outputs (``<name>_OUT.png`` masks, ``<name>_VIZ.png`` overlays), defined here, where
+# no torch is imported, so that predict's file plan and the dataset scan share them: a scan skips these files.
+OUTPUT_SUFFIX = "_OUT"
+VIZ_SUFFIX = "_VIZ"
+PREDICTION_SUFFIXES = (OUTPUT_SUFFIX, VIZ_SUFFIX)
+_warned_prediction_files: set[tuple[str, int]] = set()
 
-@dataclass(frozen=True)
-class FileInfo:
-    """One dataset file and the stat fields that decide whether a cached scan of it is still valid."""
 
-    path: Path
+class FileInfo(NamedTuple):
+    """One dataset file and the stat fields that decide whether a cached scan of it is still valid.
+
+    ``path`` is an absolute path string: a folder of 100,000 files must not cost 100,000 ``Path`` objects and
+    ``abspath`` calls at every start (build a ``Path`` only for the few files a message names). A named tuple, not a
+    dataclass: it is made once per directory entry, and a tuple is several times cheaper to create.
+    """
+
+    path: str
+    ext: str
+    """Lower-case extension, with its dot."""
     size: int
     mtime_ns: int
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
 
 
 def split_name(name: str) -> tuple[str, str] | None:
     """Return ``(stem, lower-case extension)`` for a supported file name, or ``None`` if the name is not one."""
-    stem, ext = os.path.splitext(name)
-    ext = ext.lower()
-    if not stem or ext not in IMAGE_EXTENSIONS:
+    # rpartition, not os.path.splitext: the same split for the names that get here, at a third of the cost.
+    stem, dot, ext = name.rpartition(".")
+    if not dot or not stem:
+        return None
+    ext = "." + ext.lower()
+    if ext not in IMAGE_EXTENSIONS:
         return None
     return stem, ext
+
+
+_new_tuple = tuple.__new__
 
 
 def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     """Map each file stem in ``folder`` to its file, reading the directory once.
 
-    Hidden files (``.DS_Store``, ``._a.jpg``), sub-folders and files with other extensions are ignored. ``role`` (e.g.
+    Hidden files (``.DS_Store``, ``._a.jpg``), sub-folders, files with other extensions and predict.py's outputs
+    (``*_OUT.png``, ``*_VIZ.png``, with one warning) are ignored. ``role`` (e.g.
     ``"image"``) only words the error messages. Raises ``DatasetError`` if the folder is missing or two files share a
     stem (``a.jpg`` and ``a.png``), since either could be meant.
     """
@@ -72,20 +96,39 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
         raise DatasetError(f"{role} folder {folder} is not a folder; point the dataset at the folder holding the files")
     files: dict[str, FileInfo] = {}
     duplicates: dict[str, list[str]] = {}
+    skipped_predictions: list[str] = []
+    # One abspath per folder; each entry's path is then string concatenation (no Path, no per-file abspath).
+    prefix = os.path.join(os.path.abspath(folder), "")
     with os.scandir(folder) as entries:
         for entry in entries:
-            if entry.name.startswith(".") or not entry.is_file():
+            name = entry.name
+            if name.startswith(".") or not entry.is_file():
                 continue
-            parts = split_name(entry.name)
-            if parts is None:
+            # split_name, inlined: this loop runs once per directory entry at every start.
+            stem, dot, ext = name.rpartition(".")
+            ext = "." + ext.lower()
+            if not dot or not stem or ext not in IMAGE_EXTENSIONS:
                 logger.debug("ignoring %s: not a supported %s file", entry.path, role)
                 continue
-            stem = parts[0]
+            if stem.endswith(PREDICTION_SUFFIXES):
+                skipped_predictions.append(name)
+                continue
             stat = entry.stat()
             if stem in files:
-                duplicates.setdefault(stem, [files[stem].path.name]).append(entry.name)
+                duplicates.setdefault(stem, [files[stem].name]).append(name)
                 continue
-            files[stem] = FileInfo(Path(entry.path), stat.st_size, stat.st_mtime_ns)
+            # tuple.__new__: a named tuple's own constructor is Python code, a measurable cost per entry.
+            files[stem] = _new_tuple(FileInfo, (prefix + name, ext, stat.st_size, stat.st_mtime_ns))
+    if skipped_predictions and (prefix, len(skipped_predictions)) not in _warned_prediction_files:
+        _warned_prediction_files.add((prefix, len(skipped_predictions)))  # one warning, however often it is indexed
+        logger.warning(
+            "ignoring %d file(s) in %s named like predict.py's outputs (*%s, *%s), e.g. %s",
+            len(skipped_predictions),
+            folder,
+            OUTPUT_SUFFIX,
+            VIZ_SUFFIX,
+            sorted(skipped_predictions)[0],
+        )
     if duplicates:
         examples = "; ".join(" and ".join(sorted(names)) for _, names in sorted(duplicates.items())[:5])
         raise DatasetError(
@@ -113,15 +156,31 @@ def load_image(path: str | Path) -> Image.Image:
 
 def image_size(path: str | Path) -> tuple[int, int]:
     """Return ``(width, height)`` of an image file, reading only its header where the format allows."""
+    width, height, _ = image_header(path)
+    return width, height
+
+
+def image_header(path: str | Path) -> tuple[int, int, int]:
+    """Return ``(width, height, channels)`` of an image file as a photo loads (1 grey, 3 colour), from its header."""
     path = Path(path)
     ext = path.suffix.lower()
-    if ext == ".npy":
-        # mmap reads just the header; the pixels are never touched.
-        return _array_size(np.load(path, mmap_mode="r", allow_pickle=False).shape, path)
-    if ext == ".pt":
-        return _array_size(_load_pt(path).shape, path)
+    if ext in ARRAY_EXTENSIONS:
+        # For .npy, mmap reads just the header; the pixels are never touched.
+        loaded = np.load(path, mmap_mode="r", allow_pickle=False) if ext == ".npy" else _load_pt(path)
+        shape = loaded.shape
+        width, height = _array_size(shape, path)
+        layout = _layout(shape, path)
+        channels = 1 if layout == "hw" else shape[0] if layout == "chw" else shape[2]
+        return width, height, 1 if channels == 1 else 3
     with Image.open(path) as img:
-        return img.size
+        return img.size[0], img.size[1], mode_channels(img.mode)
+
+
+def mode_channels(mode: str) -> int:
+    """Channels a photo of PIL ``mode`` loads with: 1 for grey modes (alpha dropped), 3 for every other mode."""
+    if mode in ("1", "L", "LA", "I", "F") or mode.startswith("I;16"):
+        return 1
+    return 3
 
 
 def array_to_image(array: np.ndarray, path: str | Path) -> Image.Image:

@@ -8,6 +8,8 @@ torch (see ``utils.datasets.image_files``).
 
 from __future__ import annotations
 
+import array
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,17 +22,21 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
 
-from utils.datasets.image_files import UNREADABLE_FILE_ERRORS, FileInfo, image_size, load_image
+from utils.datasets.image_files import UNREADABLE_FILE_ERRORS, FileInfo, image_header, load_image
 from utils.errors import ConfigError, DatasetError
 
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it whenever decoding or the stored fields change, so older cache files stop matching.
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 4
+# The class index of a void pixel (a mask value passed as --ignore-value): cross-entropy's default ignore_index, and
+# negative, so it can never be a class.
+IGNORE_INDEX = -100
 # Below this many masks a pool costs more to start than it saves.
 MIN_MASKS_FOR_POOL = 32
 MAX_DEFAULT_WORKERS = 8
@@ -43,9 +49,8 @@ MaskValues = list[int] | list[list[int]]
 _UNREADABLE_ERRORS = (*UNREADABLE_FILE_ERRORS, DatasetError)
 
 
-@dataclass(frozen=True)
-class MaskPair:
-    """An image and its mask; ``name`` is the image id."""
+class MaskPair(NamedTuple):
+    """An image and its mask; ``name`` is the image id (a named tuple: one is made per pair at every start)."""
 
     name: str
     image: FileInfo
@@ -54,10 +59,14 @@ class MaskPair:
 
 @dataclass(frozen=True)
 class MaskScan:
-    """What the dataset needs from its masks: the sorted distinct values and each image's ``(width, height)``."""
+    """What the dataset needs from its files: the masks' sorted distinct values, each image's ``(width, height)``
+    and channel count as a photo (1 grey, 3 colour)."""
 
     mask_values: MaskValues
     image_sizes: dict[str, tuple[int, int]]
+    image_channels: dict[str, int]
+    value_counts: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
+    """Per image, ``(k, pixels)`` for each value ``mask_values[k]`` it contains (full-size masks, before scaling)."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +75,12 @@ class _PairResult:
 
     name: str
     image_size: tuple[int, int] = (0, 0)
+    image_channels: int = 3
     mask_size: tuple[int, int] = (0, 0)
     colour: bool = False
     values: tuple = ()
+    counts: tuple[int, ...] = ()
+    """Pixels of each of ``values``."""
     error: str | None = None
 
 
@@ -110,10 +122,30 @@ def distinct_values(mask: np.ndarray) -> MaskValues:
     return np.unique(mask).tolist()
 
 
-def values_to_classes(mask: np.ndarray, mask_values: MaskValues) -> np.ndarray:
-    """Map a ``mask_array`` to int64 class indices: pixels equal to ``mask_values[k]`` become ``k``.
+def value_counts(mask: np.ndarray) -> tuple[MaskValues, list[int]]:
+    """``distinct_values`` of a ``mask_array`` and the number of pixels holding each."""
+    if mask.ndim == 3:
+        packed, counts = np.unique(_pack_rgb(mask), return_counts=True)
+        return [[int(v) >> 16, (int(v) >> 8) & 0xFF, int(v) & 0xFF] for v in packed], counts.tolist()
+    if mask.dtype in (np.uint8, np.uint16):
+        histogram = np.bincount(mask.ravel(), minlength=1)
+        present = np.flatnonzero(histogram)
+        return present.tolist(), histogram[present].tolist()
+    values, counts = np.unique(mask, return_counts=True)
+    return values.tolist(), counts.tolist()
 
-    Values not in ``mask_values`` become 0, as in milesial/Pytorch-UNet (a dataset's own masks never have any).
+
+def values_to_classes(
+    mask: np.ndarray,
+    mask_values: MaskValues,
+    source: str | Path | None = None,
+    ignore_values: Sequence[int] = (),
+) -> np.ndarray:
+    """Map a ``mask_array`` to int64 class indices: pixels equal to ``mask_values[k]`` become ``k``, pixels equal to
+    one of ``ignore_values`` (void labels, single-channel masks only) become ``IGNORE_INDEX``.
+
+    A value not in ``mask_values`` is a DatasetError naming ``source`` (the mask file), never class 0 as in
+    milesial/Pytorch-UNet: it means the file changed after the scan, and training on it would teach wrong labels.
     """
     if not mask_values:
         raise DatasetError("mask_values is empty; it must list the mask value of every class")
@@ -127,17 +159,34 @@ def values_to_classes(mask: np.ndarray, mask_values: MaskValues) -> np.ndarray:
             raise DatasetError(f"a single-channel mask needs integer mask values, got {_preview(mask_values)}")
         keys = np.asarray(mask_values, dtype=np.int64)
         pixels = mask
+    # Void values join the keys with the class IGNORE_INDEX; a value both listed and ignored is a class.
+    ignored = [v for v in ignore_values if v not in mask_values] if mask.ndim != 3 else []
+    labels = np.concatenate([np.arange(len(keys), dtype=np.int64), np.full(len(ignored), IGNORE_INDEX, np.int64)])
+    keys = np.concatenate([keys, np.asarray(ignored, dtype=np.int64)])
     if pixels.dtype == np.uint8:
         # A 256-entry lookup table maps every pixel in one pass; iterate in reverse so the first k wins a tie.
-        table = np.zeros(256, dtype=np.int64)
+        table = np.full(256, len(keys), dtype=np.int64)
         for k in range(len(keys) - 1, -1, -1):
             if 0 <= keys[k] <= 255:
                 table[keys[k]] = k
-        return table[pixels]
-    order = np.argsort(keys, kind="stable")
-    sorted_keys = keys[order]
-    position = np.minimum(np.searchsorted(sorted_keys, pixels), len(keys) - 1)
-    return np.where(sorted_keys[position] == pixels, order[position], 0).astype(np.int64)
+        position = table[pixels]
+        known = position < len(keys)
+        classes = np.append(labels, 0)[position]
+    else:
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        position = np.minimum(np.searchsorted(sorted_keys, pixels), len(keys) - 1)
+        known = sorted_keys[position] == pixels
+        classes = np.where(known, labels[order[position]], 0).astype(np.int64)
+    if not known.all():
+        flat = mask.reshape(-1, 3) if mask.ndim == 3 else mask.reshape(-1)
+        unknown = np.unique(flat[~known.reshape(-1)], axis=0)
+        raise DatasetError(
+            f"{source or 'a mask'} holds mask value(s) {_preview(unknown.tolist())} that are not among the dataset's "
+            f"mask values {_preview(list(mask_values))}: the file changed after the masks were scanned; fix it (or "
+            f"restore it) and start again"
+        )
+    return classes
 
 
 def _preview(values: Sequence, limit: int = 10) -> str:
@@ -168,7 +217,7 @@ def scan_masks(
         time.perf_counter() - started,
         len(scan.mask_values),
     )
-    _write_cache(cache_file, scan)
+    _write_cache(cache_file, scan, pairs)
     return scan
 
 
@@ -204,25 +253,29 @@ def _pool_context() -> multiprocessing.context.BaseContext:
 def _scan_pair(pair: MaskPair) -> _PairResult:
     """Decode one mask, read its image's size from the header, and report any failure as text."""
     try:
-        image_wh = image_size(pair.image.path)
+        width, height, channels = image_header(pair.image.path)
     except _UNREADABLE_ERRORS as err:
         return _PairResult(pair.name, error=f"{pair.image.path} ({_reason(err)})")
     try:
         with load_image(pair.mask.path) as img:
             if img.mode in ("L", "P"):
                 # PIL's C histogram costs next to nothing beyond decoding; going through numpy doubles the time.
-                values, mask_wh, colour = [i for i, count in enumerate(img.histogram()) if count], img.size, False
+                histogram = img.histogram()
+                values = [i for i, count in enumerate(histogram) if count]
+                counts, mask_wh, colour = [histogram[i] for i in values], img.size, False
             else:
                 mask = mask_array(img, pair.mask.path)
-                values, mask_wh, colour = distinct_values(mask), (mask.shape[1], mask.shape[0]), mask.ndim == 3
+                (values, counts), mask_wh, colour = value_counts(mask), (mask.shape[1], mask.shape[0]), mask.ndim == 3
     except _UNREADABLE_ERRORS as err:
         return _PairResult(pair.name, error=f"{pair.mask.path} ({_reason(err)})")
     return _PairResult(
         name=pair.name,
-        image_size=image_wh,
+        image_size=(width, height),
+        image_channels=channels,
         mask_size=mask_wh,
         colour=colour,
         values=tuple(tuple(v) for v in values) if colour else tuple(values),
+        counts=tuple(counts),
     )
 
 
@@ -237,13 +290,13 @@ def _summarise(results: list[_PairResult], pairs: Sequence[MaskPair]) -> MaskSca
     unreadable = [r.error for r in results if r.error is not None]
     readable = [r for r in results if r.error is None]
     mismatched = [
-        f"mask {by_name[r.name].mask.path.name} is {_wh(r.mask_size)} but image {by_name[r.name].image.path.name} "
+        f"mask {by_name[r.name].mask.name} is {_wh(r.mask_size)} but image {by_name[r.name].image.name} "
         f"is {_wh(r.image_size)}"
         for r in readable
         if r.mask_size != r.image_size
     ]
-    colour = [by_name[r.name].mask.path.name for r in readable if r.colour]
-    single = [by_name[r.name].mask.path.name for r in readable if not r.colour]
+    colour = [by_name[r.name].mask.name for r in readable if r.colour]
+    single = [by_name[r.name].mask.name for r in readable if not r.colour]
 
     problems = []
     if unreadable:
@@ -261,12 +314,20 @@ def _summarise(results: list[_PairResult], pairs: Sequence[MaskPair]) -> MaskSca
             f"({len(single)}, e.g. {format_examples(single)}); save all masks one way (all RGB or all grey/palette)"
         )
     if problems:
-        mask_dir = pairs[0].mask.path.parent
-        raise DatasetError(f"bad data in {mask_dir} / {pairs[0].image.path.parent}: " + "; ".join(problems))
+        mask_dir, image_dir = os.path.dirname(pairs[0].mask.path), os.path.dirname(pairs[0].image.path)
+        raise DatasetError(f"bad data in {mask_dir} / {image_dir}: " + "; ".join(problems))
 
-    distinct = set().union(*(r.values for r in readable))
-    values: MaskValues = [list(v) for v in sorted(distinct)] if colour else sorted(distinct)
-    return MaskScan(mask_values=values, image_sizes={r.name: r.image_size for r in readable})
+    distinct = sorted(set().union(*(r.values for r in readable)))
+    values: MaskValues = [list(v) for v in distinct] if colour else distinct
+    index_of = {value: k for k, value in enumerate(distinct)}
+    return MaskScan(
+        mask_values=values,
+        image_sizes={r.name: r.image_size for r in readable},
+        image_channels={r.name: r.image_channels for r in readable},
+        value_counts={
+            r.name: tuple((index_of[v], c) for v, c in zip(r.values, r.counts, strict=True)) for r in readable
+        },
+    )
 
 
 def format_examples(items: list[str]) -> str:
@@ -286,21 +347,17 @@ def _pack_rgb(mask: np.ndarray) -> np.ndarray:
 
 
 def _cache_key(pairs: Sequence[MaskPair]) -> str:
-    # abspath is string work only (no syscalls), so hashing thousands of entries stays cheap.
-    entries = [
-        [
-            p.name,
-            os.path.abspath(p.image.path),
-            p.image.size,
-            p.image.mtime_ns,
-            os.path.abspath(p.mask.path),
-            p.mask.size,
-            p.mask.mtime_ns,
-        ]
-        for p in pairs
-    ]
-    payload = json.dumps([CACHE_FORMAT_VERSION, entries], separators=(",", ":"))
-    return hashlib.sha256(payload.encode()).hexdigest()
+    # FileInfo paths are already absolute. Strings joined with NUL (which no path contains) and the stat numbers as
+    # one int64 array: no per-pair formatting, so a 100,000-pair key costs tens of milliseconds.
+    digest = hashlib.sha256(f"{CACHE_FORMAT_VERSION}\0".encode())
+    for field in ("name", "image", "mask"):
+        strings = [p.name for p in pairs] if field == "name" else [getattr(p, field).path for p in pairs]
+        digest.update("\0".join(strings).encode("utf-8", "surrogateescape") + b"\1")
+    numbers = array.array(
+        "q", [n for p in pairs for n in (p.image.size, p.image.mtime_ns, p.mask.size, p.mask.mtime_ns)]
+    )
+    digest.update(numbers.tobytes())
+    return digest.hexdigest()
 
 
 def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> MaskScan | None:
@@ -312,23 +369,54 @@ def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> MaskScan | None:
     except (OSError, ValueError) as err:
         logger.warning("Ignoring unreadable mask-value cache %s (%s); scanning the masks again", cache_file, err)
         return None
-    scan = _parse_cache(content, {pair.name for pair in pairs})
+    scan = _parse_cache(content, [pair.name for pair in pairs])
     if scan is None:
         logger.warning("Ignoring malformed mask-value cache %s; scanning the masks again", cache_file)
     return scan
 
 
-def _parse_cache(content: object, names: set[str]) -> MaskScan | None:
+def _parse_cache(content: object, names: list[str]) -> MaskScan | None:
+    """The scan stored by ``_write_cache``: per-image lists in the pairs' order (the key fixes names and order)."""
     if not isinstance(content, dict) or content.get("format") != CACHE_FORMAT_VERSION:
         return None
-    values, sizes = content.get("mask_values"), content.get("image_sizes")
-    if not isinstance(values, list) or not values or not isinstance(sizes, dict) or set(sizes) != names:
+    values = content.get("mask_values")
+    widths, heights, channels = content.get("widths"), content.get("heights"), content.get("channels")
+    if not isinstance(values, list) or not values:
+        return None
+    counts = _parse_counts(content.get("value_counts"), len(names), len(values))
+    if counts is None:
+        return None
+    columns = (widths, heights, channels)
+    if not all(isinstance(column, list) and len(column) == len(names) for column in columns):
+        return None
+    # Whole-list checks (C loops): this runs over every image at every start.
+    if not all(set(map(type, column)) <= {int} for column in columns):
+        return None
+    if names and (min(widths) <= 0 or min(heights) <= 0 or not set(channels) <= {1, 3}):
         return None
     if not (all(_is_int(v) for v in values) or all(_is_colour(v) for v in values)):
         return None
-    if not all(isinstance(s, list) and len(s) == 2 and all(_is_int(x) and x > 0 for x in s) for s in sizes.values()):
+    return MaskScan(
+        mask_values=values,
+        image_sizes=dict(zip(names, zip(widths, heights, strict=True), strict=True)),
+        image_channels=dict(zip(names, channels, strict=True)),
+        value_counts=dict(zip(names, counts, strict=True)),
+    )
+
+
+def _parse_counts(column: object, n_images: int, n_values: int) -> list[tuple[tuple[int, int], ...]] | None:
+    """Per image ``[k0, count0, k1, count1, ...]`` lists back to ``(k, count)`` pairs; None when malformed."""
+    if not isinstance(column, list) or len(column) != n_images:
         return None
-    return MaskScan(mask_values=values, image_sizes={name: (s[0], s[1]) for name, s in sizes.items()})
+    parsed = []
+    for flat in column:
+        if not isinstance(flat, list) or len(flat) % 2 or not set(map(type, flat)) <= {int}:
+            return None
+        pairs = tuple(zip(flat[::2], flat[1::2], strict=True))
+        if any(not 0 <= k < n_values or count <= 0 for k, count in pairs):
+            return None
+        parsed.append(pairs)
+    return parsed
 
 
 def _is_int(value: object) -> bool:
@@ -339,12 +427,15 @@ def _is_colour(value: object) -> bool:
     return isinstance(value, list) and len(value) == 3 and all(_is_int(c) and 0 <= c <= 255 for c in value)
 
 
-def _write_cache(cache_file: Path, scan: MaskScan) -> None:
+def _write_cache(cache_file: Path, scan: MaskScan, pairs: Sequence[MaskPair]) -> None:
     """Write the cache atomically (temp file, fsync, rename): readers see the old file or the whole new one."""
     content = {
         "format": CACHE_FORMAT_VERSION,
         "mask_values": scan.mask_values,
-        "image_sizes": {name: list(size) for name, size in scan.image_sizes.items()},
+        "widths": [scan.image_sizes[pair.name][0] for pair in pairs],
+        "heights": [scan.image_sizes[pair.name][1] for pair in pairs],
+        "channels": [scan.image_channels[pair.name] for pair in pairs],
+        "value_counts": [[n for pair_count in scan.value_counts[pair.name] for n in pair_count] for pair in pairs],
     }
     tmp_name = None
     try:

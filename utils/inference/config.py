@@ -27,7 +27,8 @@ class PredictConfig:
     masks_dir: Path | None = None
     no_save: bool = False
     mask_threshold: float = 0.5
-    scale: float = 0.5
+    scale: float | None = None
+    """Resize factor; None: the checkpoint's training scale (``utils.model_spec.resolve_scale``)."""
     bilinear: bool = False
     """milesial's flag; the checkpoint decides the architecture, a contradicting flag is an error."""
     classes: int | None = None
@@ -37,7 +38,10 @@ class PredictConfig:
     device: str = "auto"
     workers: int = 2
     tile: int | None = None
-    tile_overlap: float = 0.25
+    tile_overlap: float = 0.5
+    """Fraction shared by neighbouring windows; 0.5 is nnU-Net's step of half a window."""
+    tta: bool = False
+    """Average the logits of the image and its flips (4 passes)."""
     export_format: str | None = None
     export_path: Path | None = None
     export_size: tuple[int, int] = (256, 256)
@@ -67,7 +71,7 @@ class PredictConfig:
 
     def tile_settings(self) -> TileSettings | None:
         """The ``--tile`` window settings (checked on creation), or None without ``--tile``."""
-        return None if self.tile is None else TileSettings(self.tile, self.tile_overlap)
+        return None if self.tile is None else TileSettings(self.tile, self.tile_overlap, self.tta)
 
 
 @dataclass
@@ -77,10 +81,10 @@ class EvaluateConfig:
     model: Path
     images_dir: Path
     masks_dir: Path
-    scale: float = 0.5
-    """Resize factor of images and masks, in (0, 1]; use the one the model was trained with."""
+    scale: float | None = None
+    """Resize factor of images and masks, in (0, 1]; None: the checkpoint's training scale."""
     batch_size: int = 4
-    """Images per forward pass; images in one batch must share a size."""
+    """Images per forward pass; images of different sizes go into different batches."""
     precision: str = "fp32"
     device: str = "auto"
     workers: int = 2

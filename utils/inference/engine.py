@@ -24,7 +24,10 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from utils.data_loading import image_tensor, load_image
-from utils.evaluation import predict_classes, run_model
+from utils.datasets.image_files import mode_channels
+from utils.evaluation import predict_classes
+from utils.inference.forward import forward_logits
+from utils.inference.memory import MemoryPlanner
 from utils.inference.tiling import TileSettings, predict_logits_tiled
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,8 @@ class InputItem:
     original: Tensor | None = None
     """``[C, H, W]`` uint8 pixels of the file, kept only for visualisation."""
     error: str | None = None
+    converted_from: int | None = None
+    """The file's channel count when it was converted to the model's (grey photo for an RGB model, or the reverse)."""
 
 
 @dataclass
@@ -55,13 +60,19 @@ class Prediction:
 
 
 class PredictionInputs(Dataset):
-    """Decodes and resizes input files; a file that cannot be used becomes an item with ``error`` set, not a crash."""
+    """Decodes and resizes input files; a file that cannot be used becomes an item with ``error`` set, not a crash.
+
+    A grey photo for an RGB model is converted to RGB, a colour photo for a grey model to grey (PIL's luma), as
+    training does; ``predict_items`` warns once with the count of such files.
+    """
 
     def __init__(self, paths: Sequence[Path], scale: float, n_channels: int, keep_original: bool = False) -> None:
         self.paths = list(paths)
         self.scale = scale
         self.n_channels = n_channels
         self.keep_original = keep_original
+        # The dataset's conversion (grey <-> RGB by PIL mode) exists for 1- and 3-channel models only.
+        self._convert_to = n_channels if n_channels in (1, 3) else None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -71,14 +82,16 @@ class PredictionInputs(Dataset):
         try:
             with load_image(path) as pil_image:
                 # The training pipeline's conversion and resize, so predictions see what the model was trained on.
-                image = image_tensor(pil_image, self.scale)
+                own_channels = mode_channels(pil_image.mode)
+                converted_from = own_channels if own_channels != self.n_channels else None
+                image = image_tensor(pil_image, self.scale, self._convert_to)
                 if image.shape[0] != self.n_channels:
                     raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
                 original = _display_pixels(pil_image) if self.keep_original else None
                 original_size = (pil_image.height, pil_image.width)
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
             return InputItem(index, path, error=f"cannot read image {path}: {_describe(error)}")
-        return InputItem(index, path, image, original_size, original)
+        return InputItem(index, path, image, original_size, original, converted_from=converted_from)
 
 
 def _display_pixels(pil_image) -> Tensor:
@@ -143,11 +156,12 @@ def predict_batch(
     threshold: float = 0.5,
     tile: TileSettings | None = None,
     tile_batch_size: int = 4,
+    tta: bool = False,
 ) -> list[Prediction]:
     """Predict a batch of items whose network-input images all have the same shape."""
     images = torch.stack([item.image for item in items]).to(device, non_blocking=True)
     if tile is None:
-        logits = run_model(model, images, precision)
+        logits = forward_logits(model, images, precision, tta)
     else:
         logits = predict_logits_tiled(model, images, tile, precision, tile_batch_size)
     return [
@@ -167,8 +181,14 @@ def predict_items(
     tile: TileSettings | None = None,
     workers: int = 0,
     progress: bool = True,
+    tta: bool = False,
+    memory: MemoryPlanner | None = None,
 ) -> Iterator[Prediction]:
-    """Yield one ``Prediction`` per input (in completion order, not input order); failures carry ``error``."""
+    """Yield one ``Prediction`` per input (in completion order, not input order); failures carry ``error``.
+
+    Without ``tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch
+    whose whole-image pass would not fit runs in windows the planner sizes, with one warning.
+    """
     model.eval()
     loader = DataLoader(
         dataset,
@@ -177,17 +197,38 @@ def predict_items(
         collate_fn=keep_as_list,
     )
     buckets = ShapeBuckets(batch_size)
+    planner = memory if memory is not None else MemoryPlanner.for_device(device)
 
     def run(batch: list[InputItem]) -> list[Prediction]:
+        batch_tile = tile
+        if batch_tile is None:
+            assert batch[0].image is not None
+            shape = tuple(batch[0].image.shape)
+            batch_tile = planner.tile_if_needed(model, len(batch), shape, tta, window_batch=batch_size)
         return predict_batch(
-            model, batch, device, precision=precision, threshold=threshold, tile=tile, tile_batch_size=batch_size
+            model,
+            batch,
+            device,
+            precision=precision,
+            threshold=threshold,
+            tile=batch_tile,
+            tile_batch_size=batch_size,
+            tta=tta,
         )
 
+    converted: dict[int, int] = {}
     with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not progress) as bar:
         for predictions in _run_batches(loader, buckets, run):
             for prediction in predictions:
+                if prediction.item.converted_from is not None:
+                    converted[prediction.item.converted_from] = converted.get(prediction.item.converted_from, 0) + 1
                 bar.update(1)
                 yield prediction
+    for channels, count in sorted(converted.items()):
+        kind, target = ("grey", "RGB") if channels == 1 else ("colour", "grey")
+        logger.warning(
+            "%d %s image(s) were converted to %s for the %d-channel model", count, kind, target, dataset.n_channels
+        )
 
 
 def _run_batches(

@@ -1,18 +1,30 @@
-"""Which image files a prediction run reads, where each one's outputs go, and whether they can be written there."""
+"""Which image files a run reads, where each one's outputs go, and whether they can be written there.
+
+``check_no_clashes`` is the one guard of predict's and evaluate's outputs: before anything is written, every output
+path is compared with every input path, with the checkpoint and any existing ``.pth`` file, and with the others.
+"""
 
 from __future__ import annotations
 
 import glob
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.datasets.image_files import IMAGE_EXTENSIONS
+from utils.datasets.image_files import IMAGE_EXTENSIONS, OUTPUT_SUFFIX, VIZ_SUFFIX
 from utils.errors import ConfigError
 
-OUTPUT_SUFFIX = "_OUT"
-VIZ_SUFFIX = "_VIZ"
+__all__ = [
+    "OUTPUT_SUFFIX",
+    "VIZ_SUFFIX",
+    "check_no_clashes",
+    "check_writable",
+    "collect_inputs",
+    "files_in",
+    "plan_outputs",
+    "prediction_outputs",
+]
 # Masks must be stored losslessly: a JPEG would blur class values into each other.
 MASK_FORMATS = (".png", ".gif", ".bmp", ".tif", ".tiff")
 
@@ -79,18 +91,57 @@ def plan_outputs(
             plans.append(
                 OutputPlan(folder / f"{path.stem}{OUTPUT_SUFFIX}.png", folder / f"{path.stem}{VIZ_SUFFIX}.png")
             )
-    seen: dict[Path, Path] = {}
-    for path, plan in zip(inputs, plans, strict=True):
-        for target in (plan.mask, plan.viz):
-            key = target.resolve()
-            if key in seen:
-                raise ConfigError(
-                    f"{seen[key]} and {path} would both be written to {target}; rename one or use --output"
-                )
-            seen[key] = path
-        if plan.mask.resolve() == path.resolve():
-            raise ConfigError(f"--output {plan.mask} is the input itself; choose another name")
     return plans
+
+
+def check_no_clashes(outputs: Iterable[tuple[Path, str]], inputs: Mapping[Path, str]) -> None:
+    """Raise ``ConfigError`` naming both paths when an output would replace an input, a checkpoint or another output.
+
+    ``outputs`` pairs and ``inputs`` map each path with what it is (``"the mask of in/a.png"``, ``"--input"``). Paths
+    are compared resolved, so ``./a.png`` and ``a.png`` (or a symbolic link) are one file. An existing ``.pth``
+    file is never overwritten, whether or not it is this run's checkpoint.
+    """
+    protected = {_key(path): (path, role) for path, role in inputs.items()}
+    written: dict[Path, tuple[Path, str]] = {}
+    for path, role in outputs:
+        key = _key(path)
+        if key in protected:
+            other, other_role = protected[key]
+            raise ConfigError(
+                f"{role} would be written to {path}, which is {other_role} {other}; choose another output name"
+            )
+        if path.suffix.lower() == ".pth" and path.exists():
+            raise ConfigError(f"{role} would be written to {path}, an existing checkpoint; choose another name")
+        if key in written:
+            other, other_role = written[key]
+            raise ConfigError(f"{other_role} and {role} would both be written to {path}; rename one or use --output")
+        written[key] = (path, role)
+
+
+def prediction_outputs(
+    inputs: Sequence[Path], plans: Sequence[OutputPlan], masks: bool, viz: bool
+) -> list[tuple[Path, str]]:
+    """The files a prediction run writes, each with what it is (for ``check_no_clashes``)."""
+    outputs: list[tuple[Path, str]] = []
+    for path, plan in zip(inputs, plans, strict=True):
+        if masks:
+            outputs.append((plan.mask, f"the mask of {path}"))
+        if viz:
+            outputs.append((plan.viz, f"the overlay of {path}"))
+    return outputs
+
+
+def files_in(folders: Iterable[Path], role: str) -> dict[Path, str]:
+    """Every file directly in ``folders`` (inputs a run reads, such as --masks), each with ``role``."""
+    found: dict[Path, str] = {}
+    for folder in folders:
+        if folder.is_dir():
+            found.update((path, role) for path in folder.iterdir() if path.is_file())
+    return found
+
+
+def _key(path: Path) -> Path:
+    return path.resolve()
 
 
 def check_writable(folders: set[Path]) -> None:

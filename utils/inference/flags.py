@@ -21,7 +21,13 @@ def add_model_check_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_scale_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scale", "-s", type=float, default=0.5, help="downscaling factor of the images (0.5)")
+    parser.add_argument(
+        "--scale",
+        "-s",
+        type=float,
+        default=None,
+        help="downscaling factor of the images (default: the checkpoint's training scale; 0.5 if it records none)",
+    )
 
 
 def add_compute_flags(parser: argparse.ArgumentParser, *, workers_help: str) -> None:
@@ -38,9 +44,9 @@ def add_progress_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def check_compute_flags(scale: float, batch_size: int, workers: int, *, workers_job: str) -> None:
+def check_compute_flags(scale: float | None, batch_size: int, workers: int, *, workers_job: str) -> None:
     """Raise ``ConfigError`` naming the flag when ``--scale``, ``--batch-size`` or ``--workers`` is out of range."""
-    if not 0.0 < scale <= 1.0:
+    if scale is not None and not 0.0 < scale <= 1.0:
         raise ConfigError(f"--scale {scale}: use a factor in (0, 1]")
     if batch_size < 1:
         raise ConfigError(f"--batch-size {batch_size}: use 1 or more")

@@ -1,7 +1,9 @@
 """Prediction overlays written as images (``predict.py --viz``), with the true mask beside them when one is given.
 
 Class 0 is treated as background and left undrawn; the other classes are painted over the image in their own colour:
-the dataset's colour when its mask values are colours, else a fixed palette.
+the dataset's colour when its mask values are colours, else a fixed palette. Below the image(s) a white strip holds
+the captions (``truth`` under the true mask's overlay, ``prediction`` under the model's) and a legend: a swatch of
+each foreground class's colour labelled ``class k = mask value``. The image pixels themselves carry no text.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 from torchvision.utils import draw_segmentation_masks
 
@@ -33,6 +35,13 @@ PALETTE = [
 ]
 OVERLAY_ALPHA = 0.5
 GAP_PIXELS = 8
+# The caption and legend strip: text rows of this height and swatches of this side on small images, growing with the
+# image (text 1/40 of its height) so that captions stay readable on a 1918x1280 photo; at most this many entries.
+ROW_PIXELS = 16
+SWATCH_PIXELS = 10
+TEXT_HEIGHT_FRACTION = 1 / 40
+MAX_LEGEND_ENTRIES = 32
+CAPTIONS = ("truth", "prediction")
 # Truth masks are looked up by the image's name plus one of these suffixes (Carvana uses "_mask").
 TRUTH_SUFFIXES = ("", "_mask", "_masks", "-mask", "_label", "_labels", "_gt")
 MASK_FILE_SUFFIXES = (".png", ".gif", ".bmp", ".tif", ".tiff", ".jpg", ".jpeg", ".npy", ".pt")
@@ -64,15 +73,62 @@ def overlay(image: Tensor, classes: np.ndarray, colours: Sequence[tuple[int, int
     return draw_segmentation_masks(rgb, masks, alpha=OVERLAY_ALPHA, colors=[colours[k] for k in present])
 
 
-def side_by_side(left: Tensor, right: Tensor, labels: tuple[str, str] = ("truth", "prediction")) -> Image.Image:
-    """Two ``[3, H, W]`` uint8 images next to each other with a white gap and a label in each corner."""
-    gap = torch.full((3, left.shape[1], GAP_PIXELS), 255, dtype=torch.uint8)
-    joined = Image.fromarray(torch.cat([left, gap, right], dim=2).permute(1, 2, 0).numpy())
-    draw = ImageDraw.Draw(joined)
-    for x, label in ((2, labels[0]), (left.shape[2] + GAP_PIXELS + 2, labels[1])):
-        draw.text((x + 1, 3), label, fill=(0, 0, 0))
-        draw.text((x, 2), label, fill=(255, 255, 255))
-    return joined
+def legend_entries(colours: Sequence[tuple[int, int, int]], mask_values: Sequence) -> list[tuple[tuple, str]]:
+    """``(colour, label)`` for every foreground class: ``class k = <mask value>`` (class 0 is not drawn)."""
+    entries = []
+    for k in range(1, len(colours)):
+        value = mask_values[k] if k < len(mask_values) else k
+        entries.append((tuple(colours[k]), f"class {k} = {value}"))
+    return entries
+
+
+def with_captions(
+    panels: Sequence[Tensor], captions: Sequence[str], legend: Sequence[tuple[tuple, str]]
+) -> Image.Image:
+    """``[3, H, W]`` uint8 panels in a row (white gaps), a caption under each, then the legend, on white."""
+    height = max(panel.shape[1] for panel in panels)
+    swatch = max(SWATCH_PIXELS, round(height * TEXT_HEIGHT_FRACTION))
+    row_pixels = swatch + ROW_PIXELS - SWATCH_PIXELS
+    font = ImageFont.load_default(size=swatch)
+    panel_width = sum(panel.shape[2] for panel in panels) + GAP_PIXELS * (len(panels) - 1)
+    entries = list(legend[:MAX_LEGEND_ENTRIES])
+    if len(legend) > MAX_LEGEND_ENTRIES:
+        entries.append(((255, 255, 255), f"... {len(legend) - MAX_LEGEND_ENTRIES} more classes"))
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    widths = [swatch + 4 + int(probe.textlength(label, font=font)) + 12 for _, label in entries]
+    caption_widths = [int(probe.textlength(caption, font=font)) + 4 for caption in captions]
+    width = max([panel_width, *widths, *caption_widths])
+    rows = _wrap(widths, width)
+    canvas = Image.new("RGB", (width, height + row_pixels * (1 + len(rows))), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    x = 0
+    for panel, caption in zip(panels, captions, strict=True):
+        canvas.paste(Image.fromarray(panel.permute(1, 2, 0).numpy()), (x, 0))
+        draw.text((x + 2, height + 2), caption, fill=(0, 0, 0), font=font)
+        x += panel.shape[2] + GAP_PIXELS
+    entry_index = 0
+    for row_number, row in enumerate(rows):
+        top, x = height + row_pixels * (1 + row_number), 2
+        for _ in range(row):
+            colour, label = entries[entry_index]
+            draw.rectangle((x, top + 3, x + swatch - 1, top + 2 + swatch), fill=colour, outline=(0, 0, 0))
+            draw.text((x + swatch + 4, top + 2), label, fill=(0, 0, 0), font=font)
+            x += widths[entry_index]
+            entry_index += 1
+    return canvas
+
+
+def _wrap(widths: Sequence[int], width: int) -> list[int]:
+    """How many legend entries go in each row of ``width`` pixels."""
+    rows: list[int] = []
+    used = width
+    for entry_width in widths:
+        if used + entry_width > width and (not rows or rows[-1]):
+            rows.append(0)
+            used = 0
+        rows[-1] += 1
+        used += entry_width
+    return rows
 
 
 def find_truth_mask(masks_dir: Path, image_path: Path) -> Path | None:
@@ -106,9 +162,15 @@ def render_visualization(
     predicted: np.ndarray,
     colours: Sequence[tuple[int, int, int]],
     truth: np.ndarray | None = None,
+    mask_values: Sequence = (),
 ) -> Image.Image:
-    """The prediction overlay alone, or truth | prediction side by side when ``truth`` is given."""
+    """The prediction overlay, or truth | prediction side by side when ``truth`` is given, captioned, with a legend.
+
+    The overlay pixels sit at the top left, as in the image (``[:H, :W]``; the prediction's at ``W + GAP_PIXELS``
+    beside the truth's); the captions and legend are below them.
+    """
+    legend = legend_entries(colours, mask_values)
     predicted_overlay = overlay(image, predicted, colours)
     if truth is None:
-        return Image.fromarray(predicted_overlay.permute(1, 2, 0).numpy())
-    return side_by_side(overlay(image, truth, colours), predicted_overlay)
+        return with_captions([predicted_overlay], CAPTIONS[1:], legend)
+    return with_captions([overlay(image, truth, colours), predicted_overlay], CAPTIONS, legend)

@@ -1,7 +1,7 @@
 """What ``evaluate.py`` adds to ``utils.evaluation``: masks mapped to a checkpoint's classes, batches, the table.
 
 The collate function runs in loader worker processes: it lives in a module, not in the script, so that it pickles
-under any start method, and it raises nothing there (see ``stack_same_size``).
+under any start method.
 """
 
 from __future__ import annotations
@@ -53,39 +53,41 @@ def _comparable(value: object) -> object:
     return tuple(int(channel) for channel in value) if isinstance(value, list | tuple) else int(value)
 
 
+def keep_items(batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """DataLoader collate function: keep the items apart; ``SizeGroupedBatches`` stacks those of one size."""
+    return batch
+
+
 @dataclass(frozen=True)
-class MixedSizes:
-    """What ``stack_same_size`` returns for a batch it cannot stack: the image shapes it found."""
+class SizeGroupedBatches:
+    """Stacked batches of up to ``batch_size`` items of one image size, from a loader collated by ``keep_items``.
 
-    shapes: list[tuple[int, ...]]
-
-
-def stack_same_size(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | MixedSizes:
-    """DataLoader collate function: stack a batch whose images share a size (evaluation never resizes or pads).
-
-    It runs in loader workers, where an exception would reach the user as a worker traceback; so a batch of mixed
-    sizes comes back as ``MixedSizes`` and ``SameSizeBatches`` raises the error in the main process.
+    Images of mixed sizes are grouped by size (as ``predict.py`` does): nothing is resized or padded, and since the
+    score is a mean over images, grouping does not change it. At most ``4 * batch_size`` items wait for a partner.
     """
-    shapes = {tuple(item["image"].shape) for item in batch}
-    if len(shapes) > 1:
-        return MixedSizes(sorted(shapes))
-    return {key: torch.stack([item[key] for item in batch]) for key in batch[0]}
-
-
-@dataclass(frozen=True)
-class SameSizeBatches:
-    """The batches of a loader collated by ``stack_same_size``; a batch of mixed sizes raises ``DatasetError``."""
 
     loader: DataLoader
+    batch_size: int
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for batch in self.loader:
-            if isinstance(batch, MixedSizes):
-                raise DatasetError(f"images of different sizes {batch.shapes} in one batch; use --batch-size 1")
-            yield batch
+        buckets: dict[tuple[int, ...], list[dict[str, torch.Tensor]]] = {}
+        for items in self.loader:
+            for item in items:
+                bucket = buckets.setdefault(tuple(item["image"].shape), [])
+                bucket.append(item)
+                if len(bucket) == self.batch_size:
+                    yield _stack(buckets.pop(tuple(item["image"].shape)))
+                elif sum(len(waiting) for waiting in buckets.values()) > 4 * self.batch_size:
+                    yield _stack(buckets.pop(max(buckets, key=lambda shape: len(buckets[shape]))))
+        for bucket in buckets.values():
+            yield _stack(bucket)
+
+
+def _stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
 def format_table(result: EvalResult, mask_values: Sequence) -> str:
@@ -99,6 +101,12 @@ def format_table(result: EvalResult, mask_values: Sequence) -> str:
     mean_all_dice = sum(result.per_class_dice) / len(result.per_class_dice)
     mean_all_iou = sum(result.per_class_iou) / len(result.per_class_iou)
     rows.append(("mean (all classes)", "", f"{mean_all_dice:.4f}", f"{mean_all_iou:.4f}"))
+    if result.micro_per_class_dice:
+        # The rows above are per-image means (macro); these score the pixels of the whole dataset at once.
+        micro = result.reductions()["micro"]
+        rows.append((f"micro {foreground}", "", f"{micro['dice']:.4f}", f"{micro['iou']:.4f}"))
+        with_background = f"{micro['dice_with_background']:.4f}", f"{micro['iou_with_background']:.4f}"
+        rows.append(("micro mean (all classes)", "", *with_background))
     widths = [max(len(row[column]) for row in rows) for column in range(4)]
     lines = [
         "  ".join(

@@ -1,19 +1,13 @@
-"""Sliding-window inference: window placement on the UNet's pooling grid and blending of overlapping windows.
+"""Sliding-window inference as nnU-Net does it: half-window steps, Gaussian importance weights, optional flips.
 
-Windows blend with weights that taper linearly across each overlap. How close this is to whole-image prediction,
-honestly:
+Windows start on multiples of 16 (the UNet pools four times by 2), so every window sees the whole image's pooling
+grid; neighbours overlap by half a window by default (nnU-Net's step of 0.5). Each window's logits are weighted by
+a Gaussian centred on the window with sigma = window / 8 (nnU-Net's importance map): centres, where the window holds
+the most context, count most, and the blended logit is the weighted mean over the windows covering a pixel.
 
-* a window that covers the whole image gives exactly the whole-image logits (all weights are 1);
-* window starts lie on multiples of 16 (the UNet pools four times by 2), so every window sees the same pooling grid
-  as the whole image;
-* but a UNet's receptive field is about 200 pixels, more than any window margin, and a window's zero padding
-  replaces real context near its edges. Logits therefore differ slightly wherever the window is not the whole
-  image; the tapering weights give most say to window centres, where context is most complete. Measured on an
-  untrained model with a balanced bias (the worst case: many near-ties), 96-pixel windows with overlap 0.5 keep the
-  logits within 0.1-0.2 standard deviations of the whole-image ones and agree on 99.1-99.9% of pixels, every
-  flipped pixel a near-tie; windows that merely touch (overlap 0) are off by several standard deviations
-  (``tests/inference/test_tiling.py``). A briefly trained model, whose logits are confident, agreed on 99.99%.
-  Use tiling for images that do not fit, with windows as large as fit.
+How close this is to whole-image prediction: a window that covers the whole image gives exactly the whole-image
+logits; otherwise a UNet's receptive field (about 200 pixels) exceeds any window margin, so logits differ slightly
+near window edges. Measured figures are in the README (predict section) and ``tests/inference/test_tiling.py``.
 """
 
 from __future__ import annotations
@@ -26,11 +20,14 @@ import torch
 from torch import Tensor, nn
 
 from utils.errors import ConfigError
-from utils.evaluation import run_model
+from utils.inference.forward import forward_logits
 
 # The UNet pools four times by 2: windows that start on multiples of this see the whole image's pooling grid.
 DOWNSAMPLING = 16
 MAX_TILE_OVERLAP = 0.5
+DEFAULT_TILE_OVERLAP = 0.5
+# nnU-Net's importance map: sigma is this fraction of the window side.
+GAUSSIAN_SIGMA_SCALE = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -39,8 +36,10 @@ class TileSettings:
 
     size: int
     """Window side in network-input pixels (after ``--scale``); a multiple of 16."""
-    overlap: float = 0.25
-    """Fraction of the window shared with each neighbour, in [0, 0.5]."""
+    overlap: float = DEFAULT_TILE_OVERLAP
+    """Fraction of the window shared with each neighbour, in [0, 0.5]; 0.5 is a step of half a window."""
+    tta: bool = False
+    """Average each window's logits over its flips (``utils.inference.forward``)."""
 
     def __post_init__(self) -> None:
         if self.size < 2 * DOWNSAMPLING or self.size % DOWNSAMPLING:
@@ -65,33 +64,32 @@ def tile_spans(length: int, tile: int, overlap: float, align: int = DOWNSAMPLING
     return [(start, start + tile) for start in starts[:-1]] + [(last_start, length)]
 
 
-def span_weights(spans: Sequence[tuple[int, int]]) -> list[Tensor]:
-    """Per-window blending weights along one axis: 1 inside, tapering linearly to ~0 across each shared stretch.
+def span_weights(spans: Sequence[tuple[int, int]], tile: int) -> list[Tensor]:
+    """Per-window importance along one axis: a Gaussian centred on the window, sigma = ``tile / 8``, peak 1.
 
-    Where two windows overlap their weights sum to 1; weights stay positive, so every pixel has a defined average.
-    An edge without a neighbour (the image border) keeps weight 1.
+    The 2-D weight of a window is the product of its row and column weights (nnU-Net's importance map, which is
+    separable). Weights stay positive (at least 1e-6 of the peak), so every pixel has a defined weighted mean.
     """
+    sigma = tile * GAUSSIAN_SIGMA_SCALE
     weights = []
-    for index, (start, end) in enumerate(spans):
+    for start, end in spans:
         positions = torch.arange(start, end, dtype=torch.float32) + 0.5
-        weight = torch.ones(end - start)
-        if index > 0 and spans[index - 1][1] > start:
-            shared = spans[index - 1][1] - start
-            weight = torch.minimum(weight, (positions - start) / shared)
-        if index + 1 < len(spans) and spans[index + 1][0] < end:
-            next_start = spans[index + 1][0]
-            weight = torch.minimum(weight, (end - positions) / (end - next_start))
-        weights.append(weight)
+        centre = (start + end) / 2
+        weight = torch.exp(-0.5 * ((positions - centre) / sigma) ** 2)
+        weights.append(weight.clamp_min(1e-6))
     return weights
 
 
 def predict_logits_tiled(
     model: nn.Module, images: Tensor, tile: TileSettings, precision: str, batch_size: int
 ) -> Tensor:
-    """Logits ``[N, K, h, w]`` of ``images`` ``[N, C, h, w]`` from blended sliding windows."""
+    """Logits ``[N, K, h, w]`` of ``images`` ``[N, C, h, w]`` from Gaussian-blended sliding windows."""
     _, _, height, width = images.shape
     row_spans, col_spans = tile_spans(height, tile.size, tile.overlap), tile_spans(width, tile.size, tile.overlap)
-    row_weights, col_weights = span_weights(row_spans), span_weights(col_spans)
+    if len(row_spans) == len(col_spans) == 1:
+        # One window is the whole image: its logits, exactly.
+        return forward_logits(model, images, precision, tile.tta)
+    row_weights, col_weights = span_weights(row_spans, tile.size), span_weights(col_spans, tile.size)
     windows = [
         (image_index, row, col)
         for image_index in range(images.shape[0])
@@ -114,7 +112,7 @@ def predict_logits_tiled(
         for chunk_start in range(0, len(group), batch_size):
             chunk = group[chunk_start : chunk_start + batch_size]
             crops = torch.stack([_crop(images[i], row_spans[r], col_spans[c]) for i, r, c in chunk])
-            logits = run_model(model, crops, precision)
+            logits = forward_logits(model, crops, precision, tile.tta)
             if logit_sum is None:
                 logit_sum = torch.zeros(images.shape[0], logits.shape[1], height, width, device=images.device)
             for (image_index, row, col), window_logits in zip(chunk, logits, strict=True):

@@ -55,7 +55,7 @@ class Writer:
                 )
             else:
                 truth = load_truth_classes(truth_path, self.mask_values, item.original_size)
-        render_visualization(item.original, prediction.classes, self.colours, truth).save(path)
+        render_visualization(item.original, prediction.classes, self.colours, truth, self.mask_values).save(path)
 
 
 def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: Sequence[OutputPlan]) -> list[str]:

@@ -1,94 +1,176 @@
-"""``curves.png``: training loss and validation Dice per optimizer step, drawn from metrics.jsonl with Pillow."""
+"""``curves.png``: the history of a run from ``metrics.jsonl``, drawn headless with matplotlib.
+
+Like nnU-Net's progress.png, five panels with labelled axes: training loss, validation Dice (mean of the foreground
+classes and each class), learning rate, throughput, and the time of each epoch's training steps. The figure is drawn
+on matplotlib's Agg canvas directly (no pyplot, no window, no global backend switch), so it works on machines without
+a display and inside any process. A resumed run appends to the same ``metrics.jsonl``; a step logged twice keeps its
+last value, so the curves of a resumed run continue as one line.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import os
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from PIL import Image, ImageDraw
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-PANEL_SIZE = (480, 320)
-MARGIN = (56, 24, 16, 40)  # left, top, right, bottom
-BACKGROUND = (255, 255, 255)
-AXIS = (60, 60, 60)
-GRID = (225, 225, 225)
-LOSS_COLOUR = (31, 119, 180)
-DICE_COLOUR = (214, 39, 40)
+Points = list[tuple[float, float]]
+
+FIGURE_SIZE_INCHES = (14.0, 8.0)
+DPI = 80
+LOSS_COLOUR = "#1f77b4"
+DICE_COLOUR = "#d62728"
 
 
-def read_series(metrics_path: Path) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """(global_step, loss) and (global_step, dice) points; a step logged twice (a resumed run) keeps its last value."""
-    losses: dict[int, float] = {}
-    dices: dict[int, float] = {}
+@dataclass
+class Series:
+    """The curves of one run, each as sorted ``(x, value)`` points."""
+
+    loss: Points = field(default_factory=list)
+    """(global step, mean training loss since the previous log)."""
+    learning_rate: Points = field(default_factory=list)
+    images_per_s: Points = field(default_factory=list)
+    dice: Points = field(default_factory=list)
+    """(global step, validation Dice averaged over the foreground classes)."""
+    per_class_dice: dict[int, Points] = field(default_factory=dict)
+    epoch_seconds: Points = field(default_factory=list)
+    """(epoch, seconds its optimizer steps took), estimated from the step times logged in that epoch."""
+
+
+def read_series(metrics_path: Path) -> Series:
+    """The curves in ``metrics_path``; lines cut short by a crash are skipped."""
+    train: dict[int, dict] = {}
+    val: dict[int, dict] = {}
     with open(metrics_path, encoding="utf-8") as handle:
         for line in handle:
             try:
                 event = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a line cut short by a crash
+                continue
             if event.get("event") == "train":
-                losses[int(event["global_step"])] = float(event["loss"])
+                train[int(event["global_step"])] = event
             elif event.get("event") == "val":
-                dices[int(event["global_step"])] = float(event["dice"])
-    return sorted(losses.items()), sorted(dices.items())
+                val[int(event["global_step"])] = event
+    series = Series()
+    for step in sorted(train):
+        event = train[step]
+        series.loss.append((step, float(event["loss"])))
+        if "lr" in event:
+            series.learning_rate.append((step, float(event["lr"])))
+        if "images_per_s" in event:
+            series.images_per_s.append((step, float(event["images_per_s"])))
+    per_class: dict[int, Points] = defaultdict(list)
+    for step in sorted(val):
+        event = val[step]
+        series.dice.append((step, float(event["dice"])))
+        for index, dice in enumerate(event.get("per_class_dice") or []):
+            per_class[index].append((step, float(dice)))
+    series.per_class_dice = dict(per_class)
+    series.epoch_seconds = _epoch_seconds([train[step] for step in sorted(train)])
+    return series
+
+
+def _epoch_seconds(events: list[dict]) -> Points:
+    """Seconds per epoch: the median time per optimizer step between consecutive logs, times the epoch's steps.
+
+    The median ignores the gap of an interruption (a resumed epoch's logs straddle the downtime) and the validation
+    pauses between epochs, so the figure is the training time an uninterrupted epoch takes. An epoch's steps are
+    counted from the previous epoch's last log to its own last log (from its first log, plus one logging interval,
+    when the previous epoch is not in the file).
+    """
+    by_epoch: dict[int, list[dict]] = defaultdict(list)
+    for event in events:
+        if "time" in event and "epoch" in event:
+            by_epoch[int(event["epoch"])].append(event)
+    points: Points = []
+    for epoch in sorted(by_epoch):
+        logged = by_epoch[epoch]
+        gaps = [
+            (later["time"] - earlier["time"], later["global_step"] - earlier["global_step"])
+            for earlier, later in zip(logged, logged[1:], strict=False)
+            if later["global_step"] > earlier["global_step"]
+        ]
+        previous = by_epoch.get(epoch - 1)
+        if previous:
+            steps = logged[-1]["global_step"] - previous[-1]["global_step"]
+        elif gaps:
+            steps = logged[-1]["global_step"] - logged[0]["global_step"] + statistics.median(s for _, s in gaps)
+        else:
+            continue
+        if gaps:
+            points.append((epoch, statistics.median(seconds / n for seconds, n in gaps) * steps))
+    return points
+
+
+def build_figure(series: Series) -> Figure:
+    """The five panels of ``series``."""
+    # Imported here: matplotlib takes about a second to import, which train.py --help or predict.py should not pay.
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=FIGURE_SIZE_INCHES, dpi=DPI, layout="constrained")
+    grid = figure.add_gridspec(2, 6)
+    loss_axes = figure.add_subplot(grid[0, :3])
+    dice_axes = figure.add_subplot(grid[0, 3:])
+    lr_axes = figure.add_subplot(grid[1, :2])
+    speed_axes = figure.add_subplot(grid[1, 2:4])
+    epoch_axes = figure.add_subplot(grid[1, 4:])
+
+    _plot(loss_axes, series.loss, "training loss", LOSS_COLOUR, "loss")
+    for index, points in sorted(series.per_class_dice.items()):
+        _plot(dice_axes, points, f"class {index}", None, "validation Dice", alpha=0.6, linestyle="--")
+    _plot(dice_axes, series.dice, "mean (foreground)", DICE_COLOUR, "validation Dice")
+    _plot(lr_axes, series.learning_rate, "learning rate", "#2ca02c", "learning rate")
+    _plot(speed_axes, series.images_per_s, "images/s", "#9467bd", "images/s (all processes)")
+    _plot(epoch_axes, series.epoch_seconds, "epoch time", "#8c564b", "seconds", x_label="epoch")
+    loss_axes.set_title("Training loss")
+    dice_axes.set_title("Validation Dice")
+    lr_axes.set_title("Learning rate")
+    speed_axes.set_title("Throughput")
+    epoch_axes.set_title("Training time per epoch")
+    if series.dice or series.per_class_dice:
+        dice_axes.legend(loc="lower right", fontsize="small")
+    return figure
+
+
+def _plot(
+    axes,
+    points: Points,
+    label: str,
+    colour: str | None,
+    y_label: str,
+    *,
+    x_label: str = "optimizer step",
+    alpha: float = 1.0,
+    linestyle: str = "-",
+) -> None:
+    axes.set_xlabel(x_label)
+    axes.set_ylabel(y_label)
+    axes.grid(True, alpha=0.3)
+    finite = [(x, y) for x, y in points if math.isfinite(y)]
+    if not finite:
+        axes.text(0.5, 0.5, "no data yet", transform=axes.transAxes, ha="center", va="center", color="grey")
+        return
+    xs, ys = zip(*finite, strict=True)
+    # A marker on every point keeps a one-epoch run (one validation) visible.
+    marker = "o" if len(finite) <= 50 else None
+    axes.plot(xs, ys, label=label, color=colour, alpha=alpha, linestyle=linestyle, marker=marker, markersize=4)
 
 
 def draw_curves(metrics_path: Path, out_path: Path) -> None:
-    """Two panels side by side: training loss, validation Dice."""
-    losses, dices = read_series(metrics_path)
-    width, height = PANEL_SIZE
-    image = Image.new("RGB", (2 * width, height), BACKGROUND)
-    draw = ImageDraw.Draw(image)
-    _panel(draw, (0, 0), "training loss", losses, LOSS_COLOUR)
-    _panel(draw, (width, 0), "validation Dice", dices, DICE_COLOUR)
-    image.save(out_path)
+    """Write the curves of ``metrics_path`` to ``out_path`` (PNG), atomically: a viewer never sees half a file."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-
-def _panel(
-    draw: ImageDraw.ImageDraw,
-    origin: tuple[int, int],
-    title: str,
-    points: Sequence[tuple[float, float]],
-    colour: tuple[int, int, int],
-) -> None:
-    left, top, right, bottom = MARGIN
-    x0, y0 = origin[0] + left, origin[1] + top
-    x1, y1 = origin[0] + PANEL_SIZE[0] - right, origin[1] + PANEL_SIZE[1] - bottom
-    draw.text((x0, origin[1] + 6), title, fill=AXIS)
-    draw.rectangle((x0, y0, x1, y1), outline=AXIS)
-    if not points:
-        draw.text((x0 + 8, y0 + 8), "no data yet", fill=AXIS)
-        return
-    steps = [step for step, _ in points]
-    values = [value for _, value in points if math.isfinite(value)] or [0.0]
-    step_lo, step_hi = min(steps), max(steps)
-    value_lo, value_hi = min(values), max(values)
-    if value_hi == value_lo:
-        value_lo, value_hi = value_lo - 0.5, value_hi + 0.5
-    if step_hi == step_lo:
-        step_lo, step_hi = step_lo - 1, step_hi + 1
-
-    def to_pixel(step: float, value: float) -> tuple[float, float]:
-        fx = (step - step_lo) / (step_hi - step_lo)
-        fy = (value - value_lo) / (value_hi - value_lo)
-        return x0 + fx * (x1 - x0), y1 - fy * (y1 - y0)
-
-    for fraction in (0.25, 0.5, 0.75):
-        y = y1 - fraction * (y1 - y0)
-        draw.line((x0 + 1, y, x1 - 1, y), fill=GRID)
-    for value, y in ((value_hi, y0), (value_lo, y1)):
-        draw.text((origin[0] + 4, y - 6), f"{value:.3g}", fill=AXIS)
-    draw.text((x0, y1 + 6), f"step {step_lo:g}", fill=AXIS)
-    label = f"step {step_hi:g}"
-    draw.text((x1 - 6 * len(label), y1 + 6), label, fill=AXIS)
-
-    pixels = [to_pixel(step, value) for step, value in points if math.isfinite(value)]
-    if len(pixels) > 1:
-        draw.line(pixels, fill=colour, width=2)
-    for x, y in pixels if len(pixels) <= 50 else pixels[-1:]:
-        draw.ellipse((x - 2, y - 2, x + 2, y + 2), fill=colour)
+    figure = build_figure(read_series(metrics_path))
+    temporary = out_path.with_name(f".{out_path.name}.tmp")
+    FigureCanvasAgg(figure).print_png(str(temporary))
+    os.replace(temporary, out_path)
 
 
 def write_curves_if_possible(metrics_path: Path, out_path: Path) -> bool:

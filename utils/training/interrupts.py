@@ -6,6 +6,9 @@ one-integer all-reduce on the CPU control group. The all-reduce is started async
 the training loop never waits for it, and every rank still sees the same answer at the same step, so all of them stop
 together, rank 0 writes ``INTERRUPTED.pth`` and each process exits with ``128 + signal`` (130 for SIGINT, 143 for
 SIGTERM).
+
+The same all-reduce carries rank 0's wish to save by wall time (--save-every-minutes): only rank 0 reads its clock,
+and every rank learns its decision at the same step boundary, so all of them save at the same step.
 """
 
 from __future__ import annotations
@@ -63,13 +66,20 @@ class StopAgreement:
         self._ctx = ctx
         self._flag = flag
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self.save_agreed = False
+        """Set by ``poll``: whether a rank asked to save (``save_due``) at the boundary whose answer arrived."""
 
-    def poll(self) -> int:
-        """The signal all ranks agree to stop for (0 = keep going); call once per step boundary on every rank."""
+    def poll(self, *, save_due: bool = False) -> int:
+        """The signal all ranks agree to stop for (0 = keep going); call once per step boundary on every rank.
+
+        ``save_due``: this rank asks every rank to save; ``save_agreed`` tells whether any rank asked (with several
+        processes the answer arrives at the next boundary, the same one on every rank).
+        """
         if not self._ctx.is_distributed:
+            self.save_agreed = save_due
             return self._flag.signum
         agreed = self._collect()
-        local = torch.tensor([self._flag.signum], dtype=torch.int32)
+        local = torch.tensor([self._flag.signum, int(save_due)], dtype=torch.int32)
         work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
         self._pending = (work, local)
         return agreed
@@ -80,8 +90,11 @@ class StopAgreement:
 
     def _collect(self) -> int:
         if self._pending is None:
+            self.save_agreed = False
             return 0
         work, value = self._pending
         self._pending = None
         work.wait()
-        return int(value.item())
+        signum, save = value.tolist()
+        self.save_agreed = bool(save)
+        return int(signum)

@@ -11,23 +11,32 @@ was not skipped.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from utils.checkpoint import save_checkpoint_atomic
-from utils.distributed import DistributedContext, agree_on_errors, barrier, broadcast_from_main, sum_across_ranks
-from utils.errors import UserError
-from utils.evaluation import EvalResult, evaluate, predict_classes
+from utils.checkpoint import copy_checkpoint_atomic, save_checkpoint_atomic
+from utils.distributed import (
+    DistributedContext,
+    agree_on_errors,
+    barrier,
+    broadcast_from_main,
+    raised_on_every_rank,
+    sum_across_ranks,
+)
+from utils.errors import DatasetError, UserError
+from utils.evaluation import EvalResult, evaluate_segmentation, predict_classes
 from utils.training.curves import write_curves_if_possible
 from utils.training.data import TrainData
 from utils.training.interrupts import InterruptFlag, StopAgreement
@@ -35,7 +44,8 @@ from utils.training.nonfinite import all_finite
 from utils.training.reporting import RunReporter, weight_and_grad_histograms
 from utils.training.run_folder import RunFolder
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
-from utils.training.state import TrainPosition, build_payload
+from utils.training.save_timer import SaveTimer
+from utils.training.state import TrainPosition, build_payload, dataset_record, enter_ranking
 from utils.training.step import TrainStep
 
 logger = logging.getLogger(__name__)
@@ -56,6 +66,10 @@ class LoopConfig:
     log_every: int = 10
     max_steps: int = 0
     max_nonfinite_steps: int = 5
+    save_every_minutes: float = 0.0
+    """Also save last.pth when this many minutes have passed since the last save (0 = off)."""
+    keep_best: int = 0
+    """Keep the K best states by validation Dice as best-1.pth .. best-K.pth (0 = off)."""
     plateau_scheduler: bool = False
     """The scheduler steps on validation Dice (ReduceLROnPlateau) instead of after every optimizer step."""
 
@@ -117,19 +131,23 @@ class Trainer:
         self._images_seen = self.position.global_step * self._plan.images_per_step
         self._last_log = (time.perf_counter(), self._images_seen)
         self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
+        # Read on global rank 0 only; the other ranks learn its decision through the stop agreement.
+        self._save_timer = SaveTimer(config.save_every_minutes)
 
     # ---------------------------------------------------------------------------------------------------- public
 
     def train(self) -> TrainOutcome:
         outcome = None
         self.parts.raw_model.train()
-        while outcome is None and self.position.epoch < self.config.last_epoch:
-            if self._max_steps_reached():
-                outcome = self._stop_for_max_steps()
-                break
-            outcome = self._run_epoch(self.position.epoch)
-            if outcome is None:
-                self._end_epoch(self.position.epoch)
+        # Log lines are written above the progress bars instead of being glued onto them.
+        with logging_redirect_tqdm():
+            while outcome is None and self.position.epoch < self.config.last_epoch:
+                if self._max_steps_reached():
+                    outcome = self._stop_for_max_steps()
+                    break
+                outcome = self._run_epoch(self.position.epoch)
+                if outcome is None:
+                    self._end_epoch(self.position.epoch)
         self._check_skipped_steps()
         self._stop.finish()
         if self.reporter.enabled and write_curves_if_possible(self.reporter.metrics_path, self.reporter.curves_path):
@@ -139,8 +157,11 @@ class Trainer:
         return outcome or TrainOutcome(self.position)
 
     def close(self) -> None:
-        """Close metrics.jsonl and the wandb run."""
-        self.reporter.close()
+        """Close metrics.jsonl and the wandb run, and release the run folder's lock."""
+        try:
+            self.reporter.close()
+        finally:
+            self.run_folder.unlock()
 
     # --------------------------------------------------------------------------------------------------- epochs
 
@@ -152,10 +173,11 @@ class Trainer:
         self.parts.data.train_dataset.set_epoch(epoch)
         batches_done = images_done // plan.global_batch
         total_batches = batches_done + math.ceil(len(sampler) / plan.batch_size)
-        # The bar counts global images (all ranks), the unit users reason in.
+        # The bar counts global images (all ranks), the unit users reason in: exactly those this epoch trains (with
+        # several ranks the sampler pads the epoch to a multiple of the world size), so it ends at 100%.
         progress = tqdm(
-            total=plan.batches_per_epoch * plan.global_batch,
-            initial=min(images_done, plan.n_train),
+            total=images_done + len(sampler) * self.ctx.world_size,
+            initial=images_done,
             desc=f"Epoch {epoch + 1}/{self.config.last_epoch}",
             unit="img",
             disable=not self.ctx.is_main,
@@ -180,6 +202,12 @@ class Trainer:
                 outcome = self._after_step(epoch, progress)
                 if outcome is not None:
                     return outcome
+        except DatasetError as error:
+            # A worker's error re-raised here carries the loader's iterator in its traceback. Dropping the traceback
+            # lets the iterator shut its workers down now; kept alive with the error, its idle workers (which ignore
+            # SIGTERM, see utils.training.data) would block the interpreter's exit forever.
+            error.__traceback__ = None
+            self._stop_for_bad_data(_first_line_of(error), every_rank=False)
         finally:
             progress.close()
         return None
@@ -193,7 +221,8 @@ class Trainer:
         epoch_number = epoch + 1
         self.position.epoch = epoch_number
         self.position.step_in_epoch = 0
-        improved = False
+        improved, place = False, None
+        previous_ranking = self.position.best_ranking
         if self._should_validate(epoch_number):
             dice = self._validate(epoch_number)
             if self.config.plateau_scheduler:
@@ -201,12 +230,21 @@ class Trainer:
             improved = dice > self.position.best_dice
             if improved:
                 self.position.best_dice = dice
+            if self.config.keep_best:
+                ranking = [list(entry) for entry in previous_ranking]
+                place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.keep_best)
+                self.position.best_ranking = ranking
         targets = [self.run_folder.last]
         if self.config.save_every and epoch_number % self.config.save_every == 0:
             targets.append(self.run_folder.epoch_checkpoint(epoch_number))
         if improved:
             targets.append(self.run_folder.best)
-        self._save(targets)
+        make_room = None
+        if place is not None:
+            targets.append(self.run_folder.ranked_best(place))
+            make_room = functools.partial(self.run_folder.make_room_for_best, place, self.config.keep_best)
+        if not self._save(targets, before_write=make_room):
+            self.position.best_ranking = previous_ranking  # the files did not move
         if self.ctx.is_main and self.config.keep_last:
             for path in self.run_folder.prune_epoch_checkpoints(self.config.keep_last):
                 logger.info("Removed %s (--keep-last %d)", path.name, self.config.keep_last)
@@ -223,7 +261,11 @@ class Trainer:
             self._log_train(epoch, progress)
         if self.config.save_every_steps and step % self.config.save_every_steps == 0:
             self._save([self.run_folder.last])
-        signum = self._stop.poll()
+        signum = self._stop.poll(save_due=self.ctx.is_main and self._save_timer.due())
+        if self._stop.save_agreed and not signum and self._last_saved_at != (step, self.position.epoch):
+            # Every rank got the same answer at this boundary, so all of them save here together.
+            if not self._save([self.run_folder.last]):
+                self._save_timer.saved()  # a skipped step postponed it: count the next interval from now
         if signum:
             return self._stop_for_signal(signum)
         if self._max_steps_reached():
@@ -240,6 +282,25 @@ class Trainer:
         return TrainOutcome(
             self.position, interrupted_by=signum, checkpoint=self.run_folder.interrupted if saved else None
         )
+
+    def _stop_for_bad_data(self, message: str, *, every_rank: bool) -> NoReturn:
+        """A file that fails to load mid-run: save INTERRUPTED.pth (nothing trained is lost), then stop with its error.
+
+        ``every_rank``: all ranks got here together (validation), so they can save together. A training file fails
+        on one rank only while the others wait in the gradient all-reduce; with several processes that rank stops
+        with the error, the others lose contact, and the newest checkpoint holds the last saved state.
+        """
+        if every_rank or not self.ctx.is_distributed:
+            where = self.run_folder.interrupted if self._save([self.run_folder.interrupted]) else None
+        else:
+            where = None
+        kept = (
+            f"saved {where} (step {self.position.global_step})"
+            if where
+            else f"the newest checkpoint in {self.run_folder} holds the last saved state"
+        )
+        error = DatasetError(f"{message}; {kept}: fix or replace the file, then continue with --resume auto")
+        raise raised_on_every_rank(error) if every_rank else error
 
     def _stop_for_max_steps(self) -> TrainOutcome:
         logger.info("Reached --max-steps %d", self.config.max_steps)
@@ -267,49 +328,64 @@ class Trainer:
             )
         limit = self.config.max_nonfinite_steps
         if limit and report.longest_run >= limit:
-            raise UserError(
+            diverged = UserError(
                 f"training diverged: {report.longest_run} optimizer steps in a row (up to step {step}) had NaN or inf "
                 f"loss or gradients and were skipped; the newest checkpoint in {self.run_folder} (if any) holds the "
                 f"last good state. Lower --learning-rate, keep --grad-clip on, check the data, or raise "
                 f"--max-nonfinite-steps (now {limit})"
             )
+            raise raised_on_every_rank(diverged)  # every rank counts the same steps
         return report.current_run
 
     # ---------------------------------------------------------------------------------------------- validation
 
     def _validate(self, epoch_number: int) -> float:
         """Validation Dice of the unwrapped model, computed on rank 0 and broadcast to every rank."""
-        dice = None
+        dice: float | str | None = None
         if self.ctx.is_main:
-            result = evaluate(
-                self.parts.raw_model,
-                self.parts.val_loader,
-                self.ctx.device,
-                n_classes=self.config.n_classes,
-                precision=self.parts.precision,
-                progress=True,
-            )
-            self._report_validation(epoch_number, result)
-            dice = result.dice
+            try:
+                result = evaluate_segmentation(
+                    self.parts.raw_model,
+                    self.parts.val_loader,
+                    self.ctx.device,
+                    n_classes=self.config.n_classes,
+                    precision=self.parts.precision,
+                    progress=True,
+                )
+            except DatasetError as error:
+                error.__traceback__ = None  # it holds the loader's iterator: see _run_epoch
+                dice = _first_line_of(error)  # every rank learns of it from the broadcast and stops with it
+            else:
+                self._report_validation(epoch_number, result)
+                dice = result.dice
         # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
-        return float(broadcast_from_main(self.ctx, dice))
+        dice = broadcast_from_main(self.ctx, dice)
+        if isinstance(dice, str):
+            self._stop_for_bad_data(dice, every_rank=True)
+        return float(dice)
 
     def _report_validation(self, epoch_number: int, result: EvalResult) -> None:
         per_class = ", ".join(
             f"{k}: Dice {d:.4f} IoU {i:.4f}"
             for k, (d, i) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True))
         )
+        micro = result.reductions()["micro"]
         logger.info(
-            "Validation after epoch %d (step %d, %d images): Dice %.4f, IoU %.4f [%s]",
+            "Validation after epoch %d (step %d, %d images): Dice %.4f, IoU %.4f [%s] (macro: per-image means; "
+            "the means average classes 1+); micro (dataset-level) Dice %.4f, IoU %.4f",
             epoch_number,
             self.position.global_step,
             result.n_images,
             result.dice,
             result.iou,
             per_class,
+            micro["dice"],
+            micro["iou"],
         )
         samples = self._wandb_samples() if self.reporter.wants_samples() else None
         self.reporter.log_val(epoch=epoch_number, global_step=self.position.global_step, result=result, samples=samples)
+        # Redrawn after every validation, so a long run's curves.png is always current.
+        write_curves_if_possible(self.reporter.metrics_path, self.reporter.curves_path)
 
     @torch.inference_mode()
     def _wandb_samples(self) -> dict[str, Any]:
@@ -352,7 +428,7 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------------- checkpoints
 
-    def _save(self, targets: list[Path]) -> bool:
+    def _save(self, targets: list[Path], *, before_write: Callable[[], None] | None = None) -> bool:
         """Write the current state to ``targets`` in the run folder (global rank 0); False when it is not saved.
 
         Called on every rank. A state is saved only when healthy: a skipped latest step postpones the save (the
@@ -369,18 +445,24 @@ class Trainer:
                 )
             return False
         if not all_finite(list(self.parts.raw_model.state_dict().values())):
-            raise UserError(
-                f"the weights became NaN or inf by step {self.position.global_step} although the gradients were "
-                f"finite, so the learning rate is far too large; nothing was saved (the newest checkpoint in "
-                f"{self.run_folder}, if any, holds the last good state). Lower --learning-rate"
+            # DDP keeps weights and buffers identical on every rank: all of them stop here with this message.
+            raise raised_on_every_rank(
+                UserError(
+                    f"the weights became NaN or inf by step {self.position.global_step} although the gradients were "
+                    f"finite, so the learning rate is far too large; nothing was saved (the newest checkpoint in "
+                    f"{self.run_folder}, if any, holds the last good state). Lower --learning-rate"
+                )
             )
-        agree_on_errors(self.ctx, lambda: self._write_checkpoint(targets) if self.ctx.is_main else None)
+        agree_on_errors(self.ctx, lambda: self._write_checkpoint(targets, before_write) if self.ctx.is_main else None)
         if self.run_folder.last in targets:
             self._last_saved_at = (self.position.global_step, self.position.epoch)
+            self._save_timer.saved()
         return True
 
-    def _write_checkpoint(self, targets: list[Path]) -> None:
+    def _write_checkpoint(self, targets: list[Path], before_write: Callable[[], None] | None = None) -> None:
         parts = self.parts
+        if before_write is not None:
+            before_write()
         payload = build_payload(
             model=parts.raw_model,
             model_args=parts.model_args,
@@ -391,11 +473,13 @@ class Trainer:
             position=self.position,
             args=parts.run_args,
             world_size=self.ctx.world_size,
+            dataset=dataset_record(parts.data.train_dataset.ids),
         )
+        # Serialised once; the other names get copies of its bytes, each a file of its own (see utils.checkpoint).
         first = targets[0]
         save_checkpoint_atomic(payload, first)
         for target in targets[1:]:
-            _link_or_save(first, target, payload)
+            copy_checkpoint_atomic(first, target)
         logger.info(
             "Saved %s at step %d (%d epochs and %d batches done)",
             ", ".join(path.name for path in targets),
@@ -405,17 +489,10 @@ class Trainer:
         )
 
 
-def _link_or_save(source: Path, target: Path, payload: dict[str, Any]) -> None:
-    """``target`` with the content of ``source``, without serialising the payload again where links are possible.
-
-    Checkpoints are never modified in place (every write renames a new file over the name), so two names sharing one
-    file stay independent: replacing ``last.pth`` later leaves ``best.pth`` as it was.
-    """
-    temporary = target.with_name(f".{target.name}.link.tmp")
-    try:
-        temporary.unlink(missing_ok=True)
-        os.link(source, temporary)
-        os.replace(temporary, target)
-    except OSError:
-        temporary.unlink(missing_ok=True)
-        save_checkpoint_atomic(payload, target)
+def _first_line_of(error: DatasetError) -> str:
+    """The message of ``error``; a DataLoader worker's error arrives wrapped in its traceback, ending with that line."""
+    text = str(error).strip()
+    if "Original Traceback" not in text:
+        return text
+    last = text.splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last

@@ -70,6 +70,8 @@ class RunReporter:
                 "per_class_dice": result.per_class_dice,
                 "per_class_iou": result.per_class_iou,
                 "n_images": result.n_images,
+                # Macro (per-image mean) and micro (dataset-level) scores, per class and averaged; see utils.evaluation.
+                "reductions": result.reductions(),
                 "time": time.time(),
             }
         )

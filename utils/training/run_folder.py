@@ -6,22 +6,34 @@ It holds (checkpoints all in the one format of ``utils/checkpoint.py``):
   ``--max-steps`` stops the run (mid-epoch states carry their position in ``step_in_epoch``);
 * ``checkpoint_epoch{N}.pth``: every ``--save_every`` epochs, the newest ``--keep-last`` kept;
 * ``best.pth``: the state with the best validation Dice;
+* ``best-1.pth`` .. ``best-K.pth``: with ``--keep-best K``, the K best states by validation Dice, best first;
 * ``INTERRUPTED.pth``: written when SIGINT/SIGTERM stopped the run;
 * ``metrics.jsonl`` and ``curves.png``.
 
-``--resume auto`` takes the most recently written checkpoint that loads completely; a corrupt one is skipped with a
-warning, and a folder without checkpoints starts a new run (so one command serves the first start and every restart
-of a requeued job). Only global rank 0 writes here.
+``--resume auto`` takes the most recently written checkpoint that loads completely (and passes its digest check); a
+corrupt one is skipped with a warning, and a folder without checkpoints starts a new run (so one command serves the
+first start and every restart of a requeued job). Only global rank 0 writes here.
+
+Reruns: the folders of one ``--exp_name`` form a series, ``<exp_name>``, ``<exp_name>-2``, ``<exp_name>-3``, ... A start
+without ``--resume`` whose newest folder holds a run (checkpoints or metrics) or is in use begins the next one;
+``--resume auto`` and a torchrun restart continue the newest. Nothing is ever overwritten.
+
+The lock: global rank 0 holds ``fcntl.flock`` on ``.lock`` in the folder for the whole run (the kernel releases it
+when the process dies, so ``kill -9`` never leaves a stale lock), and a second process never continues or writes a
+locked folder. Leftover temporary files are removed only under the lock.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
 
-from utils.checkpoint import PARTIAL_FILE_PATTERN
+from utils.checkpoint import PARTIAL_FILE_PATTERN, write_failure_message
 from utils.errors import CheckpointError, ConfigError
 from utils.training.state import load_resume_checkpoint
 
@@ -32,7 +44,13 @@ BEST_NAME = "best.pth"
 INTERRUPTED_NAME = "INTERRUPTED.pth"
 METRICS_NAME = "metrics.jsonl"
 CURVES_NAME = "curves.png"
+LOCK_NAME = ".lock"
 _EPOCH_PATTERN = re.compile(r"^checkpoint_epoch(\d+)\.pth$")
+
+
+def ranked_best_name(place: int) -> str:
+    """``best-<place>.pth``: the ``place``-th best state (1 = the best) kept by --keep-best."""
+    return f"best-{place}.pth"
 
 
 def epoch_checkpoint_name(epoch_number: int) -> str:
@@ -44,6 +62,7 @@ class RunFolder:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._lock_fd: int | None = None
 
     @classmethod
     def of(cls, checkpoint_dir: str | Path, exp_name: str) -> RunFolder:
@@ -72,8 +91,86 @@ class RunFolder:
     def curves(self) -> Path:
         return self.path / CURVES_NAME
 
+    @property
+    def lock_file(self) -> Path:
+        return self.path / LOCK_NAME
+
+    def ranked_best(self, place: int) -> Path:
+        return self.path / ranked_best_name(place)
+
+    def make_room_for_best(self, place: int, keep: int) -> None:
+        """Move ``best-<place>.pth`` .. ``best-<keep-1>.pth`` one place down (the old ``best-<keep>.pth`` goes), so
+        a new state can be written at ``place``. Each move is one atomic rename."""
+        for lower in range(keep - 1, place - 1, -1):
+            source = self.ranked_best(lower)
+            if source.exists():
+                os.replace(source, self.ranked_best(lower + 1))
+
     def epoch_checkpoint(self, epoch_number: int) -> Path:
         return self.path / epoch_checkpoint_name(epoch_number)
+
+    # --------------------------------------------------------------------------------------------------- lock
+
+    def try_lock(self) -> int | None:
+        """Take the folder's lock (creating the folder); None when taken, else the PID of the process that holds it.
+
+        A full disk or a folder without write permission is the same one-line error as a failed save.
+        """
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise CheckpointError(write_failure_message(self.lock_file, error)) from error
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            holder = _read_pid(fd)
+            os.close(fd)
+            if error.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                return holder or -1
+            raise CheckpointError(write_failure_message(self.lock_file, error)) from error
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            os.fsync(fd)
+        except OSError as error:
+            os.close(fd)
+            raise CheckpointError(write_failure_message(self.lock_file, error)) from error
+        self._lock_fd = fd
+        return None
+
+    def lock(self) -> None:
+        """Take the lock or stop with one line naming the folder, the process that holds it and the fix."""
+        holder = self.try_lock()
+        if holder is not None:
+            raise ConfigError(f"run folder {self.path} is in use by {_describe(holder)}; {_IN_USE_FIX}")
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            # Unlock explicitly: forked children (DataLoader workers) share the lock and may outlive this close.
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def is_locked_by_another(self) -> bool:
+        """Whether a live process holds this folder's lock (without taking it)."""
+        if self._lock_fd is not None or not self.lock_file.is_file():
+            return False
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def holds_a_run(self) -> bool:
+        """Whether an earlier or live run owns this folder: checkpoints, metrics, or its lock held."""
+        return bool(self.checkpoints()) or self.metrics.exists() or self.is_locked_by_another()
 
     def check_creatable(self) -> None:
         """A run folder that cannot exist (a file in its way) stops the run now rather than at its first save."""
@@ -131,8 +228,9 @@ class RunFolder:
     def remove_partial_files(self) -> list[Path]:
         """Delete the temporary files that writes killed mid-way left behind; returns their paths.
 
-        Call it only when nothing writes to the folder (a run's start): the files of a write in progress look the same.
+        Only under the lock: the files of a write in progress look the same.
         """
+        assert self._lock_fd is not None, "remove_partial_files needs the folder's lock"
         if not self.path.is_dir():
             return []
         removed = []
@@ -141,3 +239,81 @@ class RunFolder:
                 candidate.unlink(missing_ok=True)
                 removed.append(candidate)
         return removed
+
+
+_IN_USE_FIX = "wait for that run to end or stop it, or choose another --exp_name"
+_SERIES_PATTERN = re.compile(r"^(?P<base>.+)-(?P<number>[2-9]|[1-9]\d+)$")
+
+
+class RunSeries:
+    """The run folders of one ``--exp_name``: ``<exp_name>``, ``<exp_name>-2``, ... (see the module docstring)."""
+
+    def __init__(self, checkpoint_dir: str | Path, exp_name: str) -> None:
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.exp_name = exp_name
+
+    def folder(self, number: int) -> RunFolder:
+        name = self.exp_name if number == 1 else f"{self.exp_name}-{number}"
+        return RunFolder(self.checkpoint_dir / name)
+
+    def newest_number(self) -> int:
+        """Number of the newest existing folder of the series (1 when none exists)."""
+        if not self.checkpoint_dir.is_dir():
+            return 1
+        numbers = [1]
+        for entry in self.checkpoint_dir.iterdir():
+            match = _SERIES_PATTERN.match(entry.name)
+            if match and match.group("base") == self.exp_name and entry.is_dir():
+                numbers.append(int(match.group("number")))
+        return max(numbers)
+
+    def newest(self) -> RunFolder:
+        return self.folder(self.newest_number())
+
+    def contains(self, path: Path) -> RunFolder | None:
+        """The folder of the series that ``path`` (a checkpoint) lies in, if any."""
+        parent = path.resolve().parent
+        for number in range(1, self.newest_number() + 1):
+            folder = self.folder(number)
+            if folder.path.resolve() == parent:
+                return folder
+        return None
+
+    def continue_newest(self) -> RunFolder:
+        """The newest folder, locked by this process; refused when a live run holds it."""
+        folder = self.newest()
+        folder.check_creatable()
+        folder.lock()
+        return folder
+
+    def start_new(self) -> RunFolder:
+        """The newest folder if it holds no run, else the next number; locked by this process. Logs a rerun."""
+        number = self.newest_number()
+        first = self.folder(number)
+        first.check_creatable()
+        while True:
+            folder = self.folder(number)
+            if not folder.holds_a_run() and folder.try_lock() is None:
+                if folder.holds_a_run():  # a run finished between the check and the lock
+                    folder.unlock()
+                else:
+                    break
+            number += 1
+        if number > 1:
+            logger.info(
+                "Run folder %s holds an earlier run (continue that with --resume auto); this run writes to %s",
+                self.folder(number - 1),
+                folder,
+            )
+        return folder
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _describe(pid: int) -> str:
+    return f"another training process (PID {pid})" if pid > 0 else "another training process"

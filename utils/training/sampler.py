@@ -9,12 +9,17 @@ Position inside an epoch is counted in *global* images consumed: after ``s`` bat
 the first ``s * b * W`` images of the epoch's order are done, whatever ``W`` was. A resumed run skips them by slicing
 the index list, so skipped images are never loaded, and then deals the rest to its own ranks, which also works when
 the world size changed between the two runs.
+
+Foreground oversampling (--oversample-foreground P, after nnU-Net's) keeps both properties: ``oversampled_order``
+is a pure function of ``(seed, epoch, world_size)`` that forces a fraction P of each rank's positions, spread evenly
+over its batches, to images containing a non-background class. The order depends on the world size (each rank's
+share must hold the fraction), so with oversampling one process no longer sees N processes' global batches.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +33,36 @@ def epoch_order(dataset_len: int, *, seed: int, epoch: int, shuffle: bool = True
     generator = torch.Generator()
     generator.manual_seed(seed + epoch)
     return torch.randperm(dataset_len, generator=generator).tolist()
+
+
+def oversampled_order(
+    dataset_len: int, foreground: Sequence[int], *, fraction: float, seed: int, epoch: int, world_size: int
+) -> list[int]:
+    """``epoch_order`` with a fraction ``fraction`` of every rank's positions given to ``foreground`` images.
+
+    Rank r takes positions ``r, r + W, ...``; its ``t``-th position (``t = i // W``) is forced when
+    ``floor((t + 1) * P) > floor(t * P)``, so each rank's forced share is exactly P over the epoch, spread evenly
+    over its batches. Forced positions take the foreground images in a shuffled cycle; the others take the epoch's
+    permutation in order (its tail, as many images as were forced, waits for another epoch).
+    """
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    if fraction > 0 and not foreground:
+        raise ValueError("foreground oversampling needs at least one foreground image")
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    base = torch.randperm(dataset_len, generator=generator).tolist()  # epoch_order's permutation
+    cycle = [foreground[k] for k in torch.randperm(len(foreground), generator=generator).tolist()]
+    order, next_base, next_foreground = [], 0, 0
+    for position in range(dataset_len):
+        t = position // world_size
+        if math.floor((t + 1) * fraction) > math.floor(t * fraction):
+            order.append(cycle[next_foreground % len(cycle)])
+            next_foreground += 1
+        else:
+            order.append(base[next_base])
+            next_base += 1
+    return order
 
 
 def shard_indices(order: list[int], *, rank: int, world_size: int, consumed: int = 0) -> list[int]:
@@ -97,10 +132,23 @@ class ResumableDistributedSampler(DistributedSampler):
     Also used with one process, so single-process order depends only on ``(seed, epoch)`` like the distributed one.
     """
 
-    def __init__(self, dataset_len: int, *, rank: int, world_size: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        foreground: Sequence[int] = (),
+        oversample_foreground: float = 0.0,
+    ) -> None:
+        """``foreground``: the indices whose images contain a non-background class, for ``oversampled_order``."""
         # DistributedSampler only needs len(dataset); a range stands in so the sampler never touches the images.
         super().__init__(range(dataset_len), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
         self._consumed = 0
+        self.foreground = list(foreground)
+        self.oversample_foreground = oversample_foreground
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
         """Select the epoch's order and skip its first ``consumed`` global images."""
@@ -108,7 +156,17 @@ class ResumableDistributedSampler(DistributedSampler):
         self._consumed = consumed
 
     def indices(self) -> list[int]:
-        order = epoch_order(len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        if self.oversample_foreground and self.shuffle:
+            order = oversampled_order(
+                len(self.dataset),
+                self.foreground,
+                fraction=self.oversample_foreground,
+                seed=self.seed,
+                epoch=self.epoch,
+                world_size=self.num_replicas,
+            )
+        else:
+            order = epoch_order(len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
         return shard_indices(order, rank=self.rank, world_size=self.num_replicas, consumed=self._consumed)
 
     def __iter__(self) -> Iterator[int]:

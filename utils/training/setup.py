@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from unet import UNet
 from utils.checkpoint import (
     KEY_ARGS,
+    KEY_DATASET,
     KEY_MASK_VALUES,
     KEY_MODEL,
     KEY_MODEL_ARGS,
@@ -39,7 +40,7 @@ from utils.distributed import DistributedContext, LaunchPlan, agree_on_errors, d
 from utils.errors import CheckpointError, ConfigError
 from utils.hardware import available_cpus, resolve_precision, threads_per_process, warn_if_emulated
 from utils.model_spec import check_expected, load_weights_into, spec_of
-from utils.training.config import RESUME_AUTO, TrainConfig
+from utils.training.config import RESUME_AUTO, TrainConfig, parse_class_weights
 from utils.training.data import (
     DataConfig,
     TrainData,
@@ -50,18 +51,39 @@ from utils.training.data import (
 )
 from utils.training.interrupts import InterruptFlag
 from utils.training.loop import LoopConfig, Trainer, TrainParts
-from utils.training.objective import OptimizerConfig, build_optimizer, build_scheduler
+from utils.training.objective import OptimizerConfig, auto_class_weights, build_optimizer, build_scheduler
 from utils.training.reporting import RunReporter
-from utils.training.run_folder import RunFolder
+from utils.training.run_folder import RunFolder, RunSeries
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler, images_consumed
-from utils.training.state import TrainPosition, load_resume_checkpoint, position_of, restore_rng_state
+from utils.training.state import (
+    TrainPosition,
+    dataset_record,
+    load_resume_checkpoint,
+    position_of,
+    restore_rng_state,
+)
 from utils.training.step import StepConfig, TrainStep
 from utils.training.sync_batchnorm import convert_sync_batchnorm
 
 logger = logging.getLogger(__name__)
 
-# Flags whose change makes a checkpoint's optimizer or schedule state meaningless.
-_STATE_SHAPING_FLAGS = {"optimizer": "--optimizer", "scheduler": "--scheduler"}
+# Flags a resume must repeat: the optimizer restores its own learning rate, weight decay and momentum from the
+# checkpoint (a new value would be logged but not used), and the data flags decide which images are trained and
+# which validate (a larger --validation would move trained images into the validation set). Every other flag takes
+# its new value; the model's own arguments are checked by utils.model_spec. README, "What survives a crash".
+_MUST_MATCH_FLAGS = {
+    "optimizer": "--optimizer",
+    "scheduler": "--scheduler",
+    "learning_rate": "--learning-rate",
+    "weight_decay": "--weight-decay",
+    "momentum": "--momentum",
+    "scale": "--scale",
+    "validation": "--validation",
+    "seed": "--seed",
+    "ignore_values": "--ignore-value",
+    "oversample_foreground": "--oversample-foreground",
+    "class_weights": "--class-weights",
+}
 
 
 def launch_plan(config: TrainConfig, argv: list[str]) -> LaunchPlan:
@@ -82,14 +104,26 @@ def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:
 
 
 def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: InterruptFlag) -> Trainer:
-    run_folder = RunFolder.of(config.checkpoint_dir, config.exp_name)
-    # Rank 0 reads the checkpoint it chooses; keeping it saves reading a large file twice.
+    # Rank 0 chooses (and locks) the run folder and the checkpoint to resume; every rank and node gets its choice.
+    # Rank 0 has read the checkpoint it chose; keeping it saves reading a large file twice.
     preloaded: dict[str, dict[str, Any]] = {}
-    resume_path = decide_on_main(ctx, lambda: _choose_resume_path(config.resume, run_folder, preloaded))
-    configure_reproducibility(config.seed, deterministic=config.deterministic)
-    parts = agree_on_errors(ctx, lambda: build_parts(config, ctx, resume_path, preloaded.get(resume_path or "")))
-    reporter = agree_on_errors(ctx, lambda: _open_reporter(config, ctx, run_folder))
-    return Trainer(loop_config(config), ctx, parts, run_folder=run_folder, reporter=reporter, interrupts=interrupts)
+    series = RunSeries(config.checkpoint_dir, config.exp_name)
+    chosen: list[RunFolder] = []
+    folder_path, resume_path = decide_on_main(
+        ctx, lambda: _choose_run(config.resume, series, ctx.restart_count, preloaded, chosen)
+    )
+    run_folder = chosen[0] if chosen else RunFolder(folder_path)
+    try:
+        configure_reproducibility(config.seed, deterministic=config.deterministic)
+        parts = agree_on_errors(
+            ctx, lambda: build_parts(config, ctx, resume_path, preloaded.get(resume_path or ""), run_folder=run_folder)
+        )
+        reporter = agree_on_errors(ctx, lambda: _open_reporter(config, ctx, run_folder))
+    except BaseException:
+        run_folder.unlock()
+        raise
+    loop_settings = loop_config(config, last_epoch=epoch_range(parts.run_args)[1])
+    return Trainer(loop_settings, ctx, parts, run_folder=run_folder, reporter=reporter, interrupts=interrupts)
 
 
 # ------------------------------------------------------------------------------------------ component configs
@@ -105,6 +139,8 @@ def data_config(config: TrainConfig) -> DataConfig:
         augment=config.augment,
         seed=config.seed,
         batch_size=config.batch_size,
+        pixel_cache=config.pixel_cache,
+        ignore_values=tuple(config.ignore_values),
     )
 
 
@@ -118,15 +154,36 @@ def optimizer_config(config: TrainConfig) -> OptimizerConfig:
     )
 
 
-def step_config(config: TrainConfig, precision: str) -> StepConfig:
+def step_config(config: TrainConfig, precision: str, class_weights: tuple[float, ...] | None = None) -> StepConfig:
     return StepConfig(
-        n_classes=config.classes, precision=precision, grad_clip=config.grad_clip, channels_last=config.channels_last
+        n_classes=config.classes,
+        precision=precision,
+        grad_clip=config.grad_clip,
+        channels_last=config.channels_last,
+        class_weights=class_weights,
     )
 
 
-def loop_config(config: TrainConfig) -> LoopConfig:
+def class_weights_of(config: TrainConfig, data: TrainData) -> tuple[float, ...] | None:
+    """--class-weights as numbers: given, or 'auto' from the training images' class pixel counts (None: off)."""
+    if config.class_weights is None:
+        return None
+    weights = parse_class_weights(config.class_weights, config.classes)
+    if weights is None:
+        counts = list(data.train_class_pixels) + [0] * (max(config.classes, 2) - len(data.train_class_pixels))
+        if sum(counts) == 0:
+            raise ConfigError("--class-weights auto found no labelled pixels in the training masks; give the weights")
+        weights = tuple(auto_class_weights(counts))
+        logger.info(
+            "--class-weights auto: class pixel counts %s give weights %s", counts, [round(w, 4) for w in weights]
+        )
+    return weights
+
+
+def loop_config(config: TrainConfig, *, last_epoch: int) -> LoopConfig:
+    """``last_epoch``: from the run's epoch plan (``epoch_range``), which a resumed run takes from its checkpoint."""
     return LoopConfig(
-        last_epoch=config.epochs,
+        last_epoch=last_epoch,
         n_classes=config.classes,
         val_every=config.val_every,
         save_every=config.save_every,
@@ -135,8 +192,45 @@ def loop_config(config: TrainConfig) -> LoopConfig:
         log_every=config.log_every,
         max_steps=config.max_steps,
         max_nonfinite_steps=config.max_nonfinite_steps,
+        save_every_minutes=config.save_every_minutes,
+        keep_best=config.keep_best,
         plateau_scheduler=config.scheduler == "plateau",
     )
+
+
+# ------------------------------------------------------------------------------------------------ epoch plan
+
+
+def epoch_range(run_args: dict[str, Any]) -> tuple[int, int]:
+    """(first, last) epoch numbers of a run: ``--epochs E --start_from S`` trains S..S+E-1, as the DDP script."""
+    first = int(run_args["start_from"])
+    return first, first + int(run_args["epochs"]) - 1
+
+
+def planned_run_args(config: TrainConfig, payload: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's flags as stored in its checkpoints; a resumed run keeps the epoch plan its checkpoint records.
+
+    The plan is made once, when the run starts: resuming continues it whatever --epochs/--start_from say now (to
+    train on with another plan, start a new run from the weights with --load and --start_from).
+    """
+    run_args = config.as_dict()
+    saved = (payload or {}).get(KEY_ARGS) or {}
+    if "epochs" in saved and "start_from" in saved:
+        plan = {"epochs": int(saved["epochs"]), "start_from": int(saved["start_from"])}
+        if (config.epochs, config.start_from) != (plan["epochs"], plan["start_from"]):
+            first, last = epoch_range(plan)
+            logger.warning(
+                "--resume continues the run's plan, epochs %d..%d (--start_from %d --epochs %d); this command's "
+                "--start_from %d --epochs %d are ignored",
+                first,
+                last,
+                plan["start_from"],
+                plan["epochs"],
+                config.start_from,
+                config.epochs,
+            )
+        run_args.update(plan)
+    return run_args
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -167,42 +261,64 @@ def configure_reproducibility(seed: int, *, deterministic: bool) -> None:
     torch.backends.cudnn.benchmark = not deterministic
 
 
-def _choose_resume_path(resume: str | None, run_folder: RunFolder, preloaded: dict[str, dict[str, Any]]) -> str | None:
-    """Rank 0's choice of checkpoint to resume (None for a new run); refuses to start a new run over an old one."""
-    run_folder.check_creatable()
-    # Nothing writes to the folder yet: a temporary file there is what a killed write left behind.
-    for path in run_folder.remove_partial_files():
-        logger.info("Removed %s, left behind by a checkpoint write that was interrupted", path)
-    if resume is None:
-        existing = run_folder.checkpoints()
-        if existing:
-            raise ConfigError(
-                f"run folder {run_folder} already holds checkpoints ({', '.join(p.name for p in existing[:3])}) from "
-                f"an earlier run; continue it with --resume auto, or choose another --exp_name (or delete the folder)"
-            )
-        return None
-    if resume == RESUME_AUTO:
-        found = run_folder.find_resume_checkpoint()
+def _choose_run(
+    resume: str | None,
+    series: RunSeries,
+    restart_count: int,
+    preloaded: dict[str, dict[str, Any]],
+    chosen: list[RunFolder],
+) -> tuple[str, str | None]:
+    """Rank 0's run folder (locked) and checkpoint to resume (None for a new run), as plain strings to broadcast.
+
+    A new start never touches an earlier or live run (it takes the next folder of the series); ``--resume auto`` and a
+    torchrun restart continue the newest folder; a locked folder is never continued.
+    """
+    if resume is None and restart_count == 0:
+        folder = series.start_new()
+        chosen.append(folder)
+        _remove_partial_files(folder)
+        return str(folder.path), None
+    if resume is None or resume == RESUME_AUTO:
+        folder = series.continue_newest()
+        chosen.append(folder)
+        _remove_partial_files(folder)
+        found = folder.find_resume_checkpoint()
         if found is None:
-            logger.info("--resume auto: no checkpoint in %s yet, starting a new run", run_folder)
-            return None
+            logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
+            return str(folder.path), None
         path, payload = found
         preloaded[str(path)] = payload
-        return str(path)
+        return str(folder.path), str(path)
     resume_path = Path(resume)
     if not resume_path.is_file():
         raise CheckpointError(f"--resume {resume}: no such file; pass a checkpoint path or --resume auto")
-    existing = run_folder.checkpoints()
-    if existing and resume_path.resolve().parent != run_folder.path.resolve():
+    folder = series.contains(resume_path) or series.newest()
+    existing = folder.checkpoints()
+    if existing and resume_path.resolve().parent != folder.path.resolve():
         raise ConfigError(
-            f"--resume {resume} would continue in run folder {run_folder}, which holds checkpoints of another run "
+            f"--resume {resume} would continue in run folder {folder}, which holds checkpoints of another run "
             f"({', '.join(p.name for p in existing[:3])}); choose another --exp_name"
         )
-    return resume
+    folder.check_creatable()
+    folder.lock()
+    chosen.append(folder)
+    _remove_partial_files(folder)
+    return str(folder.path), resume
+
+
+def _remove_partial_files(folder: RunFolder) -> None:
+    # Under the lock nothing else writes to the folder: a temporary file there is what a killed write left behind.
+    for path in folder.remove_partial_files():
+        logger.info("Removed %s, left behind by a checkpoint write that was interrupted", path)
 
 
 def build_parts(
-    config: TrainConfig, ctx: DistributedContext, resume_path: str | None, payload: dict[str, Any] | None = None
+    config: TrainConfig,
+    ctx: DistributedContext,
+    resume_path: str | None,
+    payload: dict[str, Any] | None = None,
+    *,
+    run_folder: RunFolder | None = None,
 ) -> TrainParts:
     """Everything the loop needs, restored from ``resume_path`` (whose contents may be passed in as ``payload``)."""
     device = ctx.device
@@ -223,6 +339,7 @@ def build_parts(
     model = UNet(**model_args)
     if payload is not None:
         stored = LoadedWeights(payload[KEY_MODEL], payload.get(KEY_MODEL_ARGS), payload.get(KEY_MASK_VALUES), payload)
+        _check_same_dataset(payload, data, resume_path)
         _load_weights(model, stored, model_args, resume_path, "--resume")
         _warn_mask_values(payload.get(KEY_MASK_VALUES), data.mask_values, resume_path)
     elif config.load:
@@ -246,9 +363,11 @@ def build_parts(
         world_size=ctx.world_size,
         grad_accum=config.grad_accum,
     )
+    run_args = planned_run_args(config, payload)
     optimizer_settings = optimizer_config(config)
     optimizer = build_optimizer(optimizer_settings, model.parameters())
-    scheduler = build_scheduler(optimizer_settings, optimizer, plan.total_steps(config.epochs - config.start_from + 1))
+    # Planned for the run's epochs; a resumed run's scheduler state brings back the plan it was made with.
+    scheduler = build_scheduler(optimizer_settings, optimizer, plan.total_steps(int(run_args["epochs"])))
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
 
     position = TrainPosition(epoch=config.start_from - 1)
@@ -276,7 +395,7 @@ def build_parts(
     if config.compile:
         train_model = torch.compile(train_model)
     step = TrainStep(
-        step_config(config, precision),
+        step_config(config, precision, class_weights_of(config, data)),
         model=train_model,
         raw_model=model,
         optimizer=optimizer,
@@ -286,18 +405,34 @@ def build_parts(
     )
 
     sampler = ResumableDistributedSampler(
-        len(data.train_set), rank=ctx.rank, world_size=ctx.world_size, seed=config.seed, shuffle=True
+        len(data.train_set),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        seed=config.seed,
+        shuffle=True,
+        foreground=data.train_foreground,
+        oversample_foreground=config.oversample_foreground,
     )
+    if config.oversample_foreground and not data.train_foreground:
+        raise ConfigError(
+            f"--oversample-foreground {config.oversample_foreground:g}: none of the {len(data.train_set)} training "
+            f"images contains a non-background class; drop the flag or check --masks"
+        )
     num_workers = config.num_workers
     if num_workers is None:
-        num_workers = default_num_workers(device.type, threads_per_process(available_cpus(), ctx.local_world_size))
+        num_workers = default_num_workers(
+            device.type,
+            threads_per_process(available_cpus(), ctx.local_world_size),
+            data.item_seconds,
+            data.item_pixels,
+        )
     pin = device.type == "cuda"
     loader_settings = data_config(config)
     train_loader = build_train_loader(data.train_set, sampler, loader_settings, num_workers=num_workers, pin=pin)
     val_loader = (
         build_val_loader(data.val_set, loader_settings, num_workers=num_workers, pin=pin) if ctx.is_main else None
     )
-    _log_run_summary(config, ctx, data, plan, precision, num_workers)
+    _log_run_summary(config, ctx, data, plan, precision, num_workers, epoch_range(run_args), run_folder)
     return TrainParts(
         raw_model=model,
         step=step,
@@ -309,7 +444,7 @@ def build_parts(
         val_loader=val_loader,
         batch_plan=plan,
         model_args=model_args,
-        run_args=config.as_dict(),
+        run_args=run_args,
         position=position,
         resume_images_in_epoch=resume_images,
     )
@@ -317,15 +452,27 @@ def build_parts(
 
 def _check_resume_flags(config: TrainConfig, payload: dict[str, Any], path: str) -> None:
     saved_args = payload.get(KEY_ARGS) or {}
-    for key, flag in _STATE_SHAPING_FLAGS.items():
+    for key, flag in _MUST_MATCH_FLAGS.items():
         saved = saved_args.get(key)
         if saved is not None and saved != getattr(config, key):
             raise ConfigError(
                 f"{path} was trained with {flag} {saved} but this run asks for {flag} {getattr(config, key)}; resume "
-                f"with {flag} {saved}, or start a new run from its weights with --load"
+                f"with {flag} {saved}, or start a new run from its weights with --load {path}"
             )
-    if config.start_from != 1:
-        logger.warning("--start_from is ignored with --resume: the checkpoint says where the run stands")
+
+
+def _check_same_dataset(payload: dict[str, Any], data: TrainData, path: str) -> None:
+    """Refuse to continue a run on other files: the split and the epoch order are defined on the file list."""
+    saved = payload.get(KEY_DATASET)
+    if not isinstance(saved, dict):
+        return  # written before datasets were recorded
+    current = dataset_record(data.train_dataset.ids)
+    if saved.get("fingerprint") != current["fingerprint"]:
+        raise ConfigError(
+            f"{path} was trained on another dataset ({saved.get('images')} images, now {current['images']} in "
+            f"--imgs/--masks, or the same number with other file names); resume with the same --imgs and --masks, "
+            f"or start a new run from its weights with --load {path}"
+        )
 
 
 def _load_weights(model: UNet, loaded: LoadedWeights, wanted_args: dict[str, Any], path: str, flag: str) -> None:
@@ -378,14 +525,20 @@ def _resumed_images_in_epoch(plan: BatchPlan, payload: dict[str, Any], position:
 
 
 def _log_run_summary(
-    config: TrainConfig, ctx: DistributedContext, data: TrainData, plan: BatchPlan, precision: str, num_workers: int
+    config: TrainConfig,
+    ctx: DistributedContext,
+    data: TrainData,
+    plan: BatchPlan,
+    precision: str,
+    num_workers: int,
+    epochs: tuple[int, int],
+    run_folder: RunFolder | None = None,
 ) -> None:
     logger.info(
         "Starting training: epochs %d..%d, batch size %d per process x %d process(es) x %d accumulation = %d, "
         "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
         "%d CPU threads and %d loader workers per process, run folder %s",
-        config.start_from,
-        config.epochs,
+        *epochs,
         plan.batch_size,
         plan.world_size,
         plan.grad_accum,
@@ -398,5 +551,5 @@ def _log_run_summary(
         ctx.device,
         torch.get_num_threads(),
         num_workers,
-        RunFolder.of(config.checkpoint_dir, config.exp_name),
+        run_folder or RunFolder.of(config.checkpoint_dir, config.exp_name),
     )

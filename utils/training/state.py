@@ -5,8 +5,10 @@ The file names of the run folder and the choice of the checkpoint to resume belo
 
 from __future__ import annotations
 
+import hashlib
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ from utils.checkpoint import (
     FORMAT_VERSION,
     KEY_ARGS,
     KEY_BEST_DICE,
+    KEY_BEST_RANKING,
+    KEY_DATASET,
     KEY_EPOCH,
     KEY_FORMAT_VERSION,
     KEY_GLOBAL_STEP,
@@ -44,6 +48,21 @@ class TrainPosition:
     global_step: int = 0
     step_in_epoch: int = 0
     best_dice: float = float("-inf")
+    best_ranking: list[list[float]] = field(default_factory=list)
+    """--keep-best: ``[dice, global_step]`` of the states in ``best-1.pth``, ``best-2.pth``, ... (best first)."""
+
+
+def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, keep: int) -> int | None:
+    """Insert a validation Dice into the ``keep`` best (best first; a tie ranks below the older state).
+
+    Returns its 1-based place (the ``k`` of ``best-<k>.pth``) and updates ``ranking``; None when it is not among them.
+    """
+    place = sum(1 for entry in ranking if entry[0] >= dice)
+    if place >= keep:
+        return None
+    ranking.insert(place, [dice, global_step])
+    del ranking[keep:]
+    return place + 1
 
 
 def build_payload(
@@ -57,6 +76,7 @@ def build_payload(
     position: TrainPosition,
     args: dict[str, Any],
     world_size: int,
+    dataset: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint dictionary (DESIGN.md, format version 1); ``model`` is the unwrapped module."""
     return {
@@ -73,8 +93,16 @@ def build_payload(
         KEY_RNG: capture_rng_state(),
         KEY_ARGS: dict(args),
         KEY_BEST_DICE: position.best_dice,
+        KEY_BEST_RANKING: [list(entry) for entry in position.best_ranking],
         KEY_WORLD_SIZE: world_size,
+        KEY_DATASET: dataset,
     }
+
+
+def dataset_record(image_ids: Sequence[str]) -> dict[str, Any]:
+    """What a checkpoint records of its dataset: the number of images and a sha256 of their sorted ids."""
+    digest = hashlib.sha256("\n".join(sorted(image_ids)).encode()).hexdigest()
+    return {"fingerprint": digest, "images": len(image_ids)}
 
 
 def position_of(payload: dict[str, Any]) -> TrainPosition:
@@ -83,6 +111,7 @@ def position_of(payload: dict[str, Any]) -> TrainPosition:
         global_step=int(payload[KEY_GLOBAL_STEP]),
         step_in_epoch=int(payload[KEY_STEP_IN_EPOCH]),
         best_dice=float(payload.get(KEY_BEST_DICE, float("-inf"))),
+        best_ranking=[[float(dice), int(step)] for dice, step in payload.get(KEY_BEST_RANKING) or []],
     )
 
 

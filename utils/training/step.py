@@ -31,6 +31,8 @@ class StepConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     channels_last: bool = False
+    class_weights: tuple[float, ...] | None = None
+    """Cross-entropy weight of each class (--class-weights, resolved); None = unweighted."""
 
 
 class TrainStep:
@@ -59,6 +61,9 @@ class TrainStep:
         self._ddp = _find_ddp(model)
         self._autocast_dtype = autocast_dtype(config.precision)
         self._memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
+        self._class_weights = (
+            None if config.class_weights is None else torch.tensor(config.class_weights, device=device)
+        )
         # fp16 runs leave skipping to GradScaler (see utils.training.nonfinite).
         self.guard = NonFiniteStepGuard(raw_model, optimizer, device) if scaler is None else None
         # Sum and count of the finite losses since the last read (a skipped step's NaN would hide the others').
@@ -87,7 +92,7 @@ class TrainStep:
         with no_sync:
             with torch.autocast(self.device.type, dtype or torch.float32, enabled=dtype is not None):
                 logits = self.model(images)
-                loss = segmentation_loss(logits, masks, self.config.n_classes)
+                loss = segmentation_loss(logits, masks, self.config.n_classes, self._class_weights)
             scaled = loss / group_size
             if self.scaler is not None:
                 self.scaler.scale(scaled).backward()

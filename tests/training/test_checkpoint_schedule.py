@@ -1,0 +1,85 @@
+"""--save-every-minutes (wall-time saves agreed across ranks) and --keep-best K (ranked best-<k>.pth files)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT, TrainRunner, child_env, finish, load_checkpoint, torchrun_prefix
+from tests.helpers import read_metrics
+from utils.training import save_timer
+from utils.training.save_timer import SaveTimer
+from utils.training.state import enter_ranking
+
+FAKE_CLOCK = str(Path(__file__).with_name("fake_clock_train.py"))
+
+
+def test_save_timer_is_due_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr(save_timer, "monotonic", lambda: now[0])
+    timer = SaveTimer(minutes=1)
+    now[0] = 59.0
+    assert not timer.due()
+    now[0] = 60.0
+    assert timer.due() and not timer.due()  # asked once, until the save happens
+    timer.saved()
+    now[0] = 119.0
+    assert not timer.due()
+    now[0] = 120.0
+    assert timer.due()
+    assert not SaveTimer(minutes=0).due()
+
+
+def test_enter_ranking_keeps_the_k_best() -> None:
+    ranking: list[list[float]] = []
+    assert enter_ranking(ranking, 0.5, 1, keep=2) == 1
+    assert enter_ranking(ranking, 0.7, 2, keep=2) == 1
+    assert enter_ranking(ranking, 0.6, 3, keep=2) == 2
+    assert ranking == [[0.7, 2], [0.6, 3]]
+    assert enter_ranking(ranking, 0.6, 4, keep=2) is None  # a tie ranks below the older state
+    assert enter_ranking(ranking, 0.65, 5, keep=2) == 2 and ranking == [[0.7, 2], [0.65, 5]]
+
+
+def test_minutes_and_keep_best_in_one_process(runner: TrainRunner) -> None:
+    """Fake clock: 40 s per reading, --save-every-minutes 1 -> a time save every second step (6 steps per epoch)."""
+    result = subprocess.run(
+        [sys.executable, FAKE_CLOCK, *runner.args("timed", "-e", "3", "--save-every-minutes", "1", "--keep-best", "2",
+                                                   "--save_every", "0", "--log-every", "100", "-v", "25")],
+        cwd=REPO_ROOT, env=child_env({"FAKE_CLOCK_STEP_S": "40"}), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    log = result.stdout + result.stderr
+    for step in (2, 4, 6):
+        assert f"Saved last.pth at step {step} (0 epochs and {step} batches done)" in log
+    assert "Saved last.pth at step 3 " not in log
+
+    run_dir = runner.run_dir("timed")
+    assert sorted(p.name for p in run_dir.glob("best*.pth")) == ["best-1.pth", "best-2.pth", "best.pth"]
+    dice = {event["global_step"]: event["dice"] for event in read_metrics(run_dir, event="val")}
+    # The two best validations, the older first on a tie.
+    expected = sorted(dice, key=lambda step: (-dice[step], step))[:2]
+    first, second = load_checkpoint(run_dir / "best-1.pth"), load_checkpoint(run_dir / "best-2.pth")
+    assert [first["global_step"], second["global_step"]] == expected
+    # The newest state knows the whole ranking (best-1.pth only the ranking of its time).
+    assert load_checkpoint(run_dir / "last.pth")["best_ranking"] == [[dice[step], step] for step in expected]
+    best = load_checkpoint(run_dir / "best.pth")
+    assert all(torch.equal(tensor, first["model_state"][key]) for key, tensor in best["model_state"].items())
+    assert first["args"]["keep_best"] == 2 and first["args"]["save_every_minutes"] == 1.0
+
+
+def test_minutes_are_agreed_across_two_ranks(runner: TrainRunner) -> None:
+    """Rank 0 finds the save due at step 2; every rank learns it at step 3 and they save there together."""
+    process = subprocess.Popen(
+        [*torchrun_prefix(2), FAKE_CLOCK, *runner.args("timed_ddp", "--ddp_mode", "-e", "1",
+                                                        "--save-every-minutes", "1", "--log-every", "100")],
+        cwd=REPO_ROOT, env=child_env({"FAKE_CLOCK_STEP_S": "40"}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    out, err = finish(process, timeout=600)
+    assert process.returncode == 0, err
+    assert "Saved last.pth at step 3 (0 epochs and 3 batches done)" in out + err
+    assert "Saved last.pth at step 2 " not in out + err

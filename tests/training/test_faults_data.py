@@ -1,0 +1,96 @@
+"""Bad data found mid-run loses nothing: the run saves INTERRUPTED.pth, then stops with one line naming the file.
+
+The policy (README, "What survives a crash"): stop, not skip. A truncated JPEG passes the start-up scan (it reads
+headers only) and fails when its pixels are decoded, in training or in validation.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import SyntheticData, TrainRunner, finish, load_checkpoint, torchrun_prefix
+from tests.helpers import one_error_line
+from utils.data_loading import BasicDataset
+from utils.errors import DatasetError
+from utils.training.data import DataConfig, build_data
+
+ARGS = ["-v", "25", "-e", "2"]
+
+
+def _copy_with_a_truncated_image(data: SyntheticData, root: Path, split: str) -> tuple[SyntheticData, Path]:
+    copy = SyntheticData(root / "imgs", root / "masks", data.n_images)
+    shutil.copytree(data.imgs, copy.imgs)
+    shutil.copytree(data.masks, copy.masks)
+    built = build_data(DataConfig(str(copy.imgs), str(copy.masks), scale=1, validation=25), world_size=1)
+    subset = built.val_set if split == "validation" else built.train_set
+    # Not the first training item: set-up loads that one to time the loaders.
+    image_id = built.train_dataset.ids[subset.indices[-1]]
+    victim = next(copy.imgs.glob(f"{image_id}.*"))
+    assert victim.suffix == ".jpg"
+    content = victim.read_bytes()
+    # Headers intact (the scan reads them), the compressed pixels cut short just after the start of scan marker.
+    victim.write_bytes(content[: content.index(b"\xff\xda") + 40])
+    return copy, victim
+
+
+@pytest.mark.parametrize(("split", "workers"), [("training", "0"), ("training", "1"), ("validation", "0")])
+def test_a_truncated_jpeg_mid_run_saves_interrupted_and_is_one_line(
+    runner: TrainRunner, tmp_path: Path, capsys: pytest.CaptureFixture, split: str, workers: str
+) -> None:
+    data, victim = _copy_with_a_truncated_image(runner.data, tmp_path / "data", split)
+    bad = TrainRunner(data, runner.checkpoint_dir)
+    intact = runner.data.imgs / victim.name
+    assert bad.main("bad", *ARGS, "--num-workers", workers) == 2
+    error = one_error_line(capsys.readouterr().err)
+    interrupted = runner.run_dir("bad") / "INTERRUPTED.pth"
+    assert str(victim) in error and f"saved {interrupted}" in error and "--resume auto" in error, error
+    state = load_checkpoint(interrupted)
+    if split == "validation":
+        # The epoch was trained, then its validation found the file: the epoch is kept.
+        assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (1, 0, 6)
+    else:
+        assert state["epoch"] == 0 and state["global_step"] == state["step_in_epoch"] < 6
+
+    # Fixed, the run continues from there.
+    shutil.copyfile(intact, victim)
+    assert bad.main("bad", *ARGS, "--num-workers", workers, "--resume", "auto") == 0
+    assert load_checkpoint(runner.run_dir("bad") / "last.pth")["global_step"] == 12
+
+
+def test_a_mask_value_outside_mask_values_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    imgs, masks = tmp_path / "imgs", tmp_path / "masks"
+    imgs.mkdir()
+    masks.mkdir()
+    for index in range(2):
+        Image.fromarray(np.full((8, 8, 3), 100, dtype=np.uint8)).save(imgs / f"a{index}.png")
+        mask = np.zeros((8, 8), dtype=np.uint8)
+        mask[:4] = 255
+        Image.fromarray(mask).save(masks / f"a{index}.png")
+    dataset = BasicDataset(imgs, masks, 1.0, cache_dir=tmp_path / "cache")
+    assert dataset.mask_values == [0, 255]
+    changed = np.zeros((8, 8), dtype=np.uint8)
+    changed[0, 0] = 7
+    Image.fromarray(changed).save(masks / "a1.png")  # after the scan, as a file edited during a run
+    assert dataset[0]["mask"].max() == 1
+    with pytest.raises(DatasetError, match=rf"{masks / 'a1.png'} holds mask value\(s\) \[7\] that are not among"):
+        dataset[1]
+
+
+def test_with_two_processes_a_bad_validation_file_stops_every_rank_after_saving(
+    runner: TrainRunner, tmp_path: Path
+) -> None:
+    data, victim = _copy_with_a_truncated_image(runner.data, tmp_path / "data", "validation")
+    bad = TrainRunner(data, runner.checkpoint_dir)
+    launcher = bad.popen(torchrun_prefix(2), "bad2", *ARGS, "--ddp_mode")
+    out, err = finish(launcher)
+    assert launcher.returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and str(victim) in errors[0] and "INTERRUPTED.pth" in errors[0], out + err
+    state = load_checkpoint(runner.run_dir("bad2") / "INTERRUPTED.pth")
+    # 12 training images, 2 processes x batch 2: 3 steps per epoch, all kept.
+    assert (state["epoch"], state["global_step"], state["world_size"]) == (1, 3, 2)

@@ -1,0 +1,81 @@
+"""One message per job under torchrun: errors and warnings every rank would print come from global rank 0 only.
+
+Real 2-process torchrun launches on CPU (gloo), with stdout and stderr in one stream as a terminal shows them.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT, TrainRunner, child_env, torchrun_prefix
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun on CPU, tested on Linux")
+
+
+def run_torchrun(runner: TrainRunner, exp_name: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*torchrun_prefix(2), "train.py", *runner.args(exp_name, *extra)],
+        cwd=REPO_ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("Error: ")]
+
+
+def root_cause(output: str) -> str:
+    """torchrun's "Root Cause (first observed failure)" section of its ChildFailedError summary."""
+    assert "ChildFailedError" in output, output
+    return output.split("Root Cause (first observed failure):", 1)[1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # Found while parsing the flags, before the processes meet: every rank has the same flags.
+        (["--ddp_mode", "--scale", "0"], "Error: --scale must be a finite number in (0, 1], got 0"),
+        # Found while building the run, agreed on by the ranks (the data is checked on every rank).
+        (["-b", "64"], "Error: --batch-size 64 is larger than the 8 training images each of the 2 process(es) gets"),
+    ],
+)
+def test_a_user_error_is_printed_once_and_torchrun_names_rank_0_as_the_root_cause(
+    runner: TrainRunner, extra: list[str], message: str
+) -> None:
+    result = run_torchrun(runner, "error", *extra)
+    assert result.returncode != 0
+    output = result.stdout
+    assert len(error_lines(output)) == 1, output
+    assert error_lines(output)[0].startswith(message), output
+    # The Error line comes before torchrun's own report, whose root cause is rank 0 with the user-error status 2.
+    assert output.index("Error: ") < output.index("ChildFailedError")
+    cause = root_cause(output)
+    assert re.search(r"rank\s*: 0 ", cause) and re.search(r"exitcode\s*: 2 ", cause), cause
+    assert "[rank 1]" not in output, output
+
+
+def test_a_ddp_run_warns_once_and_its_bar_counts_every_image_trained(runner: TrainRunner) -> None:
+    # Without --ddp_mode: the warning that DDP was switched on is the same on both ranks and printed by rank 0 only.
+    result = run_torchrun(runner, "ddp", "-e", "1")
+    output = result.stdout
+    assert result.returncode == 0, output
+    assert output.count("DDP switched on") == 1 and "[rank 0] WARNING launched as 2 processes" in output, output
+    assert "[rank 1]" not in output and not error_lines(output), output
+    # 15 training images on 2 ranks: the sampler pads the epoch to 16 (one image twice), all of them trained.
+    frames = [frame.strip() for frame in re.split(r"[\r\n]", output) if frame.startswith("Epoch 1/1")]
+    assert frames and all("/16 [" in frame for frame in frames), frames
+    assert re.match(r"Epoch 1/1: 100%\|.*\| 16/16 \[", frames[-1]), frames[-1]
+
+
+def test_help_under_torchrun_is_printed_once(runner: TrainRunner) -> None:
+    result = run_torchrun(runner, "help", "--help")
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("usage: train.py") == 1, result.stdout

@@ -1,0 +1,206 @@
+"""A cache of decoded, resized pixels: each image and mask decoded and resized once, then memory-mapped.
+
+A full-size Carvana item (1918x1280 JPEG + GIF mask, resized to 959x640) costs one loader worker 55-77 ms; read from
+this cache it costs a few milliseconds, so a few cores can feed a GPU. Files are ``.npy`` arrays named by a hash of
+what decides their pixels: the source file's absolute path, size and modification time, the scale, the model's input
+channels, the kind (image or mask) and ``PIXEL_CACHE_VERSION``. A changed source file therefore gets a new entry; old
+entries are never read again (delete the folder to reclaim the space).
+
+Images are stored as the uint8 ``[H, W, C]`` array the network input is made from (16-bit and float images are not
+cached: uint8 would lose their precision), masks as their resized raw values (uint8 for palette and grey masks), so
+the class mapping and augmentation run on the cached arrays exactly as on freshly decoded ones, and batches are
+bit-identical with and without the cache.
+
+Entries are written lazily by whichever process loads an item first (the loader workers of the first epoch), each
+atomically (temp file, then ``os.replace``), so two ranks writing the same entry or a run killed mid-write never leave
+a half file under an entry's name. A write that fails (full disk, read-only folder) turns writing off for that
+process and, through a marker file, for its sibling loader workers, with one warning; loading carries on uncached.
+
+Fill it up front, in parallel::
+
+    python -m utils.datasets.pixel_cache build-cache --imgs data/imgs --masks data/masks --scale 0.5 --cache DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from utils.datasets.image_files import FileInfo
+from utils.datasets.mask_values import _pool_context
+from utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Part of every entry's name: bump it whenever decoding, resizing or the stored layout changes.
+PIXEL_CACHE_VERSION = 1
+IMAGE, MASK = "image", "mask"
+_FULL_MARKER = ".writes-failed-{pid}"
+
+
+class PixelCache:
+    """The entries of one dataset configuration (scale, channels) in ``directory``.
+
+    ``read`` returns a read-only memory-mapped array or ``None``; ``write`` stores one, or warns once and stops
+    writing if it cannot.
+    """
+
+    def __init__(self, directory: str | Path, *, scale: float, channels: int) -> None:
+        self.directory = os.path.abspath(directory)
+        self.scale = scale
+        self.channels = channels
+        # The process that built the dataset: its loader workers (forked copies) share one failure marker.
+        self._owner_pid = os.getpid()
+        self._writing = True
+
+    def check_outside(self, *folders: str | Path) -> None:
+        """Refuse a cache folder inside a data folder: its files would mix with (or be indexed as) the data."""
+        for folder in folders:
+            folder = os.path.abspath(folder)
+            if os.path.commonpath([folder, self.directory]) == folder:
+                raise ConfigError(
+                    f"the pixel cache {self.directory} is inside the data folder {folder}; choose a folder outside "
+                    "the image and mask folders (e.g. --pixel-cache ~/.cache/unet-ddp/pixels)"
+                )
+
+    def entry_path(self, info: FileInfo, kind: str) -> str:
+        key = "\0".join(
+            [str(PIXEL_CACHE_VERSION), kind, info.path, str(info.size), str(info.mtime_ns), repr(self.scale)]
+            + [str(self.channels)]
+        )
+        return os.path.join(self.directory, hashlib.sha256(key.encode()).hexdigest() + ".npy")
+
+    def read(self, info: FileInfo, kind: str) -> np.ndarray | None:
+        try:
+            return np.load(self.entry_path(info, kind), mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, EOFError):
+            # Written atomically, so a damaged entry comes from outside (e.g. a power cut before the data reached
+            # the disk): decode the source again, and the write below replaces the entry.
+            return None
+
+    def write(self, info: FileInfo, kind: str, array: np.ndarray) -> None:
+        if not self._writing:
+            return
+        if os.path.exists(self._marker()):
+            self._writing = False  # a sibling worker already failed and warned
+            return
+        tmp_name = None
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=".tmp")
+            # No fsync: a killed process cannot leave a half entry (the rename is atomic), and an entry damaged by a
+            # power cut only costs a re-decode (see read). Syncing every entry would slow the first epoch.
+            with os.fdopen(fd, "wb") as handle:
+                np.save(handle, np.ascontiguousarray(array), allow_pickle=False)
+            os.replace(tmp_name, self.entry_path(info, kind))
+            tmp_name = None
+        except OSError as err:
+            self._writing = False
+            self._warn_once(err)
+        finally:
+            if tmp_name is not None:
+                try:
+                    os.unlink(tmp_name)
+                except OSError:
+                    pass
+
+    def _marker(self) -> str:
+        return os.path.join(self.directory, _FULL_MARKER.format(pid=self._owner_pid))
+
+    def _warn_once(self, err: OSError) -> None:
+        try:
+            # O_EXCL: of the loader workers that fail, only the first creates the marker and warns.
+            os.close(os.open(self._marker(), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        except OSError:
+            pass  # cannot even create an empty file: warn anyway
+        logger.warning(
+            "Cannot write the pixel cache %s (%s); loading continues without caching new items (free space or "
+            "choose another --pixel-cache folder to cache them)",
+            self.directory,
+            err.strerror or err,
+        )
+
+
+# ------------------------------------------------------------------------------------------- build-cache
+
+
+def build_cache(dataset, workers: int) -> tuple[int, float]:
+    """Fill ``dataset``'s pixel cache (a ``BasicDataset`` made with ``pixel_cache_dir``); returns (items, seconds)."""
+    started = time.perf_counter()
+    indices = list(range(len(dataset)))
+    context = _pool_context()
+    if workers <= 1 or context.get_start_method() != "fork":
+        # Without fork the workers could not inherit the dataset (and pickling it per task would cost more than the
+        # decoding it saves): fill serially.
+        for index in indices:
+            dataset.fill_pixel_cache(index)
+    else:
+        global _BUILD_DATASET
+        _BUILD_DATASET = dataset  # inherited by the forked workers, not pickled per task
+        chunksize = max(1, len(indices) // (workers * 8))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread) as pool:
+            list(pool.map(_fill_one, indices, chunksize=chunksize))
+    return len(indices), time.perf_counter() - started
+
+
+_BUILD_DATASET = None
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _fill_one(index: int) -> None:
+    _BUILD_DATASET.fill_pixel_cache(index)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from utils.cli import print_error, setup_logging
+    from utils.errors import USER_ERROR_EXIT_CODE, UserError
+
+    parser = argparse.ArgumentParser(prog="python -m utils.datasets.pixel_cache", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build-cache", help="decode and resize every image and mask into the cache")
+    build.add_argument("--imgs", required=True, help="folder of images")
+    build.add_argument("--masks", required=True, help="folder of masks")
+    build.add_argument("--scale", type=float, default=0.5, help="the training --scale (default 0.5)")
+    build.add_argument("--cache", required=True, help="the --pixel-cache folder")
+    build.add_argument("--channels", type=int, default=None, help="model input channels (default: from the images)")
+    build.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs available)")
+    args = parser.parse_args(argv)
+    setup_logging(0, 1)
+    try:
+        from utils.data_loading import BasicDataset
+        from utils.hardware import available_cpus
+
+        dataset = BasicDataset(
+            args.imgs, args.masks, args.scale, None, channels=args.channels, pixel_cache_dir=args.cache
+        )
+        workers = args.workers if args.workers is not None else available_cpus()
+        if workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {workers}")
+        count, seconds = build_cache(dataset, workers)
+    except UserError as err:
+        print_error(err)
+        return USER_ERROR_EXIT_CODE
+    logger.info("Cached %d items in %s in %.1f s with %d process(es)", count, args.cache, seconds, workers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
