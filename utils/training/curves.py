@@ -113,6 +113,7 @@ def build_figure(series: Series) -> Figure:
     """The five panels of ``series``."""
     # Imported here: matplotlib takes about a second to import, which train.py --help or predict.py should not pay.
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=FIGURE_SIZE_INCHES, dpi=DPI, layout="constrained")
     grid = figure.add_gridspec(2, 6)
@@ -134,6 +135,7 @@ def build_figure(series: Series) -> Figure:
     lr_axes.set_title("Learning rate")
     speed_axes.set_title("Throughput")
     epoch_axes.set_title("Training time per epoch")
+    epoch_axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     if series.dice or series.per_class_dice:
         dice_axes.legend(loc="lower right", fontsize="small")
     return figure
