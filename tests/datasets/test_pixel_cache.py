@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from tests.helpers import small_tmpfs
 from utils import data_loading
 from utils.data_loading import BasicDataset
 from utils.datasets import pixel_cache
@@ -152,17 +152,8 @@ def test_failed_write_leaves_no_file_and_warns_once(photos, tmp_path, monkeypatc
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path):
     """A 64 KiB tmpfs: room for a few entries, then a real ENOSPC."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()})")
-    try:
+    with small_tmpfs(tmp_path / "tiny", "64k") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_full_disk_degrades_to_uncached_loading_with_one_warning(tmp_path, tiny_tmpfs, caplog) -> None:

@@ -111,14 +111,7 @@ def test_a_full_disk_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(
     runner: TrainRunner, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     # A real filesystem with room for one checkpoint (about 6 MB) but not for its replacement next to it.
-    mount_point = tmp_path / "small-disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=9m", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small-disk", "9m") as mount_point:
         small = TrainRunner(runner.data, mount_point / "checkpoints")
         assert small.main("full", "-e", "1", "--save-every-steps", "1", "--max-steps", "3") == 2
         run_dir = small.run_dir("full")
@@ -127,8 +120,6 @@ def test_a_full_disk_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(
         _assert_error_kept_previous(
             run_dir, previous, capsys.readouterr().err, "No space left on device", "previous file", "--checkpoint-dir"
         )
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 def test_a_disk_already_full_at_start_is_the_same_one_line_error_as_during_a_save(
