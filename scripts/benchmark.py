@@ -22,17 +22,21 @@ Sections (``--sections``, default all):
 * ``startup``: second dataset construction over ``--startup-pairs`` small pairs (per-file start-up costs);
 * ``predict``: ``predict.py`` images/s for each precision at each ``--predict-batch-sizes``;
 * ``memory``: peak RSS of every measured process (``wait4``) and CUDA max allocated where on CUDA; the trainer's
-  step with and without ``--checkpointing`` (CUDA max allocated, or peak RSS on CPU).
+  step with and without ``--checkpointing`` (CUDA max allocated, or peak RSS on CPU);
+* ``checkpoint``: the checkpoint ``train.py`` writes for a UNet of ``--checkpoint-base-channels`` with AdamW state:
+  building the payload, the tensor digests alone, a full atomic save, one more name by byte copy against a second
+  save (and their ratio), a ``--resume`` load and its verification alone, the file size; written in a temporary
+  folder inside ``--checkpoint-bench-dir`` (default: the runs' ``--checkpoint-dir``), removed afterwards.
 
 ``--pixel-cache both`` runs every e2e measurement without and with train.py's ``--pixel-cache`` (filled up front by
 ``build-cache``), for the cache's effect on end-to-end images/s.
 
 Each measurement runs in its own process with its thread count set before torch starts (``OMP_NUM_THREADS``), so
 comparisons are fair and peak memory is per measurement (``--quick`` runs compute, data and predict in this process to
-save interpreter start-ups). ``--repeat N`` alternates the runs of each compared pair N times and reports the median
-ratio, which is what survives a machine shared with other work. A failed section is reported and the others still
-run; the exit status is then 1. Results and their interpretation: docs/PERFORMANCE.md;
-the measurements themselves live in ``scripts/bench/`` (one module per section).
+save interpreter start-ups; the checkpoint section always runs in this one). ``--repeat N`` alternates the runs of
+each compared pair N times and reports the median ratio, which is what survives a machine shared with other work.
+A failed section is reported and the others still run; the exit status is then 1. Results and their interpretation:
+docs/PERFORMANCE.md; the measurements themselves live in ``scripts/bench/`` (one module per section).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from scripts.bench.checkpoint_io import SECTION as CHECKPOINT_SECTION  # noqa: E402
+from scripts.bench.checkpoint_io import CheckpointBenchConfig, run_checkpoint  # noqa: E402
 from scripts.bench.context import CARVANA_SIZE, DDP_PROCESSES, SECTIONS, BenchConfig, Context  # noqa: E402
 from scripts.bench.data import run_data, run_startup  # noqa: E402
 from scripts.bench.ddp import run_ddp  # noqa: E402
@@ -63,6 +69,7 @@ from utils.errors import USER_ERROR_EXIT_CODE, ConfigError  # noqa: E402
 from utils.hardware import PRECISIONS, available_cpus, cpu_has_native  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------ settings
+
 
 _DEFAULTS: dict[str, Any] = {
     "size": "240x160",
@@ -80,6 +87,7 @@ _DEFAULTS: dict[str, Any] = {
     "predict_workers": 2,
     "peak_max_size": 0,
     "startup_pairs": "10000,100000",
+    "checkpoint_base_channels": 64,
 }
 _QUICK_DEFAULTS: dict[str, Any] = {
     "size": "64x48",
@@ -97,6 +105,7 @@ _QUICK_DEFAULTS: dict[str, Any] = {
     "predict_workers": 0,
     "peak_max_size": 512,
     "startup_pairs": "200",
+    "checkpoint_base_channels": 8,
 }
 
 
@@ -142,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="e2e runs without / with train.py's --pixel-cache, or both (off)",
     )
     add("--startup-pairs", help=f"small pairs of the startup section ({normal['startup_pairs']}; quick 200)")
+    add(
+        "--checkpoint-base-channels",
+        type=int,
+        help=f"UNet width of the checkpoint section ({normal['checkpoint_base_channels']}: a 373 MB file; quick "
+        f"{quick['checkpoint_base_channels']})",
+    )
+    add(
+        "--checkpoint-bench-dir",
+        type=Path,
+        help="the checkpoint section writes its files in a temporary folder inside this one, on the filesystem to "
+        "measure (default: the folder the measured runs use as --checkpoint-dir, inside --work-dir)",
+    )
     add("--log-every", type=int, default=0, help="train.py --log-every (0: 1 on CPU, steps/4 on CUDA)")
     add("--channels-last", action="store_true", help="channels_last model and inputs (compute, e2e, ddp)")
     add("--compile", action="store_true", help="torch.compile the model (compute, e2e, ddp)")
@@ -223,6 +244,19 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return config
 
 
+def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointBenchConfig:
+    defaults = _QUICK_DEFAULTS if args.quick else _DEFAULTS
+    base_channels = args.checkpoint_base_channels
+    if base_channels is None:
+        base_channels = defaults["checkpoint_base_channels"]
+    if base_channels < 1:
+        raise ConfigError("--checkpoint-base-channels must be at least 1")
+    folder = args.checkpoint_bench_dir
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--checkpoint-bench-dir {folder} is a file; give a folder (it is created when missing)")
+    return CheckpointBenchConfig(base_channels=base_channels, folder=folder)
+
+
 def validate(config: BenchConfig) -> None:
     checks = [
         (config.batch_size >= 1, "--batch-size must be at least 1"),
@@ -282,15 +316,20 @@ def _store(section: str, runner: Callable[[Context], dict[str, Any]]) -> Callabl
     return run
 
 
-# In this order; compute and e2e run together so that their runs can alternate.
-SECTION_RUNNERS: list[tuple[tuple[str, ...], Callable[[Context], None]]] = [
-    (("compute", "e2e"), run_compute_and_e2e),
-    (("ddp",), _store("ddp", run_ddp)),
-    (("data",), _store("data", run_data)),
-    (("startup",), _store("startup", run_startup)),
-    (("predict",), _store("predict", run_predict)),
-    (("memory",), _store("memory", lambda ctx: _memory(ctx))),
-]
+def section_runners(checkpoint: CheckpointBenchConfig) -> list[tuple[tuple[str, ...], Callable[[Context], None]]]:
+    """The sections in the order they run; compute and e2e run together so that their runs can alternate.
+
+    The checkpoint section runs last: it builds its trainer in this process (see ``scripts.bench.checkpoint_io``).
+    """
+    return [
+        (("compute", "e2e"), run_compute_and_e2e),
+        (("ddp",), _store("ddp", run_ddp)),
+        (("data",), _store("data", run_data)),
+        (("startup",), _store("startup", run_startup)),
+        (("predict",), _store("predict", run_predict)),
+        (("memory",), _store("memory", lambda ctx: _memory(ctx))),
+        ((CHECKPOINT_SECTION,), _store(CHECKPOINT_SECTION, lambda ctx: run_checkpoint(ctx, checkpoint))),
+    ]
 
 
 def _memory(ctx: Context) -> dict[str, Any]:
@@ -309,7 +348,7 @@ def _memory(ctx: Context) -> dict[str, Any]:
     return result
 
 
-def run_benchmark(config: BenchConfig) -> tuple[dict[str, Any], bool]:
+def run_benchmark(config: BenchConfig, checkpoint: CheckpointBenchConfig | None = None) -> tuple[dict[str, Any], bool]:
     """Run the selected sections in order; return the JSON document and whether every section succeeded.
 
     With ``--json`` the document is rewritten after every section (``"complete": false`` until the end), so a run
@@ -327,7 +366,7 @@ def run_benchmark(config: BenchConfig) -> tuple[dict[str, Any], bool]:
     document = new_document(config)
     all_ok = True
     try:
-        for sections, runner in SECTION_RUNNERS:
+        for sections, runner in section_runners(checkpoint or CheckpointBenchConfig()):
             selected = [section for section in sections if section in config.sections]
             if not selected:
                 continue
@@ -358,13 +397,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.worker:
             return worker_main(args.worker, args.spec)
         config = config_from_args(args)
+        checkpoint = checkpoint_config_from_args(args)
     except ConfigError as error:
         print_error(error)
         return USER_ERROR_EXIT_CODE
     # A time limit's SIGTERM ends the run like Ctrl-C: the measured process group is killed on the way out.
     previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        document, all_ok = run_benchmark(config)
+        document, all_ok = run_benchmark(config, checkpoint)
     except KeyboardInterrupt:
         done = config.json_path is not None and config.json_path.exists()
         saved = f"; the sections finished before it are in {config.json_path}" if done else ""

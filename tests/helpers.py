@@ -25,6 +25,11 @@ from utils.checkpoint import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_MASK_VALUES
 from utils.data_loading import image_tensor
 
 
+def positive(value: object) -> bool:
+    """A reported figure that exists: a number above zero (the benchmark's tests assert no speeds)."""
+    return isinstance(value, int | float) and value > 0
+
+
 def one_error_line(err: str) -> str:
     """The one ``Error:`` line of ``err`` (a process's stderr), which must also be its last line; returns it.
 

@@ -291,6 +291,12 @@ def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
         if failure is not None:
             raise failure
         return result
+    # One integer all-reduce decides; the messages travel (pickled, dearer) only when some rank failed, so this is
+    # cheap enough to guard every batch the training loop fetches.
+    failed = torch.tensor([failure is not None], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ctx.control_group)
+    if not failed.item():
+        return result
     reports: list[Any] = [None] * ctx.world_size
     mine = None if failure is None else (type(failure).__name__, str(failure))
     dist.all_gather_object(reports, mine, group=ctx.control_group)

@@ -16,13 +16,10 @@ from scripts import benchmark
 from scripts.bench.demo_data import demo_image_count, write_linked_dataset
 from scripts.bench.flops import count_flops, matmul_flops, measure_matmul_peak, training_flops_per_image
 from scripts.bench.training import median_run, steady_state
+from tests.helpers import positive
 from unet import UNet
 from utils.distributed import LAUNCHER_ENV_VARIABLES
 from utils.training.objective import segmentation_loss
-
-
-def positive(value: object) -> bool:
-    return isinstance(value, int | float) and value > 0
 
 
 def test_quick_run_measures_every_section(

@@ -18,18 +18,27 @@ from tests.helpers import one_error_line
 from utils.data_loading import BasicDataset
 from utils.errors import DatasetError
 from utils.training.data import DataConfig, build_data
+from utils.training.sampler import ResumableDistributedSampler
 
 ARGS = ["-v", "25", "-e", "2"]
 
 
-def _copy_with_a_truncated_image(data: SyntheticData, root: Path, split: str) -> tuple[SyntheticData, Path]:
+def _copy_with_a_truncated_image(
+    data: SyntheticData, root: Path, split: str, *, trained_by_rank_of_two: int | None = None
+) -> tuple[SyntheticData, Path]:
+    """A copy of ``data`` with one image of ``split`` truncated; ``trained_by_rank_of_two``: in training, one that
+    the first epoch of a 2-process run (default seed) gives to that rank, as its last batch."""
     copy = SyntheticData(root / "imgs", root / "masks", data.n_images)
     shutil.copytree(data.imgs, copy.imgs)
     shutil.copytree(data.masks, copy.masks)
     built = build_data(DataConfig(str(copy.imgs), str(copy.masks), scale=1, validation=25), world_size=1)
     subset = built.val_set if split == "validation" else built.train_set
-    # Not the first training item: set-up loads that one to time the loaders.
-    image_id = built.train_dataset.ids[subset.indices[-1]]
+    position = -1  # not the first training item: set-up loads that one to time the loaders
+    if trained_by_rank_of_two is not None:
+        shard = ResumableDistributedSampler(len(subset), rank=trained_by_rank_of_two, world_size=2, seed=0)
+        shard.set_epoch(0)
+        position = shard.indices()[-1]
+    image_id = built.train_dataset.ids[subset.indices[position]]
     victim = next(copy.imgs.glob(f"{image_id}.*"))
     assert victim.suffix == ".jpg"
     content = victim.read_bytes()
@@ -81,16 +90,25 @@ def test_a_mask_value_outside_mask_values_is_an_error_naming_the_file(tmp_path: 
         dataset[1]
 
 
-def test_with_two_processes_a_bad_validation_file_stops_every_rank_after_saving(
-    runner: TrainRunner, tmp_path: Path
+@pytest.mark.parametrize(("split", "rank"), [("training", 0), ("training", 1), ("validation", None)])
+def test_with_two_processes_a_bad_file_stops_every_rank_after_saving(
+    runner: TrainRunner, tmp_path: Path, split: str, rank: int | None
 ) -> None:
-    data, victim = _copy_with_a_truncated_image(runner.data, tmp_path / "data", "validation")
+    # In training only the rank whose shard holds the file meets it; the others must not be left in the gradient
+    # all-reduce (they would end with "lost contact", and the trained steps would be lost). Rank 1's error is
+    # printed by rank 0.
+    data, victim = _copy_with_a_truncated_image(runner.data, tmp_path / "data", split, trained_by_rank_of_two=rank)
     bad = TrainRunner(data, runner.checkpoint_dir)
-    launcher = bad.popen(torchrun_prefix(2), "bad2", *ARGS, "--ddp_mode")
+    launcher = bad.popen(torchrun_prefix(2), "bad2", *ARGS, "--ddp_mode", "--num-workers", "1")
     out, err = finish(launcher)
     assert launcher.returncode != 0
     errors = [line for line in err.splitlines() if line.startswith("Error: ")]
     assert len(errors) == 1 and str(victim) in errors[0] and "INTERRUPTED.pth" in errors[0], out + err
     state = load_checkpoint(runner.run_dir("bad2") / "INTERRUPTED.pth")
-    # 12 training images, 2 processes x batch 2: 3 steps per epoch, all kept.
-    assert (state["epoch"], state["global_step"], state["world_size"]) == (1, 3, 2)
+    # 12 training images, 2 processes x batch 2: 3 steps per epoch.
+    if split == "validation":
+        assert (state["epoch"], state["global_step"], state["world_size"]) == (1, 3, 2)  # the epoch is kept
+    else:
+        # The victim is in its rank's last batch: the two steps before it are kept.
+        assert (state["epoch"], state["global_step"], state["step_in_epoch"], state["world_size"]) == (0, 2, 2, 2)
+        assert errors[0].startswith("Error: rank 1: ") == (rank == 1), errors[0]

@@ -69,6 +69,24 @@ def manual_launch(runner: TrainRunner, exp_name: str, *extra: str) -> list[subpr
     ]  # fmt: skip
 
 
+def kill_rank_0_after_a_step_checkpoint(
+    runner: TrainRunner, exp_name: str, max_steps: int, *extra: str
+) -> tuple[dict, str, str]:
+    """A torchrun run allowed one restart, with a step checkpoint every 2 steps, whose rank 0 gets SIGKILL after the
+    first one; returns that checkpoint and the launcher's output, once it has ended with status 0."""
+    launcher = runner.popen(
+        [*torchrun_prefix(2), "--max-restarts=1"], exp_name, *ARGS, "--max-steps", str(max_steps), "--ddp_mode",
+        "--save-every-steps", "2", *extra,
+    )  # fmt: skip
+    pids = wait_for_workers(launcher, 2)
+    seen = wait_for_step_checkpoint(runner.run_dir(exp_name) / "last.pth", launcher)
+    # Rank 0 is the one that writes: it may die in the middle of a checkpoint.
+    os.kill(pids[0], signal.SIGKILL)
+    out, err = finish(launcher)
+    assert launcher.returncode == 0, out + err
+    return seen, out, err
+
+
 def test_torchrun_restarts_after_a_killed_worker_and_the_run_ends_bit_exact(runner: TrainRunner) -> None:
     for process in manual_launch(runner, "reference", "--max-steps", str(STOP_AT)):
         out, err = finish(process)
@@ -76,16 +94,7 @@ def test_torchrun_restarts_after_a_killed_worker_and_the_run_ends_bit_exact(runn
 
     # The same run under torchrun, allowed one restart, with a step checkpoint every 2 steps.
     run_dir = runner.run_dir("elastic")
-    launcher = runner.popen(
-        [*torchrun_prefix(2), "--max-restarts=1"], "elastic", *ARGS, "--max-steps", str(STOP_AT), "--ddp_mode",
-        "--save-every-steps", "2", "--resume", "auto",
-    )  # fmt: skip
-    pids = wait_for_workers(launcher, 2)
-    seen = wait_for_step_checkpoint(run_dir / "last.pth", launcher)
-    # Rank 0 is the one that writes: it may die in the middle of a checkpoint.
-    os.kill(pids[0], signal.SIGKILL)
-    out, err = finish(launcher)
-    assert launcher.returncode == 0, out + err
+    seen, out, err = kill_rank_0_after_a_step_checkpoint(runner, "elastic", STOP_AT, "--resume", "auto")
 
     # torchrun restarted both workers; they took the newest complete checkpoint, at or after the one seen.
     resumed = re.findall(r"\[rank 0\] INFO Resuming at epoch \d+, step (\d+)", out)
@@ -93,6 +102,22 @@ def test_torchrun_restarts_after_a_killed_worker_and_the_run_ends_bit_exact(runn
     assert seen["global_step"] <= int(resumed[0]) < STOP_AT
     assert_same_training_state(runner.run_dir("reference") / "last.pth", run_dir / "last.pth")
     assert not list(run_dir.glob(".*.tmp")), "the restart removes what a killed write left behind"
+
+
+def test_a_restart_of_resume_path_continues_the_first_attempts_folder_not_path(runner: TrainRunner) -> None:
+    # Another experiment's checkpoint (one process, step 2): the first attempt resumes it into the empty "elastic".
+    assert runner.main("donor", *ARGS, "--max-steps", "2") == 0
+    donor = runner.run_dir("donor") / "last.pth"
+    run_dir = runner.run_dir("elastic")
+    seen, out, err = kill_rank_0_after_a_step_checkpoint(runner, "elastic", 8, "--resume", str(donor))
+
+    # The restart has the same --resume on its command line, yet continues the attempt's progress in its folder
+    # (resuming the donor again would throw that away; before, it was refused as another run's folder).
+    resumed = [int(step) for step in re.findall(r"\[rank 0\] INFO Resuming at epoch \d+, step (\d+)", out)]
+    assert len(resumed) == 2 and resumed[0] == 2, out + err
+    assert seen["global_step"] <= resumed[1] < 8
+    assert load_checkpoint(run_dir / "last.pth")["global_step"] == 8
+    assert not runner.run_dir("elastic-2").exists()
 
 
 def test_a_dead_rank_outside_torchrun_ends_the_others_with_an_error(runner: TrainRunner) -> None:

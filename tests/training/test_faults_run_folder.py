@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import TrainRunner, finish, load_checkpoint, wait_for_step
 from tests.helpers import one_error_line
+from utils.errors import ConfigError
 from utils.training.run_folder import RunFolder, RunSeries
 
 LONG = ["-e", "30", "--log-every", "1"]
@@ -116,3 +117,125 @@ def test_a_torchrun_restart_continues_its_own_folder_without_resume(tmp_path: Pa
     assert _choose_run(None, series, 1, {}, chosen) == (str(tmp_path / "unet-2"), None)
     chosen.pop().unlock()
     assert not (tmp_path / "unet-3").exists()
+
+
+# 12 training images, batches of 2: 6 steps per epoch.
+SHORT = ["-v", "25", "-e", "3"]
+
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file of ``folder`` (the lock file too) with its bytes and modification time: touched or not."""
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in folder.iterdir() if path.is_file()}
+
+
+def test_resume_from_an_older_state_begins_the_next_folder_and_leaves_the_old_one_untouched(
+    runner: TrainRunner, capsys: pytest.CaptureFixture
+) -> None:
+    run_dir = runner.run_dir("unet")
+    assert runner.main("unet", *SHORT, "--max-steps", "8") == 0  # epoch 1's files, then last.pth at step 8
+    older = run_dir / "checkpoint_epoch1.pth"
+
+    # While a live run holds the folder, its newest state is not ours to continue; an older one still branches off.
+    from utils.training.setup import _choose_run
+
+    live, series, chosen = RunFolder(run_dir), RunSeries(runner.checkpoint_dir, "unet"), []
+    assert live.try_lock() is None
+    try:
+        with pytest.raises(ConfigError, match=rf"run folder {run_dir} is in use by another training process"):
+            _choose_run(str(run_dir / "last.pth"), series, 0, {}, chosen)
+        assert _choose_run(str(older), series, 0, {}, chosen) == (str(runner.run_dir("unet-2")), str(older))
+    finally:
+        for folder in [*chosen, live]:
+            folder.unlock()
+
+    before = _files(run_dir)
+    capsys.readouterr()
+    assert runner.main("unet", *SHORT, "--max-steps", "10", "--resume", str(older)) == 0
+    out = capsys.readouterr().out
+    # Continuing in unet/ would have replaced its last.pth (step 8) with the rewound run's.
+    assert _files(run_dir) == before
+    rerun = runner.run_dir("unet-2")
+    assert f"--resume {older} is not the newest state of {run_dir} (continuing there would overwrite" in out
+    assert f"this run writes to {rerun}" in out
+    assert load_checkpoint(rerun / "last.pth")["global_step"] == 10
+
+    # From the folder's newest state the run continues there, although unet-2 is newer.
+    assert runner.main("unet", *SHORT, "--max-steps", "9", "--resume", str(run_dir / "last.pth")) == 0
+    assert "this run writes to" not in capsys.readouterr().out
+    assert load_checkpoint(run_dir / "last.pth")["global_step"] == 9
+    assert not runner.run_dir("unet-3").exists()
+
+
+def test_resume_from_a_copy_of_the_newest_state_continues_its_folder(
+    runner: TrainRunner, capsys: pytest.CaptureFixture
+) -> None:
+    run_dir = runner.run_dir("unet")
+    assert runner.main("unet", *SHORT, "-e", "1") == 0
+    folder = RunFolder(run_dir)
+    # The epoch end wrote last.pth first, then copied it to checkpoint_epoch1.pth and best.pth: a copy is the newest
+    # file, by a clear margin here (a coarse file clock can give all three one time).
+    written = folder.last.stat().st_mtime_ns
+    assert folder.best.stat().st_mtime_ns >= written
+    os.utime(folder.best, ns=(written + 10**9, written + 10**9))
+    assert folder.checkpoints()[0] == folder.best
+    assert folder.can_continue_from(folder.last, load_checkpoint(folder.last))
+    capsys.readouterr()
+    assert runner.main("unet", *SHORT, "-e", "1", "--resume", str(folder.last)) == 0
+    out = capsys.readouterr().out
+    assert f"Resuming from {folder.last}" in out and "this run writes to" not in out
+    assert not runner.run_dir("unet-2").exists()
+
+
+def test_resume_from_outside_the_series_takes_the_newest_folder_only_when_it_is_empty(
+    runner: TrainRunner, capsys: pytest.CaptureFixture
+) -> None:
+    assert runner.main("donor", *SHORT, "--max-steps", "3") == 0
+    donor = runner.run_dir("donor") / "last.pth"
+    assert runner.main("unet", *SHORT, "--max-steps", "2") == 0
+    donor_before, unet_before = _files(donor.parent), _files(runner.run_dir("unet"))
+    capsys.readouterr()
+    # Was refused ("choose another --exp_name"); now it begins unet-2 as a rerun does.
+    assert runner.main("unet", *SHORT, "--max-steps", "4", "--resume", str(donor)) == 0
+    assert f"this run writes to {runner.run_dir('unet-2')}" in capsys.readouterr().out
+    assert load_checkpoint(runner.run_dir("unet-2") / "last.pth")["global_step"] == 4
+    assert _files(runner.run_dir("unet")) == unet_before and _files(donor.parent) == donor_before
+    # A series with no run yet: its first folder.
+    assert runner.main("fresh", *SHORT, "--max-steps", "4", "--resume", str(donor)) == 0
+    assert "this run writes to" not in capsys.readouterr().out
+    assert load_checkpoint(runner.run_dir("fresh") / "last.pth")["global_step"] == 4
+    assert not runner.run_dir("fresh-2").exists()
+
+
+def test_a_torchrun_restart_of_resume_path_continues_the_folder_its_first_attempt_took(runner: TrainRunner) -> None:
+    from utils.training.setup import _choose_run
+
+    run_dir = runner.run_dir("unet")
+    series = RunSeries(runner.checkpoint_dir, "unet")
+    assert runner.main("unet", *SHORT, "--max-steps", "7") == 0
+    older = run_dir / "checkpoint_epoch1.pth"
+
+    def restart(resume: Path) -> tuple[str, str | None]:
+        """The decision of the restarted attempt (TORCHELASTIC_RESTART_COUNT=1) with the same command line."""
+        chosen: list[RunFolder] = []
+        try:
+            return _choose_run(str(resume), series, 1, {}, chosen)
+        finally:
+            for folder in chosen:
+                folder.unlock()
+
+    # The first attempt resumed the older state into unet-2 and saved at step 8: the restart continues that, where
+    # resuming checkpoint_epoch1.pth again would throw the attempt's progress away.
+    assert runner.main("unet", *SHORT, "--max-steps", "8", "--resume", str(older)) == 0
+    rerun = runner.run_dir("unet-2")
+    assert restart(older) == (str(rerun), str(rerun / "last.pth"))
+    # The first attempt continued unet/ (an older folder than unet-2) from its newest state: the restart goes there.
+    assert runner.main("unet", *SHORT, "--max-steps", "9", "--resume", str(run_dir / "last.pth")) == 0
+    assert restart(run_dir / "last.pth") == (str(run_dir), str(run_dir / "last.pth"))
+    assert load_checkpoint(run_dir / "last.pth")["global_step"] == 9
+
+    # A first attempt that died before its first save: its folder (unet-3) holds no checkpoint, so PATH it is.
+    chosen: list[RunFolder] = []
+    assert _choose_run(str(older), series, 0, {}, chosen) == (str(runner.run_dir("unet-3")), str(older))
+    chosen.pop().unlock()
+    assert restart(older) == (str(runner.run_dir("unet-3")), str(older))
+    assert not runner.run_dir("unet-4").exists()

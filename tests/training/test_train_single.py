@@ -178,18 +178,6 @@ def test_a_rerun_begins_a_new_numbered_folder_and_overwrites_nothing(
     assert not runner.run_dir("taken-4").exists()
 
 
-def test_a_resumed_checkpoint_does_not_continue_in_another_runs_folder(
-    runner: TrainRunner, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    elsewhere = tmp_path / "elsewhere.pth"
-    elsewhere.write_bytes(b"x")
-    run_dir = runner.run_dir("taken")
-    run_dir.mkdir(parents=True)
-    (run_dir / "best.pth").write_bytes(b"precious")
-    assert runner.main("taken", "-e", "1", "--resume", str(elsewhere)) == 2
-    assert "holds checkpoints of another run (best.pth)" in capsys.readouterr().err
-
-
 def test_cuda_out_of_memory_is_one_line_naming_the_fixes(
     runner: TrainRunner, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -3,8 +3,10 @@
 Per optimizer step the loop does no host synchronisation: losses and the count of steps skipped for non-finite
 gradients (``TrainStep``, ``utils.training.nonfinite``) accumulate on the device and are read every ``--log-every``
 steps and at checkpoints, and the ranks' stop decision travels on an asynchronous CPU all-reduce
-(``utils.training.interrupts``). Validation runs on global rank 0 with the unwrapped model while the other ranks
-wait for its Dice score, which every rank then uses (ReduceLROnPlateau must step identically everywhere).
+(``utils.training.interrupts``). The one wait between ranks it adds is on the CPU: before computing on a batch,
+the ranks agree that each of them loaded its own (``Trainer._batches``; about 85 us per batch with 2 local processes).
+Validation runs on global rank 0 with the unwrapped model while the other ranks wait for its Dice score, which every
+rank then uses (ReduceLROnPlateau must step identically everywhere).
 Checkpoints are written by global rank 0 only, and only of a healthy state: finite weights, and a latest step that
 was not skipped.
 """
@@ -15,7 +17,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -184,7 +186,7 @@ class Trainer:
             dynamic_ncols=True,
         )
         try:
-            for offset, batch in enumerate(self.parts.train_loader):
+            for offset, batch in enumerate(self._batches()):
                 index = batches_done + offset
                 group_start = index - index % plan.grad_accum
                 group_size = min(plan.grad_accum, total_batches - group_start)
@@ -207,10 +209,25 @@ class Trainer:
             # lets the iterator shut its workers down now; kept alive with the error, its idle workers (which ignore
             # SIGTERM, see utils.training.data) would block the interpreter's exit forever.
             error.__traceback__ = None
-            self._stop_for_bad_data(_first_line_of(error), every_rank=False)
+            self._stop_for_bad_data(_first_line_of(error))
         finally:
             progress.close()
         return None
+
+    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The epoch's batches of this rank; a file that fails to load on any rank raises its error on every rank.
+
+        With several processes a rank whose batch failed cannot join the gradient all-reduce the others wait in, so
+        the ranks agree on every fetch before any of them computes on it (one integer all-reduce on the CPU control
+        group per batch, next to a forward and backward pass). Every sampler gives every rank the same number of
+        batches, so all of them reach the end of the epoch together.
+        """
+        iterator = iter(self.parts.train_loader)
+        while True:
+            batch = agree_on_errors(self.ctx, functools.partial(_next_batch, iterator))
+            if batch is None:
+                return
+            yield batch
 
     def _images_done_in_epoch(self) -> int:
         """Global images of ``epoch`` trained before this process started (only the resumed epoch has any)."""
@@ -283,24 +300,20 @@ class Trainer:
             self.position, interrupted_by=signum, checkpoint=self.run_folder.interrupted if saved else None
         )
 
-    def _stop_for_bad_data(self, message: str, *, every_rank: bool) -> NoReturn:
-        """A file that fails to load mid-run: save INTERRUPTED.pth (nothing trained is lost), then stop with its error.
-
-        ``every_rank``: all ranks got here together (validation), so they can save together. A training file fails
-        on one rank only while the others wait in the gradient all-reduce; with several processes that rank stops
-        with the error, the others lose contact, and the newest checkpoint holds the last saved state.
-        """
-        if every_rank or not self.ctx.is_distributed:
-            where = self.run_folder.interrupted if self._save([self.run_folder.interrupted]) else None
-        else:
-            where = None
+    def _stop_for_bad_data(self, message: str) -> NoReturn:
+        """A file that failed to load mid-run, on any rank: every rank saves INTERRUPTED.pth together (nothing trained
+        is lost: the state of the last whole optimizer step), then stops with the file's error."""
+        where = self.run_folder.interrupted if self._save([self.run_folder.interrupted]) else None
         kept = (
             f"saved {where} (step {self.position.global_step})"
             if where
             else f"the newest checkpoint in {self.run_folder} holds the last saved state"
         )
-        error = DatasetError(f"{message}; {kept}: fix or replace the file, then continue with --resume auto")
-        raise raised_on_every_rank(error) if every_rank else error
+        error = DatasetError(
+            f"{message}; {kept}: continue with --resume auto once the file is fixed (a removed file changes the "
+            f"dataset, which a resume refuses: then start from that checkpoint with --load)"
+        )
+        raise raised_on_every_rank(error)
 
     def _stop_for_max_steps(self) -> TrainOutcome:
         logger.info("Reached --max-steps %d", self.config.max_steps)
@@ -361,7 +374,7 @@ class Trainer:
         # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
         dice = broadcast_from_main(self.ctx, dice)
         if isinstance(dice, str):
-            self._stop_for_bad_data(dice, every_rank=True)
+            self._stop_for_bad_data(dice)
         return float(dice)
 
     def _report_validation(self, epoch_number: int, result: EvalResult) -> None:
@@ -459,11 +472,10 @@ class Trainer:
             self._save_timer.saved()
         return True
 
-    def _write_checkpoint(self, targets: list[Path], before_write: Callable[[], None] | None = None) -> None:
+    def checkpoint_payload(self) -> dict[str, Any]:
+        """The checkpoint of the current state, as ``_write_checkpoint`` saves it (the benchmark times the same)."""
         parts = self.parts
-        if before_write is not None:
-            before_write()
-        payload = build_payload(
+        return build_payload(
             model=parts.raw_model,
             model_args=parts.model_args,
             mask_values=parts.data.mask_values,
@@ -475,6 +487,11 @@ class Trainer:
             world_size=self.ctx.world_size,
             dataset=dataset_record(parts.data.train_dataset.ids),
         )
+
+    def _write_checkpoint(self, targets: list[Path], before_write: Callable[[], None] | None = None) -> None:
+        if before_write is not None:
+            before_write()
+        payload = self.checkpoint_payload()
         # Serialised once; the other names get copies of its bytes, each a file of its own (see utils.checkpoint).
         first = targets[0]
         save_checkpoint_atomic(payload, first)
@@ -487,6 +504,20 @@ class Trainer:
             self.position.epoch,
             self.position.step_in_epoch,
         )
+
+
+def _next_batch(iterator: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+    """The next batch (None at the end); a load failure as a DatasetError holding just its message.
+
+    The message is what the other ranks receive, so a DataLoader worker's traceback text is cut off here; and the new
+    error holds no traceback through the loader's iterator (see ``Trainer._run_epoch``).
+    """
+    try:
+        return next(iterator, None)
+    except DatasetError as error:
+        error.__traceback__ = None
+        message = _first_line_of(error)
+    raise DatasetError(message)
 
 
 def _first_line_of(error: DatasetError) -> str:

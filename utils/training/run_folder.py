@@ -16,7 +16,10 @@ first start and every restart of a requeued job). Only global rank 0 writes here
 
 Reruns: the folders of one ``--exp_name`` form a series, ``<exp_name>``, ``<exp_name>-2``, ``<exp_name>-3``, ... A start
 without ``--resume`` whose newest folder holds a run (checkpoints or metrics) or is in use begins the next one;
-``--resume auto`` and a torchrun restart continue the newest. Nothing is ever overwritten.
+``--resume auto`` and a torchrun restart continue the newest. ``--resume PATH`` continues the folder PATH lies in only
+when PATH holds that folder's newest state (``RunFolder.can_continue_from``); an older state of it, or a file from
+outside the series, begins a new folder as a rerun does. A torchrun restart of ``--resume PATH`` continues the folder
+its first attempt took (``RunSeries.taken_last``). Nothing is ever overwritten.
 
 The lock: global rank 0 holds ``fcntl.flock`` on ``.lock`` in the folder for the whole run (the kernel releases it
 when the process dies, so ``kill -9`` never leaves a stale lock), and a second process never continues or writes a
@@ -33,7 +36,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from utils.checkpoint import PARTIAL_FILE_PATTERN, write_failure_message
+from utils.checkpoint import (
+    KEY_EPOCH,
+    KEY_GLOBAL_STEP,
+    KEY_STEP_IN_EPOCH,
+    KEY_TENSOR_DIGESTS,
+    PARTIAL_FILE_PATTERN,
+    write_failure_message,
+)
 from utils.errors import CheckpointError, ConfigError
 from utils.training.state import load_resume_checkpoint
 
@@ -143,7 +153,10 @@ class RunFolder:
         """Take the lock or stop with one line naming the folder, the process that holds it and the fix."""
         holder = self.try_lock()
         if holder is not None:
-            raise ConfigError(f"run folder {self.path} is in use by {_describe(holder)}; {_IN_USE_FIX}")
+            raise self._in_use_error(holder)
+
+    def _in_use_error(self, holder: int) -> ConfigError:
+        return ConfigError(f"run folder {self.path} is in use by {_describe(holder)}; {_IN_USE_FIX}")
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -167,6 +180,13 @@ class RunFolder:
         finally:
             os.close(fd)
         return False
+
+    def lock_taken_ns(self) -> int | None:
+        """When a process last took this folder's lock (``try_lock`` writes its PID then), None if none ever did."""
+        try:
+            return self.lock_file.stat().st_mtime_ns
+        except OSError:
+            return None
 
     def holds_a_run(self) -> bool:
         """Whether an earlier or live run owns this folder: checkpoints, metrics, or its lock held."""
@@ -209,6 +229,55 @@ class RunFolder:
                 f"pass a checkpoint with --resume PATH, or move the folder away to start a new run"
             )
         return None
+
+    def can_continue_from(self, path: Path, payload: dict[str, Any]) -> bool:
+        """Whether a run resumed from ``path`` (a file in this folder, read as ``payload``) may write here.
+
+        Only when nothing newer would be overwritten: the folder holds no run, or ``path`` holds its newest state. The
+        newest state is the one ``--resume auto`` takes (``find_resume_checkpoint``: the most recently written
+        checkpoint that loads completely). ``path`` holds it when it is that file, or when both record the same
+        position (epoch, global step, step in the epoch) and the same tensor digests: the names one save writes
+        (``last.pth``, ``checkpoint_epoch{N}.pth``, ``best.pth``) are copies of one file's bytes, and an
+        ``INTERRUPTED.pth`` saved at the step ``last.pth`` holds has its tensors. Every doubt (no digests, only corrupt
+        checkpoints, a run that saved nothing yet) answers False: the resume then writes to a new folder instead.
+        """
+        if not self.holds_a_run():
+            return True
+        try:
+            found = self.find_resume_checkpoint()
+        except CheckpointError:
+            return False
+        if found is None:
+            return False
+        newest_path, newest = found
+        if newest_path.resolve() == path.resolve():
+            return True
+        digests = payload.get(KEY_TENSOR_DIGESTS)
+        return (
+            digests is not None
+            and digests == newest.get(KEY_TENSOR_DIGESTS)
+            and _position(payload) == _position(newest)
+        )
+
+    def take_to_continue(self, path: Path, payload: dict[str, Any]) -> bool:
+        """Lock this folder when a run resumed from ``path`` may continue here (``can_continue_from``); else False.
+
+        When it may not, the folder is left untouched (its lock file too). When it may, the folder is locked, and if
+        its checkpoints changed meanwhile (another run saved between the answer and the lock) the answer is given
+        again under the lock. A live run's folder is refused, naming its process.
+        """
+        self.check_creatable()
+        listing = self._listing()
+        if not self.can_continue_from(path, payload):
+            return False
+        self.lock()
+        if self._listing() == listing or self.can_continue_from(path, payload):
+            return True
+        self.unlock()
+        return False
+
+    def _listing(self) -> list[tuple[str, int]]:
+        return [(checkpoint.name, checkpoint.stat().st_mtime_ns) for checkpoint in self.checkpoints()]
 
     def prune_epoch_checkpoints(self, keep_last: int) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoint_epoch files (by epoch number); returns those deleted."""
@@ -279,6 +348,16 @@ class RunSeries:
                 return folder
         return None
 
+    def taken_last(self, candidates: list[RunFolder]) -> RunFolder | None:
+        """Of ``candidates``, the folder whose lock a process took most recently; None when none was ever taken.
+
+        A torchrun restart finds the folder its first attempt took this way: that attempt's rank 0 took the lock
+        moments before it failed, after any earlier run took the lock of any folder of the series.
+        """
+        taken = [(folder.lock_taken_ns(), folder) for folder in candidates]
+        taken = [(when, folder) for when, folder in taken if when is not None]
+        return max(taken, key=lambda entry: entry[0])[1] if taken else None
+
     def continue_newest(self) -> RunFolder:
         """The newest folder, locked by this process; refused when a live run holds it."""
         folder = self.newest()
@@ -286,8 +365,12 @@ class RunSeries:
         folder.lock()
         return folder
 
-    def start_new(self) -> RunFolder:
-        """The newest folder if it holds no run, else the next number; locked by this process. Logs a rerun."""
+    def start_new(self, reason: str | None = None) -> RunFolder:
+        """The newest folder if it holds no run, else the next number; locked by this process.
+
+        Logs one line saying where the run writes and why: ``reason`` when given, else that the folder before holds
+        an earlier run (nothing when the run writes to the first folder).
+        """
         number = self.newest_number()
         first = self.folder(number)
         first.check_creatable()
@@ -299,13 +382,19 @@ class RunSeries:
                 else:
                     break
             number += 1
-        if number > 1:
+        if reason is not None:
+            logger.info("%s; this run writes to %s", reason, folder)
+        elif number > 1:
             logger.info(
                 "Run folder %s holds an earlier run (continue that with --resume auto); this run writes to %s",
                 self.folder(number - 1),
                 folder,
             )
         return folder
+
+
+def _position(payload: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return payload.get(KEY_EPOCH), payload.get(KEY_GLOBAL_STEP), payload.get(KEY_STEP_IN_EPOCH)
 
 
 def _read_pid(fd: int) -> int | None:

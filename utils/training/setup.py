@@ -270,40 +270,91 @@ def _choose_run(
 ) -> tuple[str, str | None]:
     """Rank 0's run folder (locked) and checkpoint to resume (None for a new run), as plain strings to broadcast.
 
-    A new start never touches an earlier or live run (it takes the next folder of the series); ``--resume auto`` and a
-    torchrun restart continue the newest folder; a locked folder is never continued.
+    No write may land on a newer state or on another run, so:
+
+    * no ``--resume``: a new folder of the series (``RunSeries.start_new``);
+    * ``--resume auto``, and a torchrun restart without ``--resume``: the newest folder, from its newest checkpoint;
+    * ``--resume PATH``: the folder PATH lies in when PATH holds that folder's newest state
+      (``RunFolder.can_continue_from``); else (an older state of its folder, or a file from outside the series) a new
+      folder, as a rerun takes;
+    * a torchrun restart of ``--resume PATH``: the folder the first attempt took, from its newest checkpoint (PATH
+      again would throw away that attempt's progress), and from PATH only while that folder holds none.
+
+    A locked folder is never continued or written.
     """
     if resume is None and restart_count == 0:
-        folder = series.start_new()
-        chosen.append(folder)
-        _remove_partial_files(folder)
-        return str(folder.path), None
+        return _took(series.start_new(), chosen), None
     if resume is None or resume == RESUME_AUTO:
         folder = series.continue_newest()
-        chosen.append(folder)
-        _remove_partial_files(folder)
+        folder_path = _took(folder, chosen)
         found = folder.find_resume_checkpoint()
         if found is None:
             logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
-            return str(folder.path), None
+            return folder_path, None
         path, payload = found
         preloaded[str(path)] = payload
-        return str(folder.path), str(path)
+        return folder_path, str(path)
+    if restart_count > 0:
+        return _restart_from_path(resume, series, restart_count, preloaded, chosen)
+    return _resume_from_path(resume, series, preloaded, chosen)
+
+
+def _resume_from_path(
+    resume: str, series: RunSeries, preloaded: dict[str, dict[str, Any]], chosen: list[RunFolder]
+) -> tuple[str, str]:
     resume_path = Path(resume)
-    if not resume_path.is_file():
+    payload = preloaded[resume] = _read_resume_file(resume)
+    own = series.contains(resume_path)
+    if own is None:  # a file from outside the series: nothing of the series to continue
+        return _took(series.start_new(), chosen), resume
+    if own.take_to_continue(resume_path, payload):
+        return _took(own, chosen), resume
+    reason = f"--resume {resume} is not the newest state of {own} (continuing there would overwrite newer checkpoints)"
+    return _took(series.start_new(reason), chosen), resume
+
+
+def _restart_from_path(
+    resume: str,
+    series: RunSeries,
+    restart_count: int,
+    preloaded: dict[str, dict[str, Any]],
+    chosen: list[RunFolder],
+) -> tuple[str, str]:
+    # The first attempt took either the folder PATH lies in or the series' newest (a new one, or an empty one).
+    candidates = [folder for folder in (series.contains(Path(resume)), series.newest()) if folder is not None]
+    first = series.taken_last(candidates)
+    if first is None:  # neither was ever locked: the first attempt failed before it chose, so choose as it would have
+        return _resume_from_path(resume, series, preloaded, chosen)
+    first.lock()
+    folder_path = _took(first, chosen)
+    found = first.find_resume_checkpoint()
+    if found is None:
+        logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, first, resume)
+        preloaded[resume] = _read_resume_file(resume)
+        return folder_path, resume
+    path, payload = found
+    preloaded[str(path)] = payload
+    logger.info(
+        "torchrun restart %d continues %s, the folder its first attempt took, from its newest checkpoint %s",
+        restart_count,
+        first,
+        path,
+    )
+    return folder_path, str(path)
+
+
+def _read_resume_file(resume: str) -> dict[str, Any]:
+    path = Path(resume)
+    if not path.is_file():
         raise CheckpointError(f"--resume {resume}: no such file; pass a checkpoint path or --resume auto")
-    folder = series.contains(resume_path) or series.newest()
-    existing = folder.checkpoints()
-    if existing and resume_path.resolve().parent != folder.path.resolve():
-        raise ConfigError(
-            f"--resume {resume} would continue in run folder {folder}, which holds checkpoints of another run "
-            f"({', '.join(p.name for p in existing[:3])}); choose another --exp_name"
-        )
-    folder.check_creatable()
-    folder.lock()
+    return load_resume_checkpoint(path)
+
+
+def _took(folder: RunFolder, chosen: list[RunFolder]) -> str:
+    """Record the folder this process has locked and clear what killed writes left there; returns its path."""
     chosen.append(folder)
     _remove_partial_files(folder)
-    return str(folder.path), resume
+    return str(folder.path)
 
 
 def _remove_partial_files(folder: RunFolder) -> None:
