@@ -222,10 +222,10 @@ class RunFolder:
             try:
                 return path, load_resume_checkpoint(path)
             except CheckpointError as error:
-                logger.warning("skipping %s for --resume auto: %s", path, error)
+                logger.warning("skipping %s, looking for the newest usable checkpoint of its folder: %s", path, error)
         if candidates:
             raise CheckpointError(
-                f"--resume auto found no usable checkpoint in {self.path} (all are corrupt or incomplete, see above); "
+                f"no usable checkpoint in run folder {self.path} (all are corrupt or incomplete, see above); "
                 f"pass a checkpoint with --resume PATH, or move the folder away to start a new run"
             )
         return None
