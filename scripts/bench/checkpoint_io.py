@@ -28,7 +28,7 @@ import os
 import shutil
 import statistics
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,8 +38,9 @@ import torch
 from scripts.bench.context import Context
 from scripts.bench.demo_data import ensure_demo_data
 from scripts.bench.processes import MeasurementError
+from scripts.bench.report import ratio_spread
 from scripts.bench.timing import timed
-from scripts.bench.training import runs_folder, train_argv
+from scripts.bench.training import built_trainer, runs_folder, train_argv
 from utils.checkpoint import copy_checkpoint_atomic, save_checkpoint_atomic, tensor_digests, verify_checkpoint
 from utils.errors import UserError
 
@@ -77,7 +78,10 @@ def run_checkpoint(ctx: Context, settings: CheckpointBenchConfig) -> dict[str, A
     base.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     try:
-        with _trainer(argv) as trainer, tempfile.TemporaryDirectory(prefix=".checkpoint-bench-", dir=base) as folder:
+        with (
+            built_trainer(argv) as trainer,
+            tempfile.TemporaryDirectory(prefix=".checkpoint-bench-", dir=base) as folder,
+        ):
             _one_step(trainer)
             result = _measure(trainer, Path(folder), config.repeat)
     except UserError as error:
@@ -90,26 +94,6 @@ def run_checkpoint(ctx: Context, settings: CheckpointBenchConfig) -> dict[str, A
     result["filesystem"] = filesystem_type(base)
     _rows(ctx, result)
     return result
-
-
-@contextlib.contextmanager
-def _trainer(argv: list[str]) -> Iterator[Trainer]:
-    """The trainer ``train.py`` builds from ``argv`` (the same wiring as its ``main()``, without signal handlers)."""
-    from utils.distributed import teardown
-    from utils.training.config import parse_config
-    from utils.training.interrupts import InterruptFlag
-    from utils.training.setup import build_trainer, join, launch_plan
-
-    train_config = parse_config(argv)
-    dist_ctx = join(train_config, launch_plan(train_config, argv))
-    try:
-        trainer = build_trainer(train_config, dist_ctx, InterruptFlag())
-        try:
-            yield trainer
-        finally:
-            trainer.close()
-    finally:
-        teardown(dist_ctx)
 
 
 def _one_step(trainer: Trainer) -> None:
@@ -197,7 +181,7 @@ def _rows(ctx: Context, result: dict[str, Any]) -> None:
     row("tensor digests alone (sha256)", "digest", f"{result['tensors']} tensors")
     row("save_checkpoint_atomic (digests, torch.save, fsync, rename)", "save", result["folder"])
     ratios = result["copy_over_second_save_runs"]
-    spread = f" (median of {len(ratios)}: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
+    spread = ratio_spread(ratios)
     ctx.row(
         SECTION,
         "one more name: copy_checkpoint_atomic / a second save",

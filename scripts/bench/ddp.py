@@ -9,6 +9,7 @@ import torch
 
 from scripts.bench.context import DDP_PROCESSES, Context
 from scripts.bench.demo_data import ensure_demo_data
+from scripts.bench.report import ratio_spread
 from scripts.bench.training import median_run, train_run
 
 
@@ -42,7 +43,7 @@ def run_ddp(ctx: Context) -> dict[str, Any]:
         "ratios": ratios,
         "ratio": statistics.median(ratios),
     }
-    spread = f" (median of {len(ratios)}: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
+    spread = ratio_spread(ratios)
     ctx.row(
         "ddp",
         f"{precision} {DDP_PROCESSES} proc x {threads_each} thr vs 1 proc x {config.threads} thr",

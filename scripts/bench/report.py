@@ -58,6 +58,11 @@ def run_memory(ctx: Context) -> dict[str, Any]:
     return {"processes": ctx.memory}
 
 
+def ratio_spread(ratios: Sequence[float]) -> str:
+    """`` (median of N: r1, r2, ...)`` after a median ratio of paired runs; nothing for a single run."""
+    return f" (median of {len(ratios)}: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
+
+
 def format_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
     header = ("section", "measurement", "value", "note")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]

@@ -9,12 +9,13 @@ itself, with and without the loop around it (data loading, logging, the stop pol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from scripts.bench.processes import REPO_ROOT, MeasurementError, call_worker, ru
 from scripts.bench.timing import cuda_max_allocated_mib, sync, timed
 
 if TYPE_CHECKING:
+    from utils.training.loop import Trainer
     from utils.training.step import TrainStep
 
 # Distinct batches the compute-only steps cycle through (the loader's first ones, moved to the device beforehand).
@@ -306,25 +308,33 @@ def _e2e_row(ctx: Context, precision: str, result: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------- worker
 
 
-def compute_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """``train.py``'s set-up from ``spec["train_argv"]``, then its ``TrainStep`` timed on batches held in memory."""
+@contextlib.contextmanager
+def built_trainer(argv: list[str]) -> Iterator[Trainer]:
+    """The trainer ``train.py`` builds from ``argv``, closed and torn down on exit.
+
+    The same wiring as train.py's main(), without the signal handlers: the benchmark never runs the loop.
+    """
     from utils.distributed import teardown
     from utils.training.config import parse_config
     from utils.training.interrupts import InterruptFlag
     from utils.training.setup import build_trainer, join, launch_plan
 
-    argv = spec["train_argv"]
     config = parse_config(argv)
-    # The same wiring as train.py's main(), without the signal handlers: nothing here runs the loop.
     ctx = join(config, launch_plan(config, argv))
     try:
         trainer = build_trainer(config, ctx, InterruptFlag())
         try:
-            return _time_train_step(trainer.step, trainer.parts.train_loader, trainer.parts.model_args, spec)
+            yield trainer
         finally:
             trainer.close()
     finally:
         teardown(ctx)
+
+
+def compute_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """``train.py``'s set-up from ``spec["train_argv"]``, then its ``TrainStep`` timed on batches held in memory."""
+    with built_trainer(spec["train_argv"]) as trainer:
+        return _time_train_step(trainer.step, trainer.parts.train_loader, trainer.parts.model_args, spec)
 
 
 def _time_train_step(step: TrainStep, loader: Any, model_args: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:

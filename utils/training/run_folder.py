@@ -243,6 +243,11 @@ class RunFolder:
         """
         if not self.holds_a_run():
             return True
+        candidates = self.checkpoints()
+        if candidates and candidates[0].resolve() == path.resolve():
+            # The newest file is ``path``, which the caller has just read completely: it is what
+            # find_resume_checkpoint would return, without reading it (hundreds of MB) a second time.
+            return True
         try:
             found = self.find_resume_checkpoint()
         except CheckpointError:
