@@ -15,60 +15,28 @@ milesial/Pytorch-UNet: ``evaluate(net, dataloader, device, amp)`` returns the me
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from torch.utils.data import DataLoader
 
 from utils import model_spec
-from utils.cli import print_error, setup_logging
-from utils.data_loading import BasicDataset, detect_mask_suffix
-from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError, UserError
+from utils.cli import setup_logging
+from utils.datasets.dataset import BasicDataset
+from utils.errors import ConfigError, DatasetError
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.hardware import pick_device, warn_if_emulated
+from utils.inference.cli import parse_evaluate_config
 from utils.inference.config import EvaluateConfig
 from utils.inference.file_plan import check_no_clashes, files_in
-from utils.inference.flags import add_compute_flags, add_model_check_flags, add_progress_flag, add_scale_flag
-from utils.inference.memory import is_allocator_error
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, format_table, keep_items
+from utils.runner import run_main
 
 __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", "main", "run"]
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", "-m", default="MODEL.pth", metavar="FILE", help="checkpoint to score (MODEL.pth)")
-    parser.add_argument("--imgs", required=True, metavar="DIR", help="folder of images")
-    parser.add_argument("--masks", required=True, metavar="DIR", help="folder of true masks")
-    add_scale_flag(parser)
-    add_compute_flags(parser, workers_help="data-loading")
-    parser.add_argument("--json", metavar="FILE", help="also write the scores as JSON to FILE")
-    add_model_check_flags(parser)
-    add_progress_flag(parser)
-    return parser
-
-
-def config_from_args(args: argparse.Namespace) -> EvaluateConfig:
-    config = EvaluateConfig(
-        model=Path(args.model),
-        images_dir=Path(args.imgs),
-        masks_dir=Path(args.masks),
-        scale=args.scale,
-        batch_size=args.batch_size,
-        precision=args.precision,
-        device=args.device,
-        workers=args.workers,
-        json_path=Path(args.json) if args.json else None,
-        bilinear=args.bilinear,
-        classes=args.classes,
-        progress=not args.no_progress,
-    )
-    config.validate()
-    return config
+OOM_FIX = "lower --batch-size or --scale"
 
 
 def check_json_path(config: EvaluateConfig) -> None:
@@ -90,12 +58,11 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float]:
         config.model, expected={"n_classes": config.classes, "bilinear": True if config.bilinear else None}
     )
     scale = model_spec.resolve_scale(spec, config.scale, config.model)
-    mask_suffix = detect_mask_suffix(config.images_dir, config.masks_dir)
     dataset = BasicDataset(
         config.images_dir,
         config.masks_dir,
         scale,
-        mask_suffix,
+        None,  # the mask naming, detected from the folder index the dataset builds (each folder is listed once)
         n_classes=model.n_classes,
         channels=model.n_channels if model.n_channels in (1, 3) else None,
         # The model's void values (--ignore-value in training) are not classes: their pixels are not scored.
@@ -145,21 +112,14 @@ def write_json(path: Path, result: EvalResult, mask_values: list, scale: float, 
 
 def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(rank=0, world_size=1)
-    try:
-        config = config_from_args(build_parser().parse_args(argv))
-        result, mask_values, scale = run(config)
-        if config.json_path is not None:
-            write_json(config.json_path, result, mask_values, scale, config)
-    except UserError as error:
-        print_error(error)
-        return USER_ERROR_EXIT_CODE
-    except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as error:
-        if not is_allocator_error(error):
-            raise
-        print_error("out of memory; lower --batch-size or --scale")
-        return USER_ERROR_EXIT_CODE
-    except SystemExit as exit_request:  # --help, or argparse's own usage error (status 2)
-        return exit_request.code if isinstance(exit_request.code, int) else 0
+    return run_main(lambda: score_and_report(parse_evaluate_config(argv, __doc__)), oom_fix=OOM_FIX)
+
+
+def score_and_report(config: EvaluateConfig) -> int:
+    """Score, write --json if asked, print the table; the exit status."""
+    result, mask_values, scale = run(config)
+    if config.json_path is not None:
+        write_json(config.json_path, result, mask_values, scale, config)
     print(f"{config.model} on {result.n_images} images of {config.images_dir}:")
     print(format_table(result, mask_values))
     return 0

@@ -15,7 +15,6 @@ file or output folder (one ``Error:`` line on stderr).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import sys
@@ -26,12 +25,13 @@ import torch
 
 from unet import UNet
 from utils import model_spec
-from utils.cli import parse_size, print_error, setup_logging
-from utils.errors import USER_ERROR_EXIT_CODE, CheckpointError, ConfigError, UserError
+from utils.cli import setup_logging
+from utils.errors import CheckpointError
 from utils.hardware import pick_device, warn_if_emulated
+from utils.inference.cli import parse_predict_config
 from utils.inference.config import PredictConfig
 from utils.inference.engine import PredictionInputs, predict_items
-from utils.inference.export import EXPORT_FORMATS, export_model
+from utils.inference.export import export_model
 from utils.inference.file_plan import (
     check_no_clashes,
     check_writable,
@@ -40,101 +40,17 @@ from utils.inference.file_plan import (
     plan_outputs,
     prediction_outputs,
 )
-from utils.inference.flags import add_compute_flags, add_model_check_flags, add_progress_flag, add_scale_flag
-from utils.inference.memory import is_allocator_error
 from utils.inference.outputs import check_mask_values, default_mask_values
 from utils.inference.overlays import class_colours
-from utils.inference.tiling import DEFAULT_TILE_OVERLAP
 from utils.inference.writer import Writer, write_predictions
+from utils.runner import run_main
 
-__all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "build_parser", "main", "predict_files", "run"]
+__all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "main", "predict_files", "run"]
 
 logger = logging.getLogger("predict")
 
 PARTIAL_FAILURE_EXIT_CODE = 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    summary, examples = __doc__.split("\n\n")[:2]
-    parser = argparse.ArgumentParser(
-        description=summary, epilog=f"examples:\n{examples}", formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--model", "-m", default="MODEL.pth", metavar="FILE", help="checkpoint to load (MODEL.pth)")
-    parser.add_argument(
-        "--input", "-i", metavar="INPUT", nargs="+", default=[], help="image files, folders or glob patterns"
-    )
-    parser.add_argument("--output", "-o", metavar="OUTPUT", nargs="+", help="output file per input file")
-    parser.add_argument("--output-dir", metavar="DIR", help="write <name>_OUT.png files into DIR")
-    parser.add_argument("--viz", "-v", action="store_true", help="write <name>_VIZ.png overlays of the predictions")
-    parser.add_argument("--masks", metavar="DIR", help="true masks: --viz shows truth | prediction side by side")
-    parser.add_argument("--no-save", "-n", action="store_true", help="do not write the masks (with --viz)")
-    parser.add_argument(
-        "--mask-threshold",
-        "-t",
-        type=float,
-        default=0.5,
-        help="probability above which a pixel is foreground (one-logit models; 0.5)",
-    )
-    add_scale_flag(parser)
-    add_model_check_flags(parser)
-    add_compute_flags(parser, workers_help="image-decoding")
-    parser.add_argument(
-        "--tile",
-        type=int,
-        metavar="SIZE",
-        help="sliding-window inference with SIZE x SIZE windows (network pixels, multiple of 16)",
-    )
-    parser.add_argument(
-        "--tile-overlap",
-        type=float,
-        default=DEFAULT_TILE_OVERLAP,
-        help="fraction shared by neighbouring windows (0.5: nnU-Net's step of half a window)",
-    )
-    parser.add_argument(
-        "--tta", action="store_true", help="average the logits of the image and its flips (4 passes, nnU-Net's TTA)"
-    )
-    parser.add_argument(
-        "--export",
-        nargs=2,
-        metavar=("FORMAT", "PATH"),
-        help=f"write the model as {' or '.join(EXPORT_FORMATS)} to PATH and check it",
-    )
-    parser.add_argument("--export-size", default="256x256", metavar="WxH", help="sample input size for --export")
-    add_progress_flag(parser)
-    return parser
-
-
-def config_from_args(args: argparse.Namespace) -> PredictConfig:
-    export_format, export_path = (args.export[0], Path(args.export[1])) if args.export else (None, None)
-    if export_format is not None and export_format not in EXPORT_FORMATS:
-        raise ConfigError(f"--export {export_format}: choose one of {', '.join(EXPORT_FORMATS)}")
-    width, height = parse_size(args.export_size, "--export-size")
-    config = PredictConfig(
-        model=Path(args.model),
-        inputs=list(args.input),
-        outputs=[Path(output) for output in args.output] if args.output else None,
-        output_dir=Path(args.output_dir) if args.output_dir else None,
-        viz=args.viz,
-        masks_dir=Path(args.masks) if args.masks else None,
-        no_save=args.no_save,
-        mask_threshold=args.mask_threshold,
-        scale=args.scale,
-        bilinear=args.bilinear,
-        classes=args.classes,
-        batch_size=args.batch_size,
-        precision=args.precision,
-        device=args.device,
-        workers=args.workers,
-        tile=args.tile,
-        tile_overlap=args.tile_overlap,
-        tta=args.tta,
-        export_format=export_format,
-        export_path=export_path,
-        export_size=(height, width),
-        progress=not args.no_progress,
-    )
-    config.validate()
-    return config
+OOM_FIX = "lower --batch-size, or use --tile 512 (or smaller) for large images"
 
 
 def load_model(config: PredictConfig) -> tuple[UNet, list, float]:
@@ -161,6 +77,7 @@ def load_model(config: PredictConfig) -> tuple[UNet, list, float]:
 
 def export(model: UNet, config: PredictConfig) -> None:
     assert config.export_format is not None and config.export_path is not None
+    check_no_clashes([(config.export_path, "--export")], {config.model: "the checkpoint"})
     report = export_model(model, config.export_format, config.export_path, config.export_size)
     report_fields = (report.format, report.path, report.checked_with)
     difference = "n/a" if report.max_abs_difference is None else f"{report.max_abs_difference:.3g}"
@@ -168,10 +85,8 @@ def export(model: UNet, config: PredictConfig) -> None:
 
 
 def predict_files(model: UNet, mask_values: list, config: PredictConfig, device: torch.device) -> int:
-    """Predict and write every input of ``config``; returns the exit status (see the module docstring).
-
-    ``config.scale`` must be resolved (a number) by now: ``run`` does that from the checkpoint.
-    """
+    """Predict and write every input of ``config`` (its scale resolved from the checkpoint by ``run``); the exit
+    status (see the module docstring)."""
     assert config.scale is not None
     inputs = collect_inputs(config.inputs)
     plans = plan_outputs(inputs, config.inputs, config.outputs, config.output_dir)
@@ -218,8 +133,6 @@ def run(config: PredictConfig) -> int:
     model, mask_values, scale = load_model(config)
     config = dataclasses.replace(config, scale=scale)
     if config.export_format is not None:
-        assert config.export_path is not None
-        check_no_clashes([(config.export_path, "--export")], {config.model: "the checkpoint"})
         export(model, config)
         if not config.inputs:
             return 0
@@ -228,21 +141,7 @@ def run(config: PredictConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(rank=0, world_size=1)
-    try:
-        return run(config_from_args(build_parser().parse_args(argv)))
-    except UserError as error:
-        print_error(error)
-        return USER_ERROR_EXIT_CODE
-    except torch.cuda.OutOfMemoryError:
-        print_error("the GPU ran out of memory; lower --batch-size, or use --tile 512 (or smaller) for large images")
-        return USER_ERROR_EXIT_CODE
-    except (RuntimeError, MemoryError) as error:
-        if not is_allocator_error(error):
-            raise
-        print_error("out of memory on the CPU; lower --batch-size, or use --tile 512 (or smaller) for large images")
-        return USER_ERROR_EXIT_CODE
-    except SystemExit as exit_request:  # --help, or argparse's own usage error (status 2)
-        return exit_request.code if isinstance(exit_request.code, int) else 0
+    return run_main(lambda: run(parse_predict_config(argv, __doc__)), oom_fix=OOM_FIX)
 
 
 if __name__ == "__main__":

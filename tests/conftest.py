@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,28 @@ class TrainRunner:
 @pytest.fixture
 def runner(carvana_data: SyntheticData, tmp_path: Path) -> TrainRunner:
     return TrainRunner(carvana_data, tmp_path / "checkpoints")
+
+
+@pytest.fixture
+def self_labelled_masks(carvana_data: SyntheticData, tmp_path: Path) -> Callable[[Path], Path]:
+    """Labels ``carvana_data``'s images with a checkpoint's own predictions: call it with the checkpoint.
+
+    Returns the masks folder ('<id>.png' names, the checkpoint's mask values), on which evaluate.py must score that
+    model perfectly.
+    """
+    import predict
+
+    def label(checkpoint: Path) -> Path:
+        predicted, masks = tmp_path / "predicted", tmp_path / "self-labelled"
+        code = predict.main(["-m", str(checkpoint), "-i", str(carvana_data.imgs), "--output-dir", str(predicted),
+                             "-s", "1", "-b", "4", "--no-progress", "-j", "0"])  # fmt: skip
+        assert code == 0
+        masks.mkdir()
+        for output in sorted(predicted.glob("*_OUT.png")):
+            shutil.move(output, masks / f"{output.stem.removesuffix('_OUT')}.png")
+        return masks
+
+    return label
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -22,7 +22,7 @@ from PIL import Image
 
 from unet import UNet
 from utils.checkpoint import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_MASK_VALUES, KEY_MODEL, KEY_MODEL_ARGS
-from utils.data_loading import image_tensor
+from utils.datasets.preparation import image_tensor
 
 
 def positive(value: object) -> bool:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import pickle
 import resource
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import TrainRunner
 from tests.helpers import (
     RunsCodeWhenUnpickled,
     checkpoint_payload,
@@ -20,9 +22,12 @@ from tests.helpers import (
 from unet import UNet
 from utils.checkpoint import (
     FORMAT_VERSION,
+    KEY_ARGS,
     KEY_FORMAT_VERSION,
+    KEY_INFERENCE,
     KEY_MODEL_ARGS,
     KEY_TENSOR_DIGESTS,
+    InferenceRecord,
     copy_checkpoint_atomic,
     load_checkpoint_file,
     read_model_weights,
@@ -30,6 +35,7 @@ from utils.checkpoint import (
 )
 from utils.errors import CheckpointError
 from utils.model_spec import load_model
+from utils.training.state import load_resume_checkpoint, read_training_state
 
 
 def assert_same_weights(first: torch.nn.Module, second: torch.nn.Module) -> None:
@@ -253,3 +259,92 @@ def test_nonfinite_weights_are_refused_and_large_finite_ones_are_not(tmp_path: P
     save_checkpoint_atomic(checkpoint_payload(model), tmp_path / "bad.pth")
     with pytest.raises(CheckpointError, match=r"holds NaN or inf weights \(outc.conv.weight\)"):
         read_model_weights(tmp_path / "bad.pth")
+
+
+# ------------------------------------------------------------------------------ files written by others, and before
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "checkpoints"
+
+
+def assert_holds_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor], prefix: str = "") -> None:
+    """``model`` has exactly the tensors ``saved`` holds (under ``prefix`` + name)."""
+    own = model.state_dict()
+    assert {prefix + key for key in own} == set(saved)
+    for key, tensor in own.items():
+        assert torch.equal(tensor, saved[prefix + key]), key
+
+
+def test_a_format_1_file_written_before_the_inference_record_loads_with_its_scale_and_void(tmp_path: Path) -> None:
+    path = FIXTURES / "v1_train.pth"
+    raw = torch.load(path, map_location="cpu", weights_only=True)
+    assert KEY_INFERENCE not in raw and raw[KEY_FORMAT_VERSION] == 1  # the fixture is what it claims to be
+    model, spec = load_model(path)
+    assert_holds_weights(model, raw["model_state"])
+    assert spec.model_args == {"n_channels": 1, "n_classes": 2, "bilinear": True, "base_channels": 2}
+    assert (spec.mask_values, spec.training_scale, spec.ignore_values) == ([0, 128], 0.25, (255,))
+    # It resumes too: the typed read finds the position and the record (from the run's args, for such old files).
+    state = read_training_state(path)
+    assert (state.position.epoch, state.position.global_step, state.position.step_in_epoch) == (1, 10, 0)
+    assert state.inference == InferenceRecord(scale=0.25, ignore_values=(255,), channels=1)
+    assert state.run_args["scale"] == 0.25 and state.world_size == 1
+
+
+def test_a_milesial_file_loads_with_its_mask_values_and_milesials_scale() -> None:
+    path = FIXTURES / "milesial.pth"
+    raw = torch.load(path, map_location="cpu", weights_only=True)
+    model, spec = load_model(path)
+    assert_holds_weights(model, {key: value for key, value in raw.items() if key != "mask_values"})
+    assert spec.model_args == {"n_channels": 3, "n_classes": 3, "bilinear": False, "base_channels": 2}
+    assert (spec.mask_values, spec.training_scale, spec.scale, spec.ignore_values) == ([0, 127, 254], None, 0.5, ())
+    with pytest.raises(CheckpointError, match=r"cannot be resumed: it lacks model_state, optimizer"):
+        read_training_state(path)
+
+
+def test_a_ddp_script_file_loads_without_its_module_prefixes() -> None:
+    path = FIXTURES / "ddp_script.pth"
+    raw = torch.load(path, map_location="cpu", weights_only=True)
+    assert raw["epoch"] == 4
+    model, spec = load_model(path)
+    assert_holds_weights(model, raw["model_state_dict"], prefix="module.")
+    assert spec.model_args == {"n_channels": 3, "n_classes": 1, "bilinear": True, "base_channels": 2}
+    assert (spec.mask_values, spec.training_scale) == (None, None)
+
+
+def test_the_inference_record_decides_how_images_are_prepared_not_the_flags(tmp_path: Path) -> None:
+    model = tiny_unet()
+    payload = checkpoint_payload(model, [0, 255])
+    # A later version may rename or drop the flags: what predict needs is read from the record alone.
+    payload[KEY_ARGS] = {"scale": 0.1, "ignore_values": [7], "image_scale": 0.9}
+    payload[KEY_INFERENCE] = InferenceRecord(scale=0.75, ignore_values=(255,), channels=3).as_dict()
+    save_checkpoint_atomic(payload, tmp_path / "new.pth")
+    _, spec = load_model(tmp_path / "new.pth")
+    assert (spec.training_scale, spec.ignore_values, spec.mask_values) == (0.75, (255,), [0, 255])
+
+
+def test_a_newer_format_is_refused_by_every_read(tmp_path: Path) -> None:
+    path = tmp_path / "future.pth"
+    shutil.copy(FIXTURES / "v1_train.pth", path)
+    payload = load_checkpoint_file(path)
+    payload[KEY_FORMAT_VERSION] = FORMAT_VERSION + 1
+    save_checkpoint_atomic(payload, path)
+    upgrade = rf"{path} has format version {FORMAT_VERSION + 1}; this version of unet-ddp reads up to {FORMAT_VERSION}"
+    for read in (read_model_weights, load_resume_checkpoint, read_training_state):
+        with pytest.raises(CheckpointError, match=upgrade):
+            read(path)
+
+
+def test_a_training_state_survives_its_own_write_and_read(tmp_path: Path) -> None:
+    state = read_training_state(FIXTURES / "v1_train.pth")
+    state.inference = InferenceRecord(scale=0.5, ignore_values=(), channels=1)
+    save_checkpoint_atomic(state.to_payload(), tmp_path / "again.pth")
+    again = read_training_state(tmp_path / "again.pth")
+    assert again.inference == state.inference and again.position == state.position
+    assert again.model.keys() == state.model.keys()
+    assert all(torch.equal(again.model[key], tensor) for key, tensor in state.model.items())
+    assert again.run_args == state.run_args and again.mask_values == state.mask_values
+
+
+def test_train_writes_the_inference_record(runner: TrainRunner) -> None:
+    assert runner.main("record", "-e", "1", "--max-steps", "1", "--ignore-value", "7") == 0
+    raw = load_checkpoint_file(runner.run_dir("record") / "last.pth")
+    assert raw[KEY_INFERENCE] == {"scale": 1.0, "ignore_values": [7], "channels": 3}

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.helpers import make_model, tiny_unet
-from utils.data_loading import CarvanaDataset
+from utils.datasets.dataset import CarvanaDataset
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 
 

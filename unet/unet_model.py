@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +21,25 @@ from .unet_parts import DoubleConv, Down, OutConv, Up
 MIN_SIDE = 32
 
 
+@dataclass(frozen=True)
+class UNetArgs:
+    """The arguments that build a UNet, the one owner of their names and defaults.
+
+    Checkpoints store them (``model_args``) so inference needs no repeated flags. ``n_channels`` and ``n_classes``
+    default to milesial/Pytorch-UNet's hub model (RGB images, two classes); ``UNet`` itself requires them.
+    """
+
+    n_channels: int = 3
+    n_classes: int = 2
+    bilinear: bool = False
+    """Bilinear upsampling instead of transposed convolutions (the deepest block is then halved)."""
+    base_channels: int = 64
+    """Width of the first block; 64 is the classic model."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 class UNet(nn.Module):
     """Encoder-decoder segmentation network producing ``n_classes`` logit maps of the input's height and width.
 
@@ -26,7 +47,13 @@ class UNet(nn.Module):
     ``base_channels`` scales the width; 64 reproduces the classic model and its ``state_dict`` exactly.
     """
 
-    def __init__(self, n_channels: int, n_classes: int, bilinear: bool = False, base_channels: int = 64) -> None:
+    def __init__(
+        self,
+        n_channels: int,
+        n_classes: int,
+        bilinear: bool = UNetArgs.bilinear,
+        base_channels: int = UNetArgs.base_channels,
+    ) -> None:
         super().__init__()
         if n_channels < 1 or n_classes < 1 or base_channels < 1:
             raise ValueError(
@@ -55,12 +82,7 @@ class UNet(nn.Module):
 
     def constructor_args(self) -> dict[str, Any]:
         """The arguments that rebuild this model; stored in checkpoints so inference needs no repeated flags."""
-        return {
-            "n_channels": self.n_channels,
-            "n_classes": self.n_classes,
-            "bilinear": self.bilinear,
-            "base_channels": self.base_channels,
-        }
+        return UNetArgs(self.n_channels, self.n_classes, self.bilinear, self.base_channels).as_dict()
 
     def use_checkpointing(self, enabled: bool = True) -> None:
         """Recompute block activations in the backward pass instead of storing them (less memory, more compute)."""

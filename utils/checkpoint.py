@@ -8,7 +8,14 @@ never changes another. Files get the mode any file the user creates gets (0666 m
 Reads always use ``weights_only=True``: a checkpoint can hold tensors, numbers, strings and containers, never objects
 whose unpickling runs code. Our files record a sha256 of every tensor (``KEY_TENSOR_DIGESTS``, computed once at
 save) and every read checks it, so bytes changed on disk are an error naming the file, not wrong weights; every read
-also refuses NaN or inf model weights (the only check possible for foreign files, which carry no digests).
+also refuses NaN or inf model weights (the only check possible for foreign files, which carry no digests) and checks
+the format version (``load_checkpoint_file``, the one reader every other read goes through).
+
+This module owns the payload's keys. What inference needs to prepare images (the training scale, the void mask values,
+the image channels) is its own record (``KEY_INFERENCE``, ``InferenceRecord``), written at save time, so renaming a
+training flag can never change how predict resizes; files written before the record existed are read from their
+``args`` in one place (``InferenceRecord.of``). The training position and optimizer state are read and written by
+``utils.training.state.TrainingState``; the model a file describes by ``utils.model_spec``.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import pickle
 import re
 import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +55,7 @@ KEY_BEST_RANKING = "best_ranking"
 KEY_WORLD_SIZE = "world_size"
 KEY_DATASET = "dataset"
 KEY_TENSOR_DIGESTS = "tensor_sha256"
+KEY_INFERENCE = "inference"
 
 # Names of files being written: ``.<final name>.<random>.tmp`` beside the final name. A crash can leave one behind
 # (never under a final name); ``RunFolder.remove_partial_files`` clears them when the next run takes the folder's lock.
@@ -61,6 +69,68 @@ _NESTED_WEIGHT_KEYS = ("model_state_dict", "state_dict", "model")
 _NO_COPY_RANGE_ERRNOS = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
 
 
+@dataclass(frozen=True)
+class InferenceRecord:
+    """How images were prepared for the model in training, so inference prepares them the same way.
+
+    Each field is None (or empty) when the file does not record it: milesial's and the DDP script's files never do.
+    """
+
+    scale: float | None = None
+    """The resize factor of the training images (``--scale``)."""
+    ignore_values: tuple[int, ...] = ()
+    """Void mask values (``--ignore-value``): never a class, never predicted."""
+    channels: int | None = None
+    """Channels of the training images (grey photos for an RGB model are converted)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "ignore_values": list(self.ignore_values), "channels": self.channels}
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> InferenceRecord:
+        """The record of a loaded file; files written before it existed give theirs from the run's ``args``.
+
+        The one place that reads the command-line ``args`` for inference; values that are not usable (a crafted or
+        damaged file) are dropped rather than trusted.
+        """
+        record = raw.get(KEY_INFERENCE)
+        if not isinstance(record, Mapping):
+            run_args = raw.get(KEY_ARGS)
+            run_args = run_args if isinstance(run_args, Mapping) else {}
+            model_args = raw.get(KEY_MODEL_ARGS)
+            channels = model_args.get("n_channels") if isinstance(model_args, Mapping) else None
+            record = {
+                "scale": run_args.get("scale"),
+                "ignore_values": run_args.get("ignore_values"),
+                "channels": channels,
+            }
+        return cls(
+            scale=_usable_scale(record.get("scale")),
+            ignore_values=_usable_ints(record.get("ignore_values")),
+            channels=_usable_channels(record.get("channels")),
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _usable_scale(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        return None
+    return float(value)
+
+
+def _usable_ints(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, list | tuple) or not all(_is_int(value) for value in values):
+        return ()
+    return tuple(values)
+
+
+def _usable_channels(value: Any) -> int | None:
+    return value if _is_int(value) and value >= 1 else None
+
+
 @dataclass
 class LoadedWeights:
     """Model weights read from any accepted checkpoint format."""
@@ -68,7 +138,7 @@ class LoadedWeights:
     state_dict: dict[str, torch.Tensor]
     model_args: dict[str, Any] | None
     mask_values: list | None
-    raw: dict[str, Any]
+    inference: InferenceRecord
 
 
 def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path) -> None:
@@ -175,18 +245,29 @@ def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
                 f"checkpoint {path} is damaged: {len(changed)} tensor(s) differ from what was saved (e.g. "
                 f"{changed[0]}), its bytes changed on disk; use another checkpoint"
             )
-    weights = raw[KEY_MODEL] if KEY_MODEL in raw and KEY_FORMAT_VERSION in raw else _foreign_weights(dict(raw))
-    for name, tensor in weights.items() if isinstance(weights, Mapping) else ():
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not _all_finite(tensor):
-            raise CheckpointError(
-                f"checkpoint {path} holds NaN or inf weights ({name}); it cannot be used, take an earlier checkpoint"
-            )
+    weights = raw[KEY_MODEL] if _is_ours(raw) else _foreign_weights(dict(raw))
+    items = weights.items() if isinstance(weights, Mapping) else ()
+    tensors = [(name, tensor) for name, tensor in items if isinstance(tensor, torch.Tensor)]
+    if not all_finite(tensor for _, tensor in tensors):
+        name = next(name for name, tensor in tensors if not all_finite([tensor]))
+        raise CheckpointError(
+            f"checkpoint {path} holds NaN or inf weights ({name}); it cannot be used, take an earlier checkpoint"
+        )
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    # NaN and inf propagate through a sum, and a float64 sum of finite float32/16 values cannot overflow; it is ~20x
-    # faster on the CPU than torch.isfinite(tensor).all(), which materialises a mask.
-    return bool(torch.isfinite(tensor.sum(dtype=torch.float64)))
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when no floating-point tensor of ``tensors`` holds NaN or inf; one host synchronisation in all.
+
+    The one finite-weights check: the trainer before a save, every checkpoint read. NaN and inf propagate through a
+    sum, and a float64 sum of finite float32/16 values cannot overflow, so one number per tensor is checked instead
+    of a boolean mask as large as the tensor (``torch.isfinite(tensor).all()``).
+    """
+    sums = [tensor.detach().sum(dtype=torch.float64) for tensor in tensors if tensor.is_floating_point()]
+    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+
+
+def _is_ours(raw: Mapping[str, Any]) -> bool:
+    return KEY_MODEL in raw and KEY_FORMAT_VERSION in raw
 
 
 def _tensors_of(value: Any, prefix: str = "") -> Any:
@@ -267,51 +348,40 @@ def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "c
         ) from error
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a checkpoint dictionary")
+    _check_format_version(obj, path)
     verify_checkpoint(obj, path)
     return obj
 
 
+def _check_format_version(raw: Mapping[str, Any], path: str | Path) -> None:
+    # Every read passes here (weights, --resume, run-folder scans): a newer layout is never half-understood.
+    if KEY_FORMAT_VERSION not in raw:
+        return  # a foreign file (milesial's, the DDP script's): no version to check
+    version = raw[KEY_FORMAT_VERSION]
+    if not _is_int(version) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {version!r}; this version of unet-ddp reads up to "
+            f"{FORMAT_VERSION}. Upgrade unet-ddp"
+        )
+
+
 def read_model_weights(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedWeights:
     """Model weights from our checkpoints, milesial/Pytorch-UNet files or the documented DDP script's files."""
-    raw = load_checkpoint_file(path, map_location)
-    if KEY_MODEL in raw and KEY_FORMAT_VERSION in raw:
-        version = raw[KEY_FORMAT_VERSION]
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise CheckpointError(
-                f"checkpoint {path} has format version {version!r}; this version of unet-ddp reads up to "
-                f"{FORMAT_VERSION}. Upgrade unet-ddp"
-            )
-        state_dict, model_args, mask_values = raw[KEY_MODEL], raw.get(KEY_MODEL_ARGS), raw.get(KEY_MASK_VALUES)
+    return weights_of(load_checkpoint_file(path, map_location), path)
+
+
+def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
+    """The model weights of ``raw`` (``load_checkpoint_file``'s result for ``path``), wrapper prefixes removed."""
+    if _is_ours(raw):
+        state_dict, model_args = raw[KEY_MODEL], raw.get(KEY_MODEL_ARGS)
     else:
-        state_dict, model_args, mask_values = _foreign_weights(raw), None, raw.get(KEY_MASK_VALUES)
+        state_dict, model_args = _foreign_weights(raw), None
+    if not isinstance(state_dict, Mapping) or not state_dict:
+        state_dict = {}
     if not state_dict or not all(isinstance(value, torch.Tensor) for value in state_dict.values()):
         raise CheckpointError(f"{path} is not a model checkpoint: it holds no tensors of model weights")
-    return LoadedWeights(_strip_wrapper_prefixes(state_dict), model_args, mask_values, raw)
-
-
-def load_state_dict_checked(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], path: str | Path) -> None:
-    """``model.load_state_dict`` with a message that says which keys or shapes differ instead of a long traceback."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    mismatched = [key for key in own if key in state_dict and own[key].shape != state_dict[key].shape]
-    if missing or unexpected or mismatched:
-        details = []
-        if mismatched:
-            key = mismatched[0]
-            details.append(
-                f"{len(mismatched)} shape mismatches, e.g. {key}: file {tuple(state_dict[key].shape)} vs "
-                f"model {tuple(own[key].shape)}"
-            )
-        if missing:
-            details.append(f"{len(missing)} missing keys, e.g. {missing[0]}")
-        if unexpected:
-            details.append(f"{len(unexpected)} unexpected keys, e.g. {unexpected[0]}")
-        raise CheckpointError(
-            f"checkpoint {path} does not fit the model ({'; '.join(details)}); check --classes, --bilinear, "
-            f"--base-channels and the number of image channels"
-        )
-    model.load_state_dict(state_dict)
+    mask_values = raw.get(KEY_MASK_VALUES)
+    return LoadedWeights(_strip_wrapper_prefixes(state_dict), model_args, mask_values, InferenceRecord.of(raw))
 
 
 def _foreign_weights(raw: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -5,17 +5,31 @@ Log lines go to stdout so that stderr carries progress bars and, on failure, the
 
 from __future__ import annotations
 
+import argparse
 import logging
+import re
 import sys
+import warnings
 
 from utils.errors import ConfigError, user_message
+from utils.hardware import DEVICES
+
+DEVICE_HELP = (
+    "auto, cpu, cuda, cuda:N or mps (auto: cuda:LOCAL_RANK if there is CUDA, else mps for one process, else cpu)"
+)
 
 
 def setup_logging(rank: int, world_size: int) -> None:
-    """INFO on rank 0, WARNING elsewhere; rank-prefixed lines when there are several processes."""
+    """INFO on rank 0; rank-prefixed lines when there are several processes.
+
+    Ranks other than 0 log errors only: every warning they could print (the data, the flags, the checkpoint, this
+    CPU) rank 0 prints too, and N copies bury it. Python's warnings are silenced there for the same reason.
+    """
     prefix = f"[rank {rank}] " if world_size > 1 else ""
     root = logging.getLogger()
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+    if rank != 0:
+        warnings.simplefilter("ignore")
     if not any(getattr(handler, "_unet_handler", False) for handler in root.handlers):
         handler = logging.StreamHandler(sys.stdout)
         handler._unet_handler = True  # type: ignore[attr-defined]
@@ -43,3 +57,11 @@ def parse_size(text: str, flag: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
         raise ConfigError(f"{flag} must look like WIDTHxHEIGHT with positive numbers (e.g. 480x320), got {text!r}")
     return int(parts[0]), int(parts[1])
+
+
+def device_flag(text: str) -> str:
+    """``--device``'s value type in train.py, predict.py and evaluate.py, so that it is spelled the same in all three;
+    ``utils.hardware.pick_device`` turns it into the device."""
+    if text in DEVICES or re.fullmatch(r"(cuda|cpu|mps):\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device; use {', '.join(DEVICES)} or cuda:N")

@@ -89,6 +89,11 @@ def pick_device(requested: str, *, local_rank: int = 0, distributed: bool = Fals
         raise ConfigError(f"--device {requested} but PyTorch sees no CUDA device; use --device cpu (or auto)")
     if device.type == "mps" and not mps_ok:
         raise ConfigError("--device mps but MPS is not available here; use --device cpu (or auto)")
+    if device.type == "cuda" and device.index is not None and distributed:
+        raise ConfigError(
+            f"--device {requested} would put every process on GPU {device.index}; use --device cuda (each process "
+            "takes cuda:LOCAL_RANK)"
+        )
     if device.type == "mps" and distributed:
         raise ConfigError("DDP does not run on MPS; use --device cpu for a distributed run on this machine")
     if device.type == "cuda" and cuda_ok:

@@ -5,9 +5,10 @@ through this module, with one policy: the file decides the architecture, and a f
 it is an error that names the flag. Files that store no arguments (milesial/Pytorch-UNet's, the documented DDP
 script's) have them inferred from the shapes of their weights.
 
-The spec also says how images are prepared for the model: the scale it was trained at (the run's ``args["scale"]``)
-and its channel count (grey photos for an RGB model are converted). ``resolve_scale`` is the one policy for a
-``--scale`` flag: unset means the checkpoint's; a different explicit value is used with one warning naming both.
+The spec also says how images are prepared for the model: the scale it was trained at (the checkpoint's inference
+record, ``utils.checkpoint.InferenceRecord``) and its channel count (grey photos for an RGB model are converted).
+``resolve_scale`` is the one policy for a ``--scale`` flag: unset means the checkpoint's; a different explicit value
+is used with one warning naming both.
 Files without that record keep milesial/Pytorch-UNet's default, 0.5.
 """
 
@@ -21,8 +22,8 @@ from typing import Any
 
 import torch
 
-from unet import UNet
-from utils.checkpoint import KEY_ARGS, LoadedWeights, load_state_dict_checked, read_model_weights
+from unet import UNet, UNetArgs
+from utils.checkpoint import LoadedWeights, read_model_weights
 from utils.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,7 @@ class ModelSpec:
 
     @property
     def model_args(self) -> dict[str, Any]:
-        return {
-            "n_channels": self.n_channels,
-            "n_classes": self.n_classes,
-            "bilinear": self.bilinear,
-            "base_channels": self.base_channels,
-        }
+        return UNetArgs(self.n_channels, self.n_classes, self.bilinear, self.base_channels).as_dict()
 
     def build(self) -> UNet:
         return UNet(**self.model_args)
@@ -98,13 +94,13 @@ def infer_model_args(state_dict: Mapping[str, torch.Tensor], path: str | Path) -
         out_conv = state_dict["outc.conv.weight"]
     except KeyError as error:
         raise CheckpointError(f"{path}: the weights are not a UNet's (key {error.args[0]!r} is missing)") from error
-    return {
-        "n_channels": int(first_conv.shape[1]),
-        "n_classes": int(out_conv.shape[0]),
+    return UNetArgs(
+        n_channels=int(first_conv.shape[1]),
+        n_classes=int(out_conv.shape[0]),
         # Only the transposed-convolution variant has weights in its upsampling layers.
-        "bilinear": "up1.up.weight" not in state_dict,
-        "base_channels": int(first_conv.shape[0]),
-    }
+        bilinear="up1.up.weight" not in state_dict,
+        base_channels=int(first_conv.shape[0]),
+    ).as_dict()
 
 
 def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
@@ -113,30 +109,13 @@ def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
         args = validate_model_args(loaded.model_args, path)
     else:
         args = validate_model_args(infer_model_args(loaded.state_dict, path), path)
+    inference = loaded.inference
     return ModelSpec(
         **args,
         mask_values=loaded.mask_values,
-        training_scale=_training_scale(loaded.raw),
-        ignore_values=_ignore_values(loaded.raw),
+        training_scale=inference.scale,
+        ignore_values=inference.ignore_values,
     )
-
-
-def _ignore_values(raw: Mapping[str, Any]) -> tuple[int, ...]:
-    """``args["ignore_values"]`` of one of our checkpoints (void mask values), when it is a list of ints."""
-    run_args = raw.get(KEY_ARGS) if isinstance(raw, Mapping) else None
-    values = run_args.get("ignore_values") if isinstance(run_args, Mapping) else None
-    if not isinstance(values, list | tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        return ()
-    return tuple(values)
-
-
-def _training_scale(raw: Mapping[str, Any]) -> float | None:
-    """``args["scale"]`` of one of our checkpoints, when it is a usable factor; None otherwise."""
-    run_args = raw.get(KEY_ARGS) if isinstance(raw, Mapping) else None
-    scale = run_args.get("scale") if isinstance(run_args, Mapping) else None
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale <= 1:
-        return None
-    return float(scale)
 
 
 def resolve_scale(spec: ModelSpec, flag_value: float | None, path: str | Path, *, flag: str = "--scale") -> float:
@@ -188,9 +167,30 @@ def check_expected(
         )
 
 
-def load_weights_into(model: UNet, loaded: LoadedWeights, path: str | Path) -> None:
+def load_weights_into(model: torch.nn.Module, loaded: LoadedWeights, path: str | Path) -> None:
     """Copy ``loaded``'s weights into ``model``, with a message naming the keys or shapes that differ."""
-    load_state_dict_checked(model, loaded.state_dict, path)
+    state_dict = loaded.state_dict
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    mismatched = [key for key in own if key in state_dict and own[key].shape != state_dict[key].shape]
+    if missing or unexpected or mismatched:
+        details = []
+        if mismatched:
+            key = mismatched[0]
+            details.append(
+                f"{len(mismatched)} shape mismatches, e.g. {key}: file {tuple(state_dict[key].shape)} vs "
+                f"model {tuple(own[key].shape)}"
+            )
+        if missing:
+            details.append(f"{len(missing)} missing keys, e.g. {missing[0]}")
+        if unexpected:
+            details.append(f"{len(unexpected)} unexpected keys, e.g. {unexpected[0]}")
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the model ({'; '.join(details)}); check --classes, --bilinear, "
+            f"--base-channels and the number of image channels"
+        )
+    model.load_state_dict(state_dict)
 
 
 def load_model(

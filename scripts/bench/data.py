@@ -166,7 +166,7 @@ def _two_constructions(ctx: Context, folder: Path, cache_dir: Path, what: str) -
 
 def build_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Construct a CarvanaDataset once (mask scan, or its cache when one matches)."""
-    from utils.data_loading import CarvanaDataset
+    from utils.datasets.dataset import CarvanaDataset
 
     started = time.perf_counter()
     dataset = CarvanaDataset(spec["imgs"], spec["masks"], 1.0, cache_dir=spec["cache_dir"])
@@ -177,7 +177,8 @@ def load_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Per-item load times, decoder comparisons, a pre-resized uint8 cache, and DataLoader throughput."""
     from torch.utils.data import DataLoader
 
-    from utils.data_loading import BasicDataset, CarvanaDataset, detect_mask_suffix
+    from utils.datasets.dataset import BasicDataset, CarvanaDataset
+    from utils.datasets.pairing import detect_mask_suffix
 
     result: dict[str, Any] = {}
     # Loader worker processes run one thread each (PyTorch sets that); the per-item figures do the same.

@@ -26,6 +26,7 @@ from scripts.bench.context import BenchConfig, Context, logged_total_steps
 from scripts.bench.demo_data import ensure_demo_data
 from scripts.bench.processes import REPO_ROOT, MeasurementError, call_worker, run_child, tail
 from scripts.bench.timing import cuda_max_allocated_mib, sync, timed
+from utils.training.run_folder import RunFolder
 
 if TYPE_CHECKING:
     from utils.training.loop import Trainer
@@ -253,7 +254,7 @@ def train_run(
     run = run_child(command, threads=threads, timeout=config.timeout, log_path=ctx.log_dir / f"{name}.log")
     if run.returncode != 0:
         raise MeasurementError(f"{name}: train.py exited with {run.returncode}:\n{tail(run.output)}")
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    events = [json.loads(line) for line in RunFolder(run_dir).metrics.read_text().splitlines() if line.strip()]
     rate = steady_state(events, config.warmup)
     result = {
         "precision": precision,

@@ -22,6 +22,7 @@ from utils.distributed import LAUNCHER_ENV_VARIABLES
 from utils.training.objective import segmentation_loss
 
 
+@pytest.mark.slow
 def test_quick_run_measures_every_section(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -170,9 +171,28 @@ def test_flop_counts_have_known_answers() -> None:
     assert conv == 2 * (2 * 3 * 2 * 4 * 5)
 
 
-def test_matmul_peak_stops_growing_when_products_get_slow() -> None:
-    peak = measure_matmul_peak("fp32", torch.device("cpu"), max_size=512, min_seconds=0.01)
-    assert peak.size in (256, 512) and peak.flops_per_s > 0 and peak.dtype == "fp32"
+def test_matmul_peak_stops_growing_when_products_get_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Products timed as if 512 were the fastest size and 1024 so slow that 2048 (8 x the work) would take too long.
+    seconds = {256: 0.002, 512: 0.004, 1024: 0.05, 2048: 0.4}
+    timed: list[int] = []
+
+    def fake_time_product(a: torch.Tensor, b: torch.Tensor, device: torch.device, min_seconds: float) -> float:
+        timed.append(a.shape[0])
+        return seconds[a.shape[0]]
+
+    monkeypatch.setattr("scripts.bench.flops._time_product", fake_time_product)
+    peak = measure_matmul_peak("fp32", torch.device("cpu"), max_size=2048, max_seconds_per_product=0.3)
+    assert timed == [256, 512, 1024]  # 1024 takes 0.05 s: 2048 would take about 0.4 s, over the 0.3 s allowed
+    # The fastest size is kept, not the last one timed.
+    assert (peak.size, peak.seconds_per_product) == (512, 0.004)
+    assert peak.flops_per_s == matmul_flops(512) / 0.004 and peak.dtype == "fp32"
+    timed.clear()
+    assert measure_matmul_peak("fp32", torch.device("cpu"), max_size=512).size == 512 and timed == [256, 512]
+
+    monkeypatch.undo()
+    # Real products: the rate reported is the work of the size reported over its time.
+    real = measure_matmul_peak("fp32", torch.device("cpu"), max_size=512, min_seconds=0.01)
+    assert real.flops_per_s == pytest.approx(matmul_flops(real.size) / real.seconds_per_product)
     # A product predicted to take longer than allowed is never started.
     slow = measure_matmul_peak("fp32", torch.device("cpu"), max_size=4096, min_seconds=0.01, max_seconds_per_product=0)
     assert slow.size == 256

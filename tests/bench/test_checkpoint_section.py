@@ -19,6 +19,7 @@ from tests.helpers import positive, tiny_unet
 from utils.distributed import LAUNCHER_ENV_VARIABLES
 
 
+@pytest.mark.slow
 def test_checkpoint_section_reports_every_figure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

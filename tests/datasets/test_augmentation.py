@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
-from utils.data_loading import CarvanaDataset
 from utils.datasets.augmentation import AugmentationConfig, JointAugmentation, sample_seed
+from utils.datasets.dataset import CarvanaDataset
 from utils.datasets.synthetic import generate_carvana_like
 
 N_IMAGES = 12

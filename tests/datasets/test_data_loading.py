@@ -1,4 +1,4 @@
-"""Tests for utils.data_loading, utils.datasets.mask_values and utils.datasets.image_files on small real files."""
+"""Tests for utils.datasets.dataset, utils.datasets.mask_values and utils.datasets.image_files on small real files."""
 
 from __future__ import annotations
 
@@ -12,14 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from utils.data_loading import (
-    IMAGE_EXTENSIONS,
-    BasicDataset,
-    CarvanaDataset,
-    detect_mask_suffix,
-    load_image,
-)
 from utils.datasets import mask_values
+from utils.datasets.dataset import BasicDataset, CarvanaDataset
+from utils.datasets.image_files import IMAGE_EXTENSIONS, load_image
+from utils.datasets.pairing import detect_mask_suffix
 from utils.errors import ConfigError, DatasetError
 
 WIDTH, HEIGHT = 48, 32
@@ -533,12 +529,12 @@ def test_cache_with_wrong_types_or_lengths_is_rescanned(tmp_path: Path, cache_di
 def test_second_start_indexes_each_folder_once(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
     """mask_suffix=None detects the naming from the dataset's own index; an augmenting twin indexes nothing."""
     images_dir, masks_dir = write_dataset(tmp_path, {"a": index_mask(0, [0, 1])}, mask_suffix="_mask")
-    from utils import data_loading
+    from utils.datasets import dataset as dataset_module
 
     calls = []
-    real_index = data_loading.index_folder
+    real_index = dataset_module.index_folder
     monkeypatch.setattr(
-        data_loading, "index_folder", lambda folder, role: calls.append(role) or real_index(folder, role)
+        dataset_module, "index_folder", lambda folder, role: calls.append(role) or real_index(folder, role)
     )
     dataset = build(images_dir, masks_dir, cache_dir, mask_suffix=None)
     twin = dataset.with_augmentation(1)

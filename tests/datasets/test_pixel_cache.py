@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +15,13 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from tests.conftest import REPO_ROOT
 from tests.helpers import small_tmpfs
-from utils import data_loading
-from utils.data_loading import BasicDataset
+from utils.datasets import dataset as dataset_module
 from utils.datasets import pixel_cache
+from utils.datasets.dataset import BasicDataset
+from utils.datasets.pixel_cache.__main__ import main as build_cache_main
+from utils.datasets.preparation import image_tensor
 from utils.errors import ConfigError
 
 WIDTH, HEIGHT = 96, 64
@@ -65,7 +70,7 @@ def forbid_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(path):
         raise AssertionError(f"decoded {path} although it is cached")
 
-    monkeypatch.setattr(data_loading, "load_image", refuse)
+    monkeypatch.setattr(dataset_module, "load_image", refuse)
 
 
 def entries(folder: Path) -> list[str]:
@@ -191,17 +196,31 @@ def test_build_cache_command_fills_every_entry_in_parallel(photos, tmp_path, mon
     folder = tmp_path / "pixels"
     argv = ["build-cache", "--imgs", str(photos[0]), "--masks", str(photos[1]), "--scale", "0.5"]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert pixel_cache.main([*argv, "--cache", str(folder), "--workers", "2"]) == 0
+    assert build_cache_main([*argv, "--cache", str(folder), "--workers", "2"]) == 0
     assert len(entries(folder)) == 2 * N_ITEMS
     expected = batches(dataset(photos, tmp_path, None).with_augmentation(1), 0)
     forbid_decoding(monkeypatch)
     assert_same_batches(batches(dataset(photos, tmp_path, folder).with_augmentation(1), 0), expected)
 
 
+def test_documented_build_cache_command_runs_and_the_library_imports_no_dataset(photos, tmp_path) -> None:
+    """``python -m utils.datasets.pixel_cache build-cache`` as README gives it; the cache itself needs no dataset."""
+    folder = tmp_path / "pixels"
+    argv = ["--imgs", str(photos[0]), "--masks", str(photos[1]), "--cache", str(folder), "--workers", "1"]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    command = [sys.executable, "-m", "utils.datasets.pixel_cache", "build-cache", *argv]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(entries(folder)) == 2 * N_ITEMS
+    probe = "import sys, utils.datasets.pixel_cache; print(sorted(m for m in sys.modules if m.startswith('utils.')))"
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert "utils.datasets.pixel_cache" in loaded.stdout and "utils.datasets.dataset" not in loaded.stdout
+
+
 def test_build_cache_command_reports_a_bad_folder_in_one_line(tmp_path, capsys) -> None:
     missing = str(tmp_path / "nowhere")
     argv = ["build-cache", "--imgs", missing, "--masks", str(tmp_path), "--cache", str(tmp_path / "c")]
-    assert pixel_cache.main(argv) == 2
+    assert build_cache_main(argv) == 2
     assert capsys.readouterr().err.strip().startswith("Error: image folder")
 
 
@@ -231,7 +250,7 @@ def test_rgb_photos_for_a_grey_model_are_converted(tmp_path, caplog) -> None:
     assert majority.channels == 1 and "2 of 6 images" in caplog.text and "converted to grey" in caplog.text
     forced = dataset(photos, tmp_path, None, channels=1)
     with Image.open(photos[0] / "car5.jpg") as img:
-        expected = data_loading.image_tensor(img.convert("L"), 0.5)
+        expected = image_tensor(img.convert("L"), 0.5)
     assert torch.equal(forced[5]["image"], expected)
 
 

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from utils.cli import parse_size
-from utils.data_loading import BasicDataset, CarvanaDataset
+from utils.datasets.dataset import BasicDataset, CarvanaDataset
 from utils.datasets.synthetic import generate_carvana_like, generate_multiclass, main
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.helpers import paint_void_borders
-from utils.data_loading import IGNORE_INDEX, BasicDataset
-from utils.datasets.mask_values import CACHE_FORMAT_VERSION, value_counts, values_to_classes
+from utils.datasets.dataset import BasicDataset
+from utils.datasets.mask_values import CACHE_FORMAT_VERSION, IGNORE_INDEX, value_counts, values_to_classes
 from utils.errors import DatasetError
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +12,9 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import evaluate as evaluate_cli
-import predict
 import utils.evaluation
 from tests.helpers import make_model, one_error_line, save_checkpoint, write_images
-from utils.data_loading import CarvanaDataset
+from utils.datasets.dataset import CarvanaDataset
 from utils.errors import USER_ERROR_EXIT_CODE
 
 
@@ -32,23 +29,9 @@ def test_evaluate_is_reexported_like_milesial():
     assert evaluate is utils.evaluation.evaluate
 
 
-@pytest.fixture
-def self_labelled(tmp_path: Path, carvana_data) -> tuple[Path, Path, Path]:
-    """A model, images, and masks that are the model's own predictions (values 0/255, '<id>.png' names)."""
+def test_a_model_scored_on_its_own_predictions_is_perfect(self_labelled_masks, carvana_data, tmp_path, capsys):
     checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 255])
-    predicted = tmp_path / "predicted"
-    code = predict.main(["-m", str(checkpoint), "-i", str(carvana_data.imgs), "--output-dir", str(predicted),
-                         "-s", "1", "-b", "4", "--no-progress", "-j", "0"])  # fmt: skip
-    assert code == 0
-    masks = tmp_path / "masks"
-    masks.mkdir()
-    for output in predicted.glob("*_OUT.png"):
-        shutil.move(output, masks / f"{output.stem.removesuffix('_OUT')}.png")
-    return checkpoint, carvana_data.imgs, masks
-
-
-def test_a_model_scored_on_its_own_predictions_is_perfect(self_labelled, tmp_path, capsys):
-    checkpoint, images, masks = self_labelled
+    images, masks = carvana_data.imgs, self_labelled_masks(checkpoint)
     report = tmp_path / "scores.json"
     assert run_evaluate("-m", str(checkpoint), "--imgs", str(images), "--masks", str(masks), "-s", "1",
                         "-b", "4", "--json", str(report)) == 0  # fmt: skip
@@ -124,3 +107,21 @@ def test_images_of_mixed_sizes_are_batched_by_size_with_the_scores_of_batch_size
     assert scores[1]["n_images"] == scores[4]["n_images"] == 5
     for batch_size in (2, 4):
         assert scores[batch_size]["per_class_dice"] == pytest.approx(scores[1]["per_class_dice"], abs=1e-6)
+
+
+def test_each_folder_is_listed_once(carvana_data, tmp_path, monkeypatch):
+    """The Carvana naming is detected from the dataset's own folder index, not from a second listing."""
+    from utils.datasets import dataset, image_files, pairing
+
+    listed = []
+
+    def counting_index(folder, role):
+        listed.append(role)
+        return image_files.index_folder(folder, role)
+
+    for module in (dataset, pairing):
+        monkeypatch.setattr(module, "index_folder", counting_index)
+    checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 1])
+    assert run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks),
+                        "-s", "0.5") == 0  # fmt: skip
+    assert listed == ["image", "mask"]

@@ -89,6 +89,7 @@ def test_an_image_too_large_for_the_memory_limit_is_predicted_in_windows_with_on
     assert np.asarray(Image.open(tmp_path / "big_mask.png")).any()
 
 
+@pytest.mark.slow
 def test_the_control_a_whole_image_forced_under_that_limit_fails_with_one_line_suggesting_tile(tmp_path):
     # --tile as large as the image is one whole-image window: no planning, so the allocator itself fails.
     done = _predict_limited(tmp_path, "--tile", str(SIDE))

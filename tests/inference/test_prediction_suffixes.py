@@ -8,7 +8,7 @@ import shutil
 
 import evaluate as evaluate_cli
 import predict
-from utils.data_loading import BasicDataset
+from utils.datasets.dataset import BasicDataset
 from utils.datasets.image_files import OUTPUT_SUFFIX, VIZ_SUFFIX, index_folder
 from utils.inference import file_plan
 

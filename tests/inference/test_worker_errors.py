@@ -81,6 +81,7 @@ def test_evaluate_reports_an_image_broken_after_the_scan_in_one_line(
     assert f"cannot decode {broken}" in line and "Traceback" not in line and "DataLoader" not in line
 
 
+@pytest.mark.slow
 def test_train_with_loader_workers_reports_an_image_broken_after_the_scan_in_one_line(tmp_path, carvana_data, runner):
     imgs, masks = _png_copy(carvana_data, tmp_path / "data")
     env = child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})

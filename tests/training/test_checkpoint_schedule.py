@@ -44,6 +44,7 @@ def test_enter_ranking_keeps_the_k_best() -> None:
     assert enter_ranking(ranking, 0.65, 5, keep=2) == 2 and ranking == [[0.7, 2], [0.65, 5]]
 
 
+@pytest.mark.slow
 def test_minutes_and_keep_best_in_one_process(runner: TrainRunner) -> None:
     """Fake clock: 40 s per reading, --save-every-minutes 1 -> a time save every second step (6 steps per epoch)."""
     result = subprocess.run(
@@ -71,6 +72,7 @@ def test_minutes_and_keep_best_in_one_process(runner: TrainRunner) -> None:
     assert first["args"]["keep_best"] == 2 and first["args"]["save_every_minutes"] == 1.0
 
 
+@pytest.mark.slow
 def test_minutes_are_agreed_across_two_ranks(runner: TrainRunner) -> None:
     """Rank 0 finds the save due at step 2; every rank learns it at step 3 and they save there together."""
     process = subprocess.Popen(

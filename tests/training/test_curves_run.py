@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from PIL import Image
 
 from tests.conftest import TrainRunner, finish, load_checkpoint
 from utils.training.curves import read_series
+
+pytestmark = pytest.mark.slow  # real train.py processes, stopped and resumed (see the markers in pyproject.toml)
 
 
 def test_a_stopped_and_resumed_run_draws_one_continuous_curve_without_a_display(runner: TrainRunner) -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import SyntheticData, TrainRunner
 from tests.helpers import read_metrics
+
+pytestmark = pytest.mark.slow  # ten epochs of training (see the markers in pyproject.toml)
 
 
 def test_a_few_epochs_on_demo_data_lower_the_loss(carvana_data: SyntheticData, tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ for line in sys.stdin:
 """
 
 
+@pytest.mark.slow
 def test_killing_a_writer_at_random_moments_never_leaves_a_partial_checkpoint(runner: TrainRunner) -> None:
     assert runner.main("victim", "-e", "1", "--max-steps", "2") == 0
     run_dir = runner.run_dir("victim")

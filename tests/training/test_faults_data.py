@@ -15,7 +15,7 @@ from PIL import Image
 
 from tests.conftest import SyntheticData, TrainRunner, finish, load_checkpoint, torchrun_prefix
 from tests.helpers import one_error_line
-from utils.data_loading import BasicDataset
+from utils.datasets.dataset import BasicDataset
 from utils.errors import DatasetError
 from utils.training.data import DataConfig, build_data
 from utils.training.sampler import ResumableDistributedSampler
@@ -90,6 +90,7 @@ def test_a_mask_value_outside_mask_values_is_an_error_naming_the_file(tmp_path: 
         dataset[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("split", "rank"), [("training", 0), ("training", 1), ("validation", None)])
 def test_with_two_processes_a_bad_file_stops_every_rank_after_saving(
     runner: TrainRunner, tmp_path: Path, split: str, rank: int | None

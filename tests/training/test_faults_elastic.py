@@ -27,7 +27,10 @@ from tests.conftest import (
 )
 from tests.helpers import one_error_line
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find worker processes")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find worker processes"),
+]
 
 # 16 images, 25 % validation: 12 training images, 3 global batches of 2 x 2 per epoch. 30 planned epochs keep a run
 # going long after any fault; the compared runs stop at STOP_AT (mid-epoch).

@@ -26,7 +26,10 @@ from tests.conftest import (
     worker_pids,
 )
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find worker processes")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find worker processes"),
+]
 
 ARGS = ["-v", "25", "-e", "30", "--classes", "1", "--log-every", "1", "--ddp_mode"]
 # How long the workers of a killed launcher may take to stop (the hook's parent-PID check polls every second).

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import TrainRunner, finish, load_checkpoint, wait_for_step
 from tests.helpers import one_error_line
 from utils.errors import ConfigError
+from utils.training.resume_choice import choose_run
 from utils.training.run_folder import RunFolder, RunSeries
 
 LONG = ["-e", "30", "--log-every", "1"]
@@ -33,6 +34,7 @@ def _first_to_exit(processes: list, timeout_s: float = 120) -> int:
     raise AssertionError("neither run exited")
 
 
+@pytest.mark.slow
 def test_two_runs_on_one_folder_one_runs_the_other_stops_and_nothing_live_is_touched(runner: TrainRunner) -> None:
     run_dir = runner.run_dir("same")
     python = [sys.executable]
@@ -103,19 +105,21 @@ def test_series_numbers_folders_and_skips_live_and_used_ones(tmp_path: Path) -> 
     assert RunSeries(tmp_path, "unet-3").newest().path == tmp_path / "unet-3"  # its own series: unet-3, unet-3-2
 
 
-def test_a_torchrun_restart_continues_its_own_folder_without_resume(tmp_path: Path) -> None:
-    from utils.training.setup import _choose_run
+def chosen_run(resume: str | Path | None, series: RunSeries, restart_count: int) -> tuple[str, str | None]:
+    """Rank 0's choice of folder and resume file (as paths), with the folder's lock released again."""
+    choice = choose_run(None if resume is None else str(resume), series, restart_count)
+    choice.folder.unlock()  # as when the attempt's workers die
+    return str(choice.folder.path), choice.resume_path
 
+
+def test_a_torchrun_restart_continues_its_own_folder_without_resume(tmp_path: Path) -> None:
     (tmp_path / "unet").mkdir()
     (tmp_path / "unet" / "metrics.jsonl").write_text("{}\n")  # a finished run
     series = RunSeries(tmp_path, "unet")
-    chosen: list[RunFolder] = []
-    assert _choose_run(None, series, 0, {}, chosen) == (str(tmp_path / "unet-2"), None)  # the first attempt
+    assert chosen_run(None, series, 0) == (str(tmp_path / "unet-2"), None)  # the first attempt
     (tmp_path / "unet-2" / "metrics.jsonl").write_text("{}\n")
-    chosen.pop().unlock()  # the attempt's workers died
     # The restarted attempt (TORCHELASTIC_RESTART_COUNT=1) continues unet-2 instead of beginning unet-3.
-    assert _choose_run(None, series, 1, {}, chosen) == (str(tmp_path / "unet-2"), None)
-    chosen.pop().unlock()
+    assert chosen_run(None, series, 1) == (str(tmp_path / "unet-2"), None)
     assert not (tmp_path / "unet-3").exists()
 
 
@@ -136,17 +140,14 @@ def test_resume_from_an_older_state_begins_the_next_folder_and_leaves_the_old_on
     older = run_dir / "checkpoint_epoch1.pth"
 
     # While a live run holds the folder, its newest state is not ours to continue; an older one still branches off.
-    from utils.training.setup import _choose_run
-
-    live, series, chosen = RunFolder(run_dir), RunSeries(runner.checkpoint_dir, "unet"), []
+    live, series = RunFolder(run_dir), RunSeries(runner.checkpoint_dir, "unet")
     assert live.try_lock() is None
     try:
         with pytest.raises(ConfigError, match=rf"run folder {run_dir} is in use by another training process"):
-            _choose_run(str(run_dir / "last.pth"), series, 0, {}, chosen)
-        assert _choose_run(str(older), series, 0, {}, chosen) == (str(runner.run_dir("unet-2")), str(older))
+            chosen_run(run_dir / "last.pth", series, 0)
+        assert chosen_run(older, series, 0) == (str(runner.run_dir("unet-2")), str(older))
     finally:
-        for folder in [*chosen, live]:
-            folder.unlock()
+        live.unlock()
 
     before = _files(run_dir)
     capsys.readouterr()
@@ -207,8 +208,6 @@ def test_resume_from_outside_the_series_takes_the_newest_folder_only_when_it_is_
 
 
 def test_a_torchrun_restart_of_resume_path_continues_the_folder_its_first_attempt_took(runner: TrainRunner) -> None:
-    from utils.training.setup import _choose_run
-
     run_dir = runner.run_dir("unet")
     series = RunSeries(runner.checkpoint_dir, "unet")
     assert runner.main("unet", *SHORT, "--max-steps", "7") == 0
@@ -216,12 +215,7 @@ def test_a_torchrun_restart_of_resume_path_continues_the_folder_its_first_attemp
 
     def restart(resume: Path) -> tuple[str, str | None]:
         """The decision of the restarted attempt (TORCHELASTIC_RESTART_COUNT=1) with the same command line."""
-        chosen: list[RunFolder] = []
-        try:
-            return _choose_run(str(resume), series, 1, {}, chosen)
-        finally:
-            for folder in chosen:
-                folder.unlock()
+        return chosen_run(resume, series, 1)
 
     # The first attempt resumed the older state into unet-2 and saved at step 8: the restart continues that, where
     # resuming checkpoint_epoch1.pth again would throw the attempt's progress away.
@@ -234,8 +228,6 @@ def test_a_torchrun_restart_of_resume_path_continues_the_folder_its_first_attemp
     assert load_checkpoint(run_dir / "last.pth")["global_step"] == 9
 
     # A first attempt that died before its first save: its folder (unet-3) holds no checkpoint, so PATH it is.
-    chosen: list[RunFolder] = []
-    assert _choose_run(str(older), series, 0, {}, chosen) == (str(runner.run_dir("unet-3")), str(older))
-    chosen.pop().unlock()
+    assert chosen_run(older, series, 0) == (str(runner.run_dir("unet-3")), str(older))
     assert restart(older) == (str(runner.run_dir("unet-3")), str(older))
     assert not runner.run_dir("unet-4").exists()

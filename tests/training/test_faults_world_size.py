@@ -14,7 +14,10 @@ import pytest
 
 from tests.conftest import TrainRunner, finish, load_checkpoint, torchrun_prefix
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun with gloo on Linux")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun with gloo on Linux"),
+]
 
 ARGS = ["-v", "25", "--classes", "1", "-b", "1", "-e", "3"]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,6 @@ import pytest
 import torch
 from PIL import Image
 
-import predict
 from tests.conftest import REPO_ROOT, child_env
 from tests.helpers import checkpoint_payload, make_model, read_metrics
 from utils.evaluation import SegmentationMetrics
@@ -37,26 +35,20 @@ def test_micro_and_macro_hand_checked() -> None:
 
 
 @pytest.fixture
-def self_labelled_void(tmp_path: Path, carvana_data) -> tuple[Path, Path, Path, np.ndarray]:
+def self_labelled_void(tmp_path: Path, carvana_data, self_labelled_masks) -> tuple[Path, Path, Path, np.ndarray]:
     """A 3-class model trained with --ignore-value 255 (as its checkpoint says) and its own predictions as masks."""
     model = make_model(3)
     payload = {**checkpoint_payload(model, [0, 1, 2]), "args": {"ignore_values": [255], "scale": 1.0}}
     checkpoint = tmp_path / "m.pth"
     torch.save(payload, checkpoint)
-    predicted = tmp_path / "predicted"
-    code = predict.main(["-m", str(checkpoint), "-i", str(carvana_data.imgs), "--output-dir", str(predicted),
-                         "-s", "1", "-b", "4", "--no-progress", "-j", "0"])  # fmt: skip
-    assert code == 0
-    masks = tmp_path / "masks"
-    masks.mkdir()
+    masks = self_labelled_masks(checkpoint)
     frame = None
-    for output in sorted(predicted.glob("*_OUT.png")):
-        with Image.open(output) as img:
+    for path in sorted(masks.glob("*.png")):
+        with Image.open(path) as img:
             labels = np.array(img)
         assert 255 not in labels  # predict never writes the void value
         frame = np.ones(labels.shape, dtype=bool)
         frame[2:-2, 2:-2] = False
-        shutil.move(output, masks / f"{output.stem.removesuffix('_OUT')}.png")
     return checkpoint, carvana_data.imgs, masks, frame
 
 
@@ -68,6 +60,7 @@ def _evaluate(checkpoint: Path, images: Path, masks: Path, report: Path) -> subp
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_evaluate_ignores_void_borders_and_reports_both_reductions(self_labelled_void, tmp_path: Path) -> None:
     checkpoint, images, masks, frame = self_labelled_void
     # The model's own predictions with a void frame: still perfect, whatever it predicts on the frame.

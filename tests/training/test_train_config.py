@@ -133,3 +133,26 @@ def test_help_is_grouped() -> None:
     ]:
         assert flag in sections[group], (group, flag)
     assert "options:" in text and "--help" in text.split("\ndata:\n")[0]
+
+
+def test_component_configs_default_to_the_flags_defaults() -> None:
+    # The components' configs repeat some defaults of TrainConfig (for callers that build them directly, as tests do);
+    # they must never disagree with the flags', which are the run's.
+    import dataclasses
+
+    from utils.training.config import TrainConfig
+    from utils.training.data import DataConfig
+    from utils.training.objective import OptimizerConfig
+    from utils.training.step import StepConfig
+
+    run = TrainConfig()
+    checked = 0
+    for component, renames in [(OptimizerConfig, {"name": "optimizer"}), (DataConfig, {}), (StepConfig, {})]:
+        for field in dataclasses.fields(component):
+            source = renames.get(field.name, field.name)
+            if field.default is dataclasses.MISSING or getattr(run, source, None) is None:
+                continue  # no default, or a flag resolved later (--precision None follows --amp)
+            value = getattr(run, source)
+            assert field.default == (tuple(value) if isinstance(value, list) else value), (component, field.name)
+            checked += 1
+    assert checked >= 10

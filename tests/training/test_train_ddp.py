@@ -28,7 +28,10 @@ from tests.conftest import (
 )
 from tests.helpers import read_metrics
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc to find worker processes")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc to find worker processes"),
+]
 
 # 16 images, 25 % validation: 12 training images = 3 global batches of 4 per epoch, with 2 ranks x 2 or 1 x 4.
 # 30 planned epochs keep the interrupted run going long after the signal; the compared runs stop at STOP_AT.

@@ -22,6 +22,7 @@ def epochs_of(run_dir: Path, event: str) -> list[int]:
     return sorted({record["epoch"] for record in read_metrics(run_dir, event=event)})
 
 
+@pytest.mark.slow
 def test_the_ddp_scripts_load_start_from_save_every_pattern(
     runner: TrainRunner, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -99,6 +100,7 @@ def test_tiny_images_in_batches_of_one_train(tiny_images: SyntheticData, tmp_pat
     assert load_checkpoint(runner.run_dir("ones") / "last.pth")["global_step"] == 4
 
 
+@pytest.mark.slow
 def test_a_last_batch_of_one_tiny_image_trains_and_logs_above_the_bar(
     tiny_images: SyntheticData, tmp_path: Path
 ) -> None:

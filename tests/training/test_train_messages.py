@@ -13,7 +13,10 @@ import pytest
 
 from tests.conftest import REPO_ROOT, TrainRunner, child_env, torchrun_prefix
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun on CPU, tested on Linux")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun on CPU, tested on Linux"),
+]
 
 
 def run_torchrun(runner: TrainRunner, exp_name: str, *extra: str) -> subprocess.CompletedProcess:

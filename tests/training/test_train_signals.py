@@ -6,7 +6,11 @@ import os
 import signal
 import sys
 
+import pytest
+
 from tests.conftest import TrainRunner, assert_same_training_state, load_checkpoint, wait_for_step
+
+pytestmark = pytest.mark.slow  # real train.py processes, stopped and resumed (see the markers in pyproject.toml)
 
 # Long enough (30 epochs of 8 steps) that the signal always lands mid-run; both runs end at step 16.
 EPOCHS = ["-e", "30"]

@@ -22,9 +22,7 @@ from utils.training.run_folder import RunFolder
 from utils.training.sampler import (
     BatchPlan,
     ResumableDistributedSampler,
-    batches_per_epoch,
     epoch_order,
-    images_consumed,
     shard_indices,
 )
 from utils.training.state import capture_rng_state, restore_rng_state
@@ -67,8 +65,10 @@ def test_global_batches_do_not_depend_on_the_world_size() -> None:
 @pytest.mark.parametrize(("n", "world_size", "batch"), [(16, 2, 2), (15, 2, 2), (13, 3, 2)])
 def test_resuming_slices_the_index_list(n: int, world_size: int, batch: int) -> None:
     order = epoch_order(n, seed=5, epoch=0)
-    for done in range(batches_per_epoch(n, world_size=world_size, batch_size=batch) + 1):
-        consumed = images_consumed(done, batch_size=batch, world_size=world_size)
+    plan = BatchPlan(n_train=n, batch_size=batch, world_size=world_size)
+    for done in range(plan.batches_per_epoch + 1):
+        consumed = plan.images_consumed(done)
+        assert plan.batches_done(consumed) == done and plan.batches_in_epoch(consumed) == plan.batches_per_epoch
         for rank in range(world_size):
             full = shard_indices(order, rank=rank, world_size=world_size)
             assert shard_indices(order, rank=rank, world_size=world_size, consumed=consumed) == full[done * batch :]
@@ -76,7 +76,8 @@ def test_resuming_slices_the_index_list(n: int, world_size: int, batch: int) -> 
 
 def test_resuming_with_another_world_size_continues_from_the_same_image() -> None:
     order = epoch_order(20, seed=0, epoch=0)
-    consumed = images_consumed(2, batch_size=2, world_size=2)  # 2 steps of 2 ranks x 2 images
+    consumed = BatchPlan(n_train=20, batch_size=2, world_size=2).images_consumed(2)  # 2 steps of 2 ranks x 2 images
+    assert consumed == 8
     rest = [shard_indices(order, rank=r, world_size=4, consumed=consumed) for r in range(4)]
     assert sorted(sum(rest, [])) == sorted(order[8:])
 
@@ -210,19 +211,44 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path: Path) -> Non
 
 
 def test_interrupt_flag_records_the_first_signal() -> None:
+    # The handlers found before, not Python's defaults: a background job (`cmd &`) starts with SIGINT ignored.
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     with InterruptFlag() as flag:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
         assert flag.signum == signal.SIGTERM
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert {signum: signal.getsignal(signum) for signum in before} == before
     assert exit_code_for(signal.SIGINT) == 130 and exit_code_for(signal.SIGTERM) == 143
 
 
 def test_steps_per_epoch() -> None:
-    assert batches_per_epoch(15, world_size=2, batch_size=2) == 4
-    assert batches_per_epoch(16, world_size=1, batch_size=4) == 4
+    assert BatchPlan(n_train=15, batch_size=2, world_size=2).batches_per_epoch == 4
+    assert BatchPlan(n_train=16, batch_size=4, world_size=1).batches_per_epoch == 4
     # 15 images, 1 process, batch 2: 8 batches; with 3 accumulated per step, 3 steps (the last of 2 batches).
     plan = BatchPlan(n_train=15, batch_size=2, world_size=1, grad_accum=3)
     assert (plan.batches_per_epoch, plan.steps_per_epoch, plan.total_steps(4)) == (8, 3, 12)
     two = BatchPlan(n_train=15, batch_size=2, world_size=2, grad_accum=2)
     assert (two.global_batch, two.images_per_step, two.batches_per_epoch, two.steps_per_epoch) == (4, 8, 4, 2)
+
+
+def test_batch_plan_of_a_resume_with_another_batch_size() -> None:
+    # A run saved after 3 batches of 2 images on 2 ranks (12 images of 15) resumes with batch 4 on one rank: it counts
+    # 12 // 4 = 3 batches done and trains the remaining 3 images in one more batch, so its epoch ends at batch 4.
+    plan = BatchPlan(n_train=15, batch_size=4, world_size=1, grad_accum=2)
+    assert (plan.batches_done(12), plan.images_per_rank(12), plan.batches_in_epoch(12)) == (3, 3, 4)
+    # 5 images of 15 done: 1 whole batch of 4 counted, 10 left, 3 batches: the epoch ends at batch 4 too.
+    assert (plan.batches_done(5), plan.batches_in_epoch(5)) == (1, 4)
+    assert BatchPlan(n_train=15, batch_size=2, world_size=2).images_per_rank(12) == 2  # 3 images padded to 4
+
+
+@pytest.mark.parametrize(
+    ("batches", "grad_accum", "groups"),
+    [(7, 3, [(0, 3), (3, 3), (6, 1)]), (6, 3, [(0, 3), (3, 3)]), (4, 1, [(0, 1), (1, 1), (2, 1), (3, 1)])],
+)
+def test_accumulation_groups(batches: int, grad_accum: int, groups: list[tuple[int, int]]) -> None:
+    plan = BatchPlan(n_train=batches, batch_size=1, world_size=1, grad_accum=grad_accum)
+    found = [plan.accumulation_group(index, plan.batches_per_epoch) for index in range(batches)]
+    assert sorted({(group.start, group.size) for group in found}) == groups
+    closing = [index for index, group in enumerate(found) if group.closes_with(index)]
+    assert closing == [start + size - 1 for start, size in groups]
+    assert len(closing) == plan.steps_per_epoch

@@ -132,6 +132,7 @@ def test_oversampling_fraction_over_an_epoch() -> None:
 # ---------------------------------------------------------------------------------------- train.py runs
 
 
+@pytest.mark.slow
 def test_a_void_bordered_dataset_trains_with_weights_and_oversampling(void_data: SyntheticData, tmp_path: Path) -> None:
     runner = TrainRunner(void_data, tmp_path)
     common = ("-c", "3", "-v", "25", "-e", "1", "--log-every", "1")
@@ -172,6 +173,7 @@ def test_resume_is_bit_exact_with_oversampling(void_data: SyntheticData, tmp_pat
     assert any(not torch.equal(a[key], b[key]) for key in a)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_void_labels_with_weights_and_oversampling(void_data: SyntheticData, tmp_path: Path) -> None:
     """Each rank computes the same weights and its own share of the oversampled order; they step in lockstep."""
     runner = TrainRunner(void_data, tmp_path)

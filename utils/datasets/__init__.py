@@ -1,1 +1,2 @@
-"""Data: image files, mask values, augmentation, demo data."""
+"""Data: the datasets (``dataset``), mask naming and pairing (``pairing``), image preparation shared with inference
+(``preparation``), image files, mask values, the pixel cache, augmentation, demo data."""

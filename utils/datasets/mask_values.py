@@ -13,9 +13,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -28,6 +26,7 @@ import numpy as np
 from PIL import Image
 
 from utils.datasets.image_files import UNREADABLE_FILE_ERRORS, FileInfo, image_header, load_image
+from utils.datasets.pools import pool_context
 from utils.errors import ConfigError, DatasetError
 
 logger = logging.getLogger(__name__)
@@ -238,16 +237,8 @@ def _scan_all(pairs: Sequence[MaskPair], workers: int) -> list[_PairResult]:
     logger.info("Scanning %d masks with %d processes (cached for the next start)", len(pairs), workers)
     # Large chunks keep inter-process traffic low; several per worker keep the load balanced.
     chunksize = max(1, len(pairs) // (workers * 8))
-    with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=pool_context()) as pool:
         return list(pool.map(_scan_pair, pairs, chunksize=chunksize))
-
-
-def _pool_context() -> multiprocessing.context.BaseContext:
-    # fork starts workers in milliseconds and the workers run only numpy/PIL code (it is what DataLoader uses on
-    # Linux too). spawn/forkserver would re-import the caller's __main__ (e.g. train.py and torch) in every worker.
-    if sys.platform == "linux":
-        return multiprocessing.get_context("fork")
-    return multiprocessing.get_context("spawn")
 
 
 def _scan_pair(pair: MaskPair) -> _PairResult:

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from utils.data_loading import image_tensor, load_image
-from utils.datasets.image_files import mode_channels
+from utils.datasets.image_files import load_image, mode_channels
+from utils.datasets.preparation import image_tensor
 from utils.evaluation import predict_classes
 from utils.inference.forward import forward_logits
 from utils.inference.memory import MemoryPlanner

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from utils.cli import DEVICE_HELP, device_flag
 from utils.errors import ConfigError
 from utils.hardware import PRECISIONS
 
@@ -34,9 +35,7 @@ def add_compute_flags(parser: argparse.ArgumentParser, *, workers_help: str) -> 
     """``--batch-size``, ``--precision``, ``--device`` and ``--workers`` (whose work ``workers_help`` names)."""
     parser.add_argument("--batch-size", "-b", type=int, default=4, help="images per forward pass (4)")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="forward-pass precision")
-    parser.add_argument(
-        "--device", default="auto", help="auto, cpu, cuda, cuda:1, ..., mps (auto: cuda, else mps, else cpu)"
-    )
+    parser.add_argument("--device", type=device_flag, default="auto", help=DEVICE_HELP)
     parser.add_argument("--workers", "-j", type=int, default=2, help=f"{workers_help} worker processes (2)")
 
 

@@ -158,11 +158,3 @@ class MemoryPlanner:
             if size > 1 << 16:
                 break
         return tile
-
-
-def is_allocator_error(error: BaseException) -> bool:
-    """Whether ``error`` is an allocation failure (the CPU allocator's RuntimeError, numpy's MemoryError)."""
-    if isinstance(error, MemoryError | torch.cuda.OutOfMemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "DefaultCPUAllocator" in text)

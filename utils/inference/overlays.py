@@ -18,7 +18,8 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 from torchvision.utils import draw_segmentation_masks
 
-from utils.data_loading import BasicDataset, load_image
+from utils.datasets.dataset import BasicDataset
+from utils.datasets.image_files import load_image
 
 logger = logging.getLogger(__name__)
 

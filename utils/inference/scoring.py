@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from utils.data_loading import BasicDataset
+from utils.datasets.dataset import BasicDataset
 from utils.errors import DatasetError
 from utils.evaluation import EvalResult
 

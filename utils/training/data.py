@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, random_split
 
-from utils.data_loading import BasicDataset
+from utils.datasets.dataset import BasicDataset
 from utils.errors import ConfigError
-from utils.training.sampler import ResumableDistributedSampler
+from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def build_data(config: DataConfig, *, world_size: int) -> TrainData:
             f"--validation {config.validation:g} leaves {n_train} training and {n_val} validation images out of "
             f"{len(plain)}; choose a percentage that leaves at least one of each, or add images to {config.imgs}"
         )
-    per_rank = math.ceil(n_train / world_size)
+    per_rank = BatchPlan(n_train=n_train, batch_size=config.batch_size, world_size=world_size).images_per_rank()
     if config.batch_size > per_rank:
         raise ConfigError(
             f"--batch-size {config.batch_size} is larger than the {per_rank} training images each of the "
@@ -129,7 +129,7 @@ def split_sizes(n_images: int, validation_percent: float) -> tuple[int, int]:
 
 
 def default_num_workers(
-    device_type: str, cpus_per_process: int, item_seconds: float | None = None, item_pixels: int | None = None
+    device_type: str, cpus_per_process: int, item_seconds: float | None, item_pixels: int | None
 ) -> int:
     """Loader processes per rank when --num-workers is not given.
 

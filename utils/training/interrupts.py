@@ -21,13 +21,11 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed import DistributedContext
+from utils.runner import signal_exit_code as exit_code_for  # the exit status is the runner's (utils/runner.py)
+
+__all__ = ["HANDLED_SIGNALS", "InterruptFlag", "StopAgreement", "exit_code_for"]
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def exit_code_for(signum: int) -> int:
-    """Shell convention for death by a signal."""
-    return 128 + signum
 
 
 class InterruptFlag:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from utils.checkpoint import copy_checkpoint_atomic, save_checkpoint_atomic
+from utils.checkpoint import all_finite, copy_checkpoint_atomic, save_checkpoint_atomic
 from utils.distributed import (
     DistributedContext,
     agree_on_errors,
@@ -37,17 +36,16 @@ from utils.distributed import (
     raised_on_every_rank,
     sum_across_ranks,
 )
-from utils.errors import DatasetError, UserError
+from utils.errors import DatasetError, UserError, user_message
 from utils.evaluation import EvalResult, evaluate_segmentation, predict_classes
 from utils.training.curves import write_curves_if_possible
 from utils.training.data import TrainData
 from utils.training.interrupts import InterruptFlag, StopAgreement
-from utils.training.nonfinite import all_finite
 from utils.training.reporting import RunReporter, weight_and_grad_histograms
 from utils.training.run_folder import RunFolder
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 from utils.training.save_timer import SaveTimer
-from utils.training.state import TrainPosition, build_payload, dataset_record, enter_ranking
+from utils.training.state import TrainPosition, build_payload, dataset_record, enter_ranking, inference_of_run
 from utils.training.step import TrainStep
 
 logger = logging.getLogger(__name__)
@@ -95,7 +93,7 @@ class TrainParts:
     run_args: dict[str, Any]
     """The run's flags as a plain dict, stored in every checkpoint."""
     position: TrainPosition
-    resume_images_in_epoch: int = 0
+    resume_images_in_epoch: int
     """Global images of epoch ``position.epoch`` already trained by the run this one resumes."""
 
 
@@ -169,16 +167,16 @@ class Trainer:
 
     def _run_epoch(self, epoch: int) -> TrainOutcome | None:
         """Train the remaining batches of ``epoch``; an outcome when the run must stop before the epoch's end."""
-        plan, sampler = self._plan, self.parts.sampler
+        plan = self._plan
         images_done = self._images_done_in_epoch()
-        sampler.set_epoch(epoch, consumed=images_done)
+        self.parts.sampler.set_epoch(epoch, consumed=images_done)
         self.parts.data.train_dataset.set_epoch(epoch)
-        batches_done = images_done // plan.global_batch
-        total_batches = batches_done + math.ceil(len(sampler) / plan.batch_size)
+        batches_done = plan.batches_done(images_done)
+        batches_in_epoch = plan.batches_in_epoch(images_done)
         # The bar counts global images (all ranks), the unit users reason in: exactly those this epoch trains (with
         # several ranks the sampler pads the epoch to a multiple of the world size), so it ends at 100%.
         progress = tqdm(
-            total=images_done + len(sampler) * self.ctx.world_size,
+            total=images_done + plan.images_per_rank(images_done) * plan.world_size,
             initial=images_done,
             desc=f"Epoch {epoch + 1}/{self.config.last_epoch}",
             unit="img",
@@ -188,12 +186,12 @@ class Trainer:
         try:
             for offset, batch in enumerate(self._batches()):
                 index = batches_done + offset
-                group_start = index - index % plan.grad_accum
-                group_size = min(plan.grad_accum, total_batches - group_start)
-                closes_group = index + 1 == group_start + group_size
-                if index == group_start:
+                group = plan.accumulation_group(index, batches_in_epoch)
+                closes_group = group.closes_with(index)
+                # A resume whose batch size or world size changed may start inside a group: it opens a step too.
+                if group.opens_with(index) or offset == 0:
                     self.step.begin()
-                images = self.step.accumulate(batch, group_size, sync_gradients=closes_group)
+                images = self.step.accumulate(batch, group.size, sync_gradients=closes_group)
                 self._images_seen += images * self.ctx.world_size
                 progress.update(images * self.ctx.world_size)
                 if not closes_group:
@@ -209,7 +207,7 @@ class Trainer:
             # lets the iterator shut its workers down now; kept alive with the error, its idle workers (which ignore
             # SIGTERM, see utils.training.data) would block the interpreter's exit forever.
             error.__traceback__ = None
-            self._stop_for_bad_data(_first_line_of(error))
+            self._stop_for_bad_data(user_message(error))
         finally:
             progress.close()
         return None
@@ -367,7 +365,7 @@ class Trainer:
                 )
             except DatasetError as error:
                 error.__traceback__ = None  # it holds the loader's iterator: see _run_epoch
-                dice = _first_line_of(error)  # every rank learns of it from the broadcast and stops with it
+                dice = user_message(error)  # every rank learns of it from the broadcast and stops with it
             else:
                 self._report_validation(epoch_number, result)
                 dice = result.dice
@@ -479,6 +477,7 @@ class Trainer:
             model=parts.raw_model,
             model_args=parts.model_args,
             mask_values=parts.data.mask_values,
+            inference=inference_of_run(parts.run_args, parts.data.n_channels),
             optimizer=self.step.optimizer,
             scheduler=parts.scheduler,
             scaler=self.step.scaler,
@@ -516,14 +515,5 @@ def _next_batch(iterator: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.
         return next(iterator, None)
     except DatasetError as error:
         error.__traceback__ = None
-        message = _first_line_of(error)
+        message = user_message(error)
     raise DatasetError(message)
-
-
-def _first_line_of(error: DatasetError) -> str:
-    """The message of ``error``; a DataLoader worker's error arrives wrapped in its traceback, ending with that line."""
-    text = str(error).strip()
-    if "Original Traceback" not in text:
-        return text
-    last = text.splitlines()[-1]
-    return last.split(": ", 1)[1] if ": " in last else last

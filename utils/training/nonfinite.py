@@ -92,9 +92,3 @@ class NonFiniteStepGuard:
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when no floating-point tensor of ``tensors`` holds NaN or inf (one host synchronisation)."""
-    checks = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]
-    return bool(torch.stack(checks).all()) if checks else True

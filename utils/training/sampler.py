@@ -79,19 +79,30 @@ def shard_indices(order: list[int], *, rank: int, world_size: int, consumed: int
     return padded[rank::world_size]
 
 
-def batches_per_epoch(dataset_len: int, *, world_size: int, batch_size: int) -> int:
-    """Batches each rank runs in a full epoch (the last one may be smaller)."""
-    return math.ceil(math.ceil(dataset_len / world_size) / batch_size)
+def images_per_rank(dataset_len: int, *, world_size: int, consumed: int = 0) -> int:
+    """Images each rank gets of an epoch whose first ``consumed`` global images are done (``shard_indices`` pads the
+    rest to a multiple of ``world_size``). ``BatchPlan`` counts batches from it; the sampler's length is it."""
+    return math.ceil(max(0, dataset_len - consumed) / world_size)
 
 
-def images_consumed(batches_done: int, *, batch_size: int, world_size: int) -> int:
-    """Global images of an epoch's order that ``batches_done`` batches on every rank have used."""
-    return batches_done * batch_size * world_size
+@dataclass(frozen=True)
+class AccumulationGroup:
+    """The micro-batches of one optimizer step: batches ``start .. start + size - 1`` of the epoch."""
+
+    start: int
+    size: int
+
+    def opens_with(self, index: int) -> bool:
+        return index == self.start
+
+    def closes_with(self, index: int) -> bool:
+        return index + 1 == self.start + self.size
 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """The batch arithmetic of a run, computed once: every global batch and step count comes from here."""
+    """The batch arithmetic of a run: every batch and step count (the loop's, the loaders', a resume's) comes from
+    here, and nothing else computes one."""
 
     n_train: int
     """Training images in the dataset (all ranks together)."""
@@ -111,10 +122,36 @@ class BatchPlan:
         """Images of one optimizer step on all ranks together (the effective batch size)."""
         return self.global_batch * self.grad_accum
 
+    def images_per_rank(self, consumed: int = 0) -> int:
+        """Images each rank trains of an epoch whose first ``consumed`` global images are done."""
+        return images_per_rank(self.n_train, world_size=self.world_size, consumed=consumed)
+
     @property
     def batches_per_epoch(self) -> int:
         """Micro-batches each rank runs in a full epoch (the last one may be smaller)."""
-        return batches_per_epoch(self.n_train, world_size=self.world_size, batch_size=self.batch_size)
+        return self.batches_in_epoch(consumed=0)
+
+    def batches_done(self, consumed: int) -> int:
+        """Micro-batches of this plan that ``consumed`` global images of an epoch make up (whole ones)."""
+        return consumed // self.global_batch
+
+    def batches_in_epoch(self, consumed: int) -> int:
+        """Number of the epoch's last micro-batch plus one, for an epoch resumed after ``consumed`` global images.
+
+        The ``batches_done(consumed)`` already trained plus this run's batches of the rest; equal to
+        ``batches_per_epoch`` unless the resumed run's batch size or world size differs from the saving run's.
+        """
+        return self.batches_done(consumed) + math.ceil(self.images_per_rank(consumed) / self.batch_size)
+
+    def images_consumed(self, batches_done: int) -> int:
+        """Global images of an epoch's order that ``batches_done`` micro-batches on every rank have used."""
+        return batches_done * self.global_batch
+
+    def accumulation_group(self, index: int, batches_in_epoch: int) -> AccumulationGroup:
+        """The optimizer step that micro-batch ``index`` belongs to: groups of ``grad_accum`` from the epoch's start,
+        the last one shorter when the epoch's ``batches_in_epoch`` does not divide."""
+        start = index - index % self.grad_accum
+        return AccumulationGroup(start, min(self.grad_accum, batches_in_epoch - start))
 
     @property
     def steps_per_epoch(self) -> int:
@@ -173,5 +210,4 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(self.indices())
 
     def __len__(self) -> int:
-        remaining = max(0, len(self.dataset) - self._consumed)
-        return math.ceil(remaining / self.num_replicas)
+        return images_per_rank(len(self.dataset), world_size=self.num_replicas, consumed=self._consumed)

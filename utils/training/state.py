@@ -1,6 +1,9 @@
 """Training state: where a run stands, the checkpoint payload that records it, and restoring it (RNG included).
 
-The file names of the run folder and the choice of the checkpoint to resume belong to ``utils.training.run_folder``.
+``TrainingState`` is the one typed write (``to_payload``) and read (``of``) of a resumable checkpoint's keys; the key
+constants, the format-version check, the digests and the model weights' prefixes belong to ``utils.checkpoint``.
+The file names of the run folder belong to ``utils.training.run_folder``, the choice of the folder and of the
+checkpoint to resume to ``utils.training.resume_choice``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from utils.checkpoint import (
     KEY_EPOCH,
     KEY_FORMAT_VERSION,
     KEY_GLOBAL_STEP,
+    KEY_INFERENCE,
     KEY_MASK_VALUES,
     KEY_MODEL,
     KEY_MODEL_ARGS,
@@ -33,7 +37,10 @@ from utils.checkpoint import (
     KEY_SCHEDULER,
     KEY_STEP_IN_EPOCH,
     KEY_WORLD_SIZE,
+    InferenceRecord,
+    LoadedWeights,
     load_checkpoint_file,
+    weights_of,
 )
 from utils.errors import CheckpointError
 
@@ -65,11 +72,89 @@ def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, 
     return place + 1
 
 
+@dataclass
+class TrainingState:
+    """Everything a resumable checkpoint holds: the one typed write (``to_payload``) and read (``of``) of its keys.
+
+    ``model`` is the unwrapped module's state dict; ``optimizer``, ``scheduler`` and ``scaler`` are state dicts too
+    (``scaler`` None unless fp16 scaling is on). ``run_args`` are the run's flags, kept for the resume checks and the
+    epoch plan; nothing that prepares images for inference reads them (that is ``inference``).
+    """
+
+    model: dict[str, torch.Tensor]
+    model_args: dict[str, Any]
+    mask_values: list
+    inference: InferenceRecord
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any] | None
+    position: TrainPosition
+    run_args: dict[str, Any]
+    world_size: int
+    dataset: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+
+    @property
+    def weights(self) -> LoadedWeights:
+        """The model part of the state, as every reader of model weights takes it."""
+        return LoadedWeights(self.model, self.model_args, self.mask_values, self.inference)
+
+    def to_payload(self) -> dict[str, Any]:
+        """The checkpoint dictionary (DESIGN.md, format version 1), RNG state captured now when not set."""
+        return {
+            KEY_FORMAT_VERSION: FORMAT_VERSION,
+            KEY_MODEL: self.model,
+            KEY_MODEL_ARGS: dict(self.model_args),
+            KEY_MASK_VALUES: list(self.mask_values),
+            KEY_INFERENCE: self.inference.as_dict(),
+            KEY_OPTIMIZER: self.optimizer,
+            KEY_SCHEDULER: self.scheduler,
+            KEY_SCALER: self.scaler,
+            KEY_EPOCH: self.position.epoch,
+            KEY_GLOBAL_STEP: self.position.global_step,
+            KEY_STEP_IN_EPOCH: self.position.step_in_epoch,
+            KEY_RNG: capture_rng_state() if self.rng is None else self.rng,
+            KEY_ARGS: dict(self.run_args),
+            KEY_BEST_DICE: self.position.best_dice,
+            KEY_BEST_RANKING: [list(entry) for entry in self.position.best_ranking],
+            KEY_WORLD_SIZE: self.world_size,
+            KEY_DATASET: self.dataset,
+        }
+
+    @classmethod
+    def of(cls, payload: dict[str, Any], path: str | Path) -> TrainingState:
+        """The state in ``payload`` (read from ``path`` by ``load_checkpoint_file``), else a CheckpointError."""
+        missing = [key for key in RESUME_KEYS if key not in payload]
+        if missing:
+            raise CheckpointError(
+                f"{path} cannot be resumed: it lacks {', '.join(missing)} (weights-only files start a new run with "
+                f"--load)"
+            )
+        weights = weights_of(payload, path)
+        run_args = payload.get(KEY_ARGS)
+        dataset = payload.get(KEY_DATASET)
+        return cls(
+            model=weights.state_dict,
+            model_args=weights.model_args,
+            mask_values=weights.mask_values,
+            inference=weights.inference,
+            optimizer=payload[KEY_OPTIMIZER],
+            scheduler=payload[KEY_SCHEDULER],
+            scaler=payload.get(KEY_SCALER) or None,
+            position=position_of(payload),
+            run_args=dict(run_args) if isinstance(run_args, dict) else {},
+            world_size=int(payload.get(KEY_WORLD_SIZE) or 1),
+            dataset=dataset if isinstance(dataset, dict) else None,
+            rng=payload.get(KEY_RNG),
+        )
+
+
 def build_payload(
     *,
     model: torch.nn.Module,
     model_args: dict[str, Any],
     mask_values: list,
+    inference: InferenceRecord,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     scaler: torch.amp.GradScaler | None,
@@ -78,25 +163,30 @@ def build_payload(
     world_size: int,
     dataset: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint dictionary (DESIGN.md, format version 1); ``model`` is the unwrapped module."""
-    return {
-        KEY_FORMAT_VERSION: FORMAT_VERSION,
-        KEY_MODEL: model.state_dict(),
-        KEY_MODEL_ARGS: dict(model_args),
-        KEY_MASK_VALUES: list(mask_values),
-        KEY_OPTIMIZER: optimizer.state_dict(),
-        KEY_SCHEDULER: scheduler.state_dict(),
-        KEY_SCALER: scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-        KEY_EPOCH: position.epoch,
-        KEY_GLOBAL_STEP: position.global_step,
-        KEY_STEP_IN_EPOCH: position.step_in_epoch,
-        KEY_RNG: capture_rng_state(),
-        KEY_ARGS: dict(args),
-        KEY_BEST_DICE: position.best_dice,
-        KEY_BEST_RANKING: [list(entry) for entry in position.best_ranking],
-        KEY_WORLD_SIZE: world_size,
-        KEY_DATASET: dataset,
-    }
+    """The checkpoint dictionary of a live run (``TrainingState.to_payload``); ``model`` is the unwrapped module."""
+    return TrainingState(
+        model=model.state_dict(),
+        model_args=model_args,
+        mask_values=mask_values,
+        inference=inference,
+        optimizer=optimizer.state_dict(),
+        scheduler=scheduler.state_dict(),
+        scaler=scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        position=position,
+        run_args=args,
+        world_size=world_size,
+        dataset=dataset,
+    ).to_payload()
+
+
+def inference_of_run(run_args: dict[str, Any], n_channels: int) -> InferenceRecord:
+    """What a run's checkpoints record for inference: how its images were prepared (--scale, --ignore-value, channels).
+
+    Read from the flags here, at save time, once: readers of the file never depend on what a flag is called.
+    """
+    return InferenceRecord(
+        scale=float(run_args["scale"]), ignore_values=tuple(run_args.get("ignore_values") or ()), channels=n_channels
+    )
 
 
 def dataset_record(image_ids: Sequence[str]) -> dict[str, Any]:
@@ -159,11 +249,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def load_resume_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint that holds everything needed to continue training, else a CheckpointError naming what is missing."""
+    """A checkpoint that holds everything needed to continue training, else a CheckpointError naming what is missing.
+
+    Returned as read (the trainer's builders take their parts from it); ``read_training_state`` is the typed view.
+    """
     payload = load_checkpoint_file(path)
-    missing = [key for key in RESUME_KEYS if key not in payload]
-    if missing:
-        raise CheckpointError(
-            f"{path} cannot be resumed: it lacks {', '.join(missing)} (weights-only files start a new run with --load)"
-        )
+    TrainingState.of(payload, path)
     return payload
+
+
+def read_training_state(path: Path) -> TrainingState:
+    """The typed state of a resumable checkpoint (format version and digests checked), else a CheckpointError."""
+    return TrainingState.of(load_checkpoint_file(path), path)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from utils.hardware import autocast_dtype
+from utils.hardware import autocast
 from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
 from utils.training.objective import segmentation_loss
 
@@ -59,7 +59,6 @@ class TrainStep:
         self.scaler = scaler
         self.device = device
         self._ddp = _find_ddp(model)
-        self._autocast_dtype = autocast_dtype(config.precision)
         self._memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
         self._class_weights = (
             None if config.class_weights is None else torch.tensor(config.class_weights, device=device)
@@ -88,9 +87,8 @@ class TrainStep:
         masks = batch["mask"].to(self.device, non_blocking=True)
         # DDP all-reduces gradients only on the micro-batch that closes an accumulation group.
         no_sync = self._ddp.no_sync() if self._ddp is not None and not sync_gradients else contextlib.nullcontext()
-        dtype = self._autocast_dtype
         with no_sync:
-            with torch.autocast(self.device.type, dtype or torch.float32, enabled=dtype is not None):
+            with autocast(self.device, self.config.precision):
                 logits = self.model(images)
                 loss = segmentation_loss(logits, masks, self.config.n_classes, self._class_weights)
             scaled = loss / group_size

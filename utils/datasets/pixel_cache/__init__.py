@@ -19,24 +19,21 @@ process and, through a marker file, for its sibling loader workers, with one war
 Fill it up front, in parallel::
 
     python -m utils.datasets.pixel_cache build-cache --imgs data/imgs --masks data/masks --scale 0.5 --cache DIR
+
+(the command lives in ``__main__.py`` beside this file, so this library imports no dataset).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import os
-import sys
 import tempfile
-import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from utils.datasets.image_files import FileInfo
-from utils.datasets.mask_values import _pool_context
 from utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -132,75 +129,3 @@ class PixelCache:
             self.directory,
             err.strerror or err,
         )
-
-
-# ------------------------------------------------------------------------------------------- build-cache
-
-
-def build_cache(dataset, workers: int) -> tuple[int, float]:
-    """Fill ``dataset``'s pixel cache (a ``BasicDataset`` made with ``pixel_cache_dir``); returns (items, seconds)."""
-    started = time.perf_counter()
-    indices = list(range(len(dataset)))
-    context = _pool_context()
-    if workers <= 1 or context.get_start_method() != "fork":
-        # Without fork the workers could not inherit the dataset (and pickling it per task would cost more than the
-        # decoding it saves): fill serially.
-        for index in indices:
-            dataset.fill_pixel_cache(index)
-    else:
-        global _BUILD_DATASET
-        _BUILD_DATASET = dataset  # inherited by the forked workers, not pickled per task
-        chunksize = max(1, len(indices) // (workers * 8))
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread) as pool:
-            list(pool.map(_fill_one, indices, chunksize=chunksize))
-    return len(indices), time.perf_counter() - started
-
-
-_BUILD_DATASET = None
-
-
-def _one_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
-def _fill_one(index: int) -> None:
-    _BUILD_DATASET.fill_pixel_cache(index)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from utils.cli import print_error, setup_logging
-    from utils.errors import USER_ERROR_EXIT_CODE, UserError
-
-    parser = argparse.ArgumentParser(prog="python -m utils.datasets.pixel_cache", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build-cache", help="decode and resize every image and mask into the cache")
-    build.add_argument("--imgs", required=True, help="folder of images")
-    build.add_argument("--masks", required=True, help="folder of masks")
-    build.add_argument("--scale", type=float, default=0.5, help="the training --scale (default 0.5)")
-    build.add_argument("--cache", required=True, help="the --pixel-cache folder")
-    build.add_argument("--channels", type=int, default=None, help="model input channels (default: from the images)")
-    build.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs available)")
-    args = parser.parse_args(argv)
-    setup_logging(0, 1)
-    try:
-        from utils.data_loading import BasicDataset
-        from utils.hardware import available_cpus
-
-        dataset = BasicDataset(
-            args.imgs, args.masks, args.scale, None, channels=args.channels, pixel_cache_dir=args.cache
-        )
-        workers = args.workers if args.workers is not None else available_cpus()
-        if workers < 1:
-            raise ConfigError(f"--workers must be at least 1, got {workers}")
-        count, seconds = build_cache(dataset, workers)
-    except UserError as err:
-        print_error(err)
-        return USER_ERROR_EXIT_CODE
-    logger.info("Cached %d items in %s in %.1f s with %d process(es)", count, args.cache, seconds, workers)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,282 @@
+"""``Trainer``'s rules with a fake step: accumulation groups, save points and the stop agreement, without whole runs.
+
+The Trainer runs for real (a real sampler and DataLoader, a real run folder, real checkpoint files); only the
+optimizer step is a ``RecordingStep`` that writes down what the loop asks of it, and validation returns hand-picked
+Dice scores. Each expected value below follows from the rules by hand (7 batches with --grad-accum 3 make steps of
+3, 3 and 1 batches).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from utils.distributed import DistributedContext
+from utils.training.config import parse_config
+from utils.training.data import TrainData
+from utils.training.interrupts import InterruptFlag
+from utils.training.loop import LoopConfig, Trainer, TrainParts
+from utils.training.reporting import RunReporter
+from utils.training.run_folder import RunFolder
+from utils.training.sampler import BatchPlan, ResumableDistributedSampler
+from utils.training.state import TrainPosition
+
+
+class RecordingStep:
+    """Stands in for ``TrainStep``: records every call; ``on_batch`` runs for each micro-batch (to send a signal)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.scaler = None
+        self.calls: list[tuple] = []
+        self.on_batch = lambda image_ids: None
+
+    def begin(self) -> None:
+        self.calls.append(("begin",))
+
+    def accumulate(self, batch: dict[str, torch.Tensor], group_size: int, *, sync_gradients: bool) -> int:
+        image_ids = batch["image"].flatten().tolist()
+        self.calls.append(("batch", image_ids, group_size, sync_gradients))
+        self.on_batch(image_ids)
+        return len(image_ids)
+
+    def update(self) -> None:
+        self.calls.append(("update",))
+
+    def take_losses(self) -> torch.Tensor:
+        return torch.zeros(2)
+
+    def skip_report(self) -> None:
+        return None
+
+    def groups(self) -> list[list[int]]:
+        """Image ids of each optimizer step, from its begin to its update."""
+        groups, current = [], None
+        for call in self.calls:
+            if call[0] == "begin":
+                current = []
+            elif call[0] == "batch":
+                current.append(call[1])
+            else:
+                groups.append(current)
+                current = None
+        return groups
+
+
+@dataclass
+class FakeDataset:
+    """What the loop asks of the training dataset: its epoch (for augmentation) and its file ids (for checkpoints)."""
+
+    n: int
+    epochs: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[str]:
+        return [f"image{k}" for k in range(self.n)]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        # The image holds its index, so the recorded batches show which images each step trained.
+        return {"image": torch.tensor([index]), "mask": torch.zeros(1, dtype=torch.long)}
+
+
+@dataclass
+class Run:
+    trainer: Trainer
+    step: RecordingStep
+    interrupts: InterruptFlag
+    saves: list[tuple[list[str], int]]
+    """Every checkpoint write: (file names, global step)."""
+    folder: RunFolder
+
+
+def make_run(
+    tmp_path: Path,
+    *,
+    n_train: int,
+    batch_size: int = 1,
+    grad_accum: int = 1,
+    epochs: int = 1,
+    dice: tuple[float, ...] = (),
+    position: TrainPosition | None = None,
+    resume_images: int = 0,
+    **loop: Any,
+) -> Run:
+    """A single-process Trainer over ``n_train`` images; validation after epoch k returns ``dice[k - 1]``."""
+    ctx = DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    model = nn.Linear(1, 1)
+    step = RecordingStep(model)
+    dataset = FakeDataset(n_train)
+    sampler = ResumableDistributedSampler(n_train, rank=0, world_size=1, seed=0)
+    folder = RunFolder(tmp_path / "run")
+    folder.path.mkdir(parents=True)
+    parts = TrainParts(
+        raw_model=model,
+        step=step,  # type: ignore[arg-type]
+        scheduler=torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda _: 1.0),
+        precision="fp32",
+        data=TrainData(
+            train_set=dataset,  # type: ignore[arg-type]
+            val_set=dataset,  # type: ignore[arg-type]
+            train_dataset=dataset,  # type: ignore[arg-type]
+            mask_values=[0, 1],
+            n_channels=1,
+            item_seconds=0.0,
+            item_pixels=1,
+        ),
+        sampler=sampler,
+        train_loader=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
+        val_loader=None,
+        batch_plan=BatchPlan(n_train=n_train, batch_size=batch_size, world_size=1, grad_accum=grad_accum),
+        model_args={},
+        run_args={**parse_config(["--epochs", str(epochs)]).as_dict(), "start_from": 1},
+        position=position or TrainPosition(),
+        resume_images_in_epoch=resume_images,
+    )
+    interrupts = InterruptFlag()  # never installed: the tests set its signal as the handler would
+    reporter = RunReporter(folder, enabled=False, wandb_mode="disabled", run_name="test", config={})
+    config = LoopConfig(last_epoch=epochs, n_classes=2, **{"log_every": 1000, **loop})
+    trainer = Trainer(config, ctx, parts, run_folder=folder, reporter=reporter, interrupts=interrupts)
+    trainer._validate = lambda epoch_number: dice[epoch_number - 1]  # type: ignore[method-assign]
+    saves: list[tuple[list[str], int]] = []
+    write = trainer._write_checkpoint
+
+    def recording_write(targets: list[Path], before_write: Any = None) -> None:
+        saves.append(([path.name for path in targets], trainer.position.global_step))
+        write(targets, before_write)
+
+    trainer._write_checkpoint = recording_write  # type: ignore[method-assign]
+    return Run(trainer, step, interrupts, saves, folder)
+
+
+def test_seven_batches_with_grad_accum_three_make_steps_of_three_three_and_one(tmp_path: Path) -> None:
+    run = make_run(tmp_path, n_train=7, grad_accum=3, dice=(0.5,))
+    outcome = run.trainer.train()
+    sizes = [(call[2], call[3]) for call in run.step.calls if call[0] == "batch"]
+    # Each micro-batch's loss is divided by its group's size; gradients are all-reduced on a group's last batch only.
+    assert sizes == [(3, False), (3, False), (3, True), (3, False), (3, False), (3, True), (1, True)]
+    assert [len(group) for group in run.step.groups()] == [3, 3, 1]
+    assert sorted(sum(sum(run.step.groups(), []), [])) == list(range(7))  # every image once
+    assert (outcome.position.epoch, outcome.position.global_step, outcome.position.step_in_epoch) == (1, 3, 0)
+    assert outcome.interrupted_by == 0 and not outcome.reached_max_steps
+
+
+def test_a_last_smaller_batch_still_closes_its_group(tmp_path: Path) -> None:
+    # 7 images in batches of 2: 4 batches (2, 2, 2, 1 images); --grad-accum 3 groups them 3 + 1, over two epochs.
+    run = make_run(tmp_path, n_train=7, batch_size=2, grad_accum=3, epochs=2, dice=(0.1, 0.2))
+    outcome = run.trainer.train()
+    assert [[len(batch) for batch in group] for group in run.step.groups()] == [[2, 2, 2], [1], [2, 2, 2], [1]]
+    assert outcome.position.global_step == 4 and outcome.position.epoch == 2
+
+
+def test_a_resume_continues_the_epoch_at_its_group_boundary(tmp_path: Path) -> None:
+    # Resumed after one step of 3 batches (3 images) of epoch 1: the rest, batches 3..6, make steps of 3 and 1.
+    position = TrainPosition(epoch=0, global_step=1, step_in_epoch=3)
+    run = make_run(tmp_path, n_train=7, grad_accum=3, dice=(0.5,), position=position, resume_images=3)
+    outcome = run.trainer.train()
+    order = run.step.groups()
+    assert [len(group) for group in order] == [3, 1]
+    full_epoch = make_run(tmp_path / "full", n_train=7, grad_accum=3, dice=(0.5,))
+    full_epoch.trainer.train()
+    assert order == full_epoch.step.groups()[1:]  # the same images as the uninterrupted epoch's last steps
+    assert outcome.position.global_step == 3
+
+
+def test_a_resume_with_a_larger_batch_begins_its_first_step(tmp_path: Path) -> None:
+    # Saved after 3 images with batch 1; resumed with batch 2: batch 1 of 2 images, batches_in_epoch = 1 + 2 = 3.
+    # Its first micro-batch lies inside the group of batches 0..2, which this process did not start: it must still
+    # open its step (begin), or a skipped step would restore another step's BatchNorm statistics.
+    position = TrainPosition(epoch=0, global_step=1, step_in_epoch=3)
+    run = make_run(tmp_path, n_train=7, batch_size=2, grad_accum=3, dice=(0.5,), position=position, resume_images=3)
+    run.trainer.train()
+    assert run.step.calls[0] == ("begin",)
+    assert [[len(batch) for batch in group] for group in run.step.groups()] == [[2, 2]]
+    assert run.trainer.position.global_step == 2
+
+
+def test_save_points(tmp_path: Path) -> None:
+    # 7 batches, --grad-accum 3: steps 1-3 in epoch 1, 4-6 in epoch 2. --save-every-steps 2 saves last.pth at
+    # steps 2, 4, 6; every epoch end saves last.pth and checkpoint_epoch{N}.pth (--save-every 1), plus best.pth when
+    # the validation Dice improved (epoch 1: 0.4 > -inf; epoch 2: 0.3 is no better).
+    run = make_run(tmp_path, n_train=7, grad_accum=3, epochs=2, dice=(0.4, 0.3), save_every_steps=2, val_every=1)
+    run.trainer.train()
+    assert run.saves == [
+        (["last.pth"], 2),
+        (["last.pth", "checkpoint_epoch1.pth", "best.pth"], 3),
+        (["last.pth"], 4),
+        (["last.pth"], 6),
+        (["last.pth", "checkpoint_epoch2.pth"], 6),
+    ]
+    assert {path.name for path in run.folder.path.glob("*.pth")} == {
+        "last.pth",
+        "best.pth",
+        "checkpoint_epoch1.pth",
+        "checkpoint_epoch2.pth",
+    }
+
+
+def test_max_steps_stops_and_saves_once(tmp_path: Path) -> None:
+    # --max-steps 2 with steps of 3 batches stops after batch 6 of 7 (the 6th image), with the state of step 2 saved.
+    run = make_run(tmp_path, n_train=7, grad_accum=3, epochs=3, dice=(0.5,) * 3, max_steps=2, save_every=0)
+    outcome = run.trainer.train()
+    assert outcome.reached_max_steps and outcome.checkpoint == run.folder.last
+    assert [len(group) for group in run.step.groups()] == [3, 3]
+    assert run.saves == [(["last.pth"], 2)]
+    assert (outcome.position.global_step, outcome.position.step_in_epoch) == (2, 6)
+
+
+def test_a_signal_stops_at_the_end_of_the_step_it_arrived_in(tmp_path: Path) -> None:
+    run = make_run(tmp_path, n_train=7, grad_accum=3, dice=(0.5,))
+    trained: list[int] = []
+
+    def signal_during_the_second_batch(image_ids: list[int]) -> None:
+        trained.extend(image_ids)
+        if len(trained) == 2:
+            run.interrupts.signum = signal.SIGTERM
+
+    run.step.on_batch = signal_during_the_second_batch
+    outcome = run.trainer.train()
+    # The step the signal arrived in is finished (its third batch trained, the update done), then nothing else.
+    assert [len(group) for group in run.step.groups()] == [3]
+    assert run.step.calls[-1] == ("update",)
+    assert outcome.interrupted_by == signal.SIGTERM
+    assert outcome.checkpoint == run.folder.interrupted and run.folder.interrupted.is_file()
+    assert run.saves == [(["INTERRUPTED.pth"], 1)]
+    assert (outcome.position.epoch, outcome.position.global_step, outcome.position.step_in_epoch) == (0, 1, 3)
+
+
+def test_an_agreed_timed_save_writes_last_at_that_step_only(tmp_path: Path) -> None:
+    # The save timer (rank 0) asks at the boundary of step 2; the agreement answers there with one process, and
+    # last.pth is written at that step once (not again at the same step), then at the epoch's end as usual.
+    run = make_run(tmp_path, n_train=7, grad_accum=3, dice=(0.5,), save_every_minutes=1.0)
+    answers = iter([False, True, False])
+    run.trainer._save_timer.due = lambda: next(answers)  # type: ignore[method-assign]
+    run.trainer.train()
+    assert run.saves == [(["last.pth"], 2), (["last.pth", "checkpoint_epoch1.pth", "best.pth"], 3)]
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_every_epoch_selects_its_order_and_augmentation(tmp_path: Path, epochs: int) -> None:
+    run = make_run(tmp_path, n_train=5, dice=(0.5,) * epochs, epochs=epochs)
+    run.trainer.train()
+    dataset = run.trainer.parts.data.train_dataset
+    assert dataset.epochs == list(range(epochs))  # type: ignore[attr-defined]
+    images = [call[1][0] for call in run.step.calls if call[0] == "batch"]
+    sampler = ResumableDistributedSampler(5, rank=0, world_size=1, seed=0)
+    expected = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        expected += list(sampler)
+    assert images == expected

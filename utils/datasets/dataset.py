@@ -1,0 +1,382 @@
+"""Segmentation datasets over a folder of images and a folder of masks (milesial/Pytorch-UNet compatible).
+
+``dataset[i]`` is ``{"image": float32 [C, H, W] in [0, 1], "mask": int64 [H, W] in 0..K-1}``. Mask value
+``dataset.mask_values[k]`` becomes class ``k``. All checks that need the whole dataset (pairing, sizes, mask values)
+run once at construction, so bad data fails before training starts, with one message naming the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import operator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from utils.datasets.augmentation import JointAugmentation
+from utils.datasets.image_files import (
+    IMAGE_EXTENSIONS,
+    UNREADABLE_FILE_ERRORS,
+    FileInfo,
+    index_folder,
+    load_image,
+)
+from utils.datasets.mask_values import (
+    MaskPair,
+    MaskValues,
+    format_examples,
+    scan_masks,
+    values_to_classes,
+)
+from utils.datasets.pairing import CARVANA_MASK_SUFFIX, pair_files, suffix_from_names
+from utils.datasets.pixel_cache import IMAGE, MASK, PixelCache
+from utils.datasets.preparation import image_tensor, mask_classes, resized_image, resized_mask, unit_float
+from utils.errors import ConfigError, DatasetError
+
+logger = logging.getLogger(__name__)
+
+JPEG_EXTENSIONS = (".jpg", ".jpeg")
+_T = TypeVar("_T")
+
+
+class BasicDataset(Dataset):
+    """Images ``<images_dir>/<id>.<ext>`` with masks ``<mask_dir>/<id><mask_suffix>.<ext>``.
+
+    Args:
+        images_dir: folder of images (any of ``IMAGE_EXTENSIONS``, any letter case; hidden files and sub-folders
+            are ignored). Colour images load as RGB (alpha dropped), grey ones as one channel; see ``channels``.
+        mask_dir: folder of masks: palette images (their indices are the values, as Carvana's GIFs), grey images,
+            16/32-bit grey label maps, RGB colour-coded images, or ``.npy``/``.pt`` arrays.
+        scale: resize factor in (0, 1]; images use bicubic and masks nearest-neighbour interpolation.
+        mask_suffix: text between the image id and the mask's extension (``"_mask"`` for Carvana); ``None``
+            detects it from the file names (as ``detect_mask_suffix``, without indexing the folders twice).
+        n_classes: if given, more distinct mask values than the model can predict is an error (``1`` means binary
+            with one logit, which allows two values).
+        augment: apply ``JointAugmentation``; off by default.
+        seed: augmentation seed; with ``set_epoch`` and the sample index it fixes each sample's augmentation.
+        cache_dir: where the mask-value cache lives (default ``utils.datasets.mask_values.default_cache_dir()``).
+        scan_workers: processes for the first mask scan (default ``min(cpu count, 8)``).
+        channels: the model's input channels, 1 or 3; photos of the other kind are converted (grey to RGB or RGB to
+            grey) with one warning counting them. ``None``: the kind most images have (RGB on a tie).
+        pixel_cache_dir: a folder (outside the data folders) for decoded, resized uint8 pixels, filled as items load
+            and memory-mapped afterwards (``utils.datasets.pixel_cache``); items are identical with or without it.
+        ignore_values: void mask values (e.g. 255 for VOC/Cityscapes borders; single-channel masks only): left out of
+            ``mask_values`` and of the class count, their pixels become ``IGNORE_INDEX`` in ``dataset[i]["mask"]``.
+    """
+
+    def __init__(
+        self,
+        images_dir: str | Path,
+        mask_dir: str | Path,
+        scale: float = 1.0,
+        mask_suffix: str | None = "",
+        *,
+        n_classes: int | None = None,
+        augment: bool = False,
+        seed: int = 0,
+        cache_dir: str | Path | None = None,
+        scan_workers: int | None = None,
+        channels: int | None = None,
+        pixel_cache_dir: str | Path | None = None,
+        ignore_values: Iterable[int] = (),
+    ) -> None:
+        if not 0 < scale <= 1:
+            raise ConfigError(f"scale must be in (0, 1], got {scale}; pass a value such as --scale 0.5")
+        if n_classes is not None and n_classes < 1:
+            raise ConfigError(f"n_classes must be at least 1, got {n_classes}; pass --classes 1 for binary masks")
+        if scan_workers is not None and scan_workers < 1:
+            raise ConfigError(f"scan_workers must be at least 1, got {scan_workers}")
+        if channels not in (None, 1, 3):
+            raise ConfigError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
+        self.images_dir = Path(images_dir)
+        self.mask_dir = Path(mask_dir)
+        self.scale = scale
+
+        # Tens of thousands of small objects (one per file) trigger full garbage collections that walk every object
+        # of the process (torch has many): pausing the collector halves a second start over 10,000 pairs.
+        with _gc_paused():
+            images = index_folder(self.images_dir, "image")
+            if not images:
+                raise DatasetError(
+                    f"no images in {self.images_dir} (looked for {_extension_list()}; hidden files and sub-folders are "
+                    "ignored); put the training images there"
+                )
+            masks = index_folder(self.mask_dir, "mask")
+            if not masks:
+                raise DatasetError(
+                    f"no masks in {self.mask_dir} (looked for {_extension_list()}); put one mask per image there"
+                )
+            if mask_suffix is None:
+                mask_suffix = suffix_from_names(images.keys(), masks.keys())
+            self.mask_suffix = mask_suffix
+            pairs = pair_files(images, masks, mask_suffix, self.images_dir, self.mask_dir)
+            _check_no_empty_files(pairs)
+            jpeg_masks = [pair.mask.name for pair in pairs if pair.mask.ext in JPEG_EXTENSIONS]
+            if jpeg_masks:
+                logger.warning(
+                    "%d mask(s) in %s are JPEG files (e.g. %s): JPEG compression noise creates extra mask values along "
+                    "edges; save masks as PNG or GIF",
+                    len(jpeg_masks),
+                    self.mask_dir,
+                    format_examples(jpeg_masks),
+                )
+
+            scan = scan_masks(pairs, cache_dir=cache_dir, workers=scan_workers)
+            self.ignore_values: list[int] = sorted(set(ignore_values))
+            if self.ignore_values and scan.mask_values and not isinstance(scan.mask_values[0], int):
+                raise ConfigError(
+                    f"--ignore-value {self.ignore_values[0]} needs single-channel masks, but the masks in "
+                    f"{self.mask_dir} are colour images; save void pixels as a grey value or drop --ignore-value"
+                )
+            kept = [k for k, value in enumerate(scan.mask_values) if value not in self.ignore_values]
+            # Per image, pixels of each class (scan value k becomes class class_of[k]); void pixels counted apart.
+            class_of = {k: position for position, k in enumerate(kept)}
+            self._class_counts = {
+                name: {class_of[k]: count for k, count in counts if k in class_of}
+                for name, counts in scan.value_counts.items()
+            }
+            self.void_pixels: int = sum(
+                c for counts in scan.value_counts.values() for k, c in counts if k not in class_of
+            )
+            scan_values: MaskValues = [scan.mask_values[k] for k in kept]
+            _check_value_count(scan_values, n_classes, self.mask_dir, jpeg=bool(jpeg_masks))
+            _check_scaled_sizes(scan.image_sizes, scale, images)
+
+            self.ids: list[str] = sorted(images)
+            self.mask_values: MaskValues = scan_values
+            self.channels: int = _choose_channels(scan.image_channels, channels, images, self.images_dir)
+            self._files = {pair.name: (pair.image, pair.mask) for pair in pairs}
+            self._augmentation = JointAugmentation(seed) if augment else None
+            self._seed = seed
+            self._epoch = 0
+            self.pixel_cache: PixelCache | None = None
+            if pixel_cache_dir is not None:
+                self.pixel_cache = PixelCache(pixel_cache_dir, scale=scale, channels=self.channels)
+                self.pixel_cache.check_outside(self.images_dir, self.mask_dir)
+        logger.info("Creating dataset with %d examples", len(self.ids))
+        logger.info("Unique mask values: %s", self.mask_values)
+        if self.ignore_values:
+            total = sum(c for counts in scan.value_counts.values() for _, c in counts)
+            logger.info(
+                "%d of %d mask pixels (%.2f%%) are void (mask value(s) %s): left out of the loss and the metrics",
+                self.void_pixels,
+                total,
+                100 * self.void_pixels / max(total, 1),
+                ", ".join(map(str, self.ignore_values)),
+            )
+
+    def class_pixel_counts(self, indices: Iterable[int] | None = None) -> list[int]:
+        """Pixels of each class (void excluded) over the items ``indices`` (all by default), from the mask scan."""
+        totals = [0] * len(self.mask_values)
+        for index in range(len(self.ids)) if indices is None else indices:
+            for k, count in self._class_counts.get(self.ids[index], {}).items():
+                totals[k] += count
+        return totals
+
+    def has_foreground(self, index: int) -> bool:
+        """Whether item ``index``'s mask holds a class other than class 0 (background), from the mask scan."""
+        return any(k > 0 for k in self._class_counts.get(self.ids[index], {}))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def with_augmentation(self, seed: int | None = None) -> BasicDataset:
+        """The same files with ``JointAugmentation`` on (seed: this dataset's by default), without a second scan."""
+        twin = copy.copy(self)
+        twin._augmentation = JointAugmentation(self._seed if seed is None else seed)
+        return twin
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the augmentation of ``epoch``.
+
+        DataLoader workers hold copies of the dataset made when iteration starts, so call this before creating the
+        epoch's iterator, and do not use ``persistent_workers=True`` with augmentation (the workers would keep the
+        old epoch).
+        """
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._epoch = epoch
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = operator.index(index)
+        if index < 0:
+            index += len(self.ids)
+        image_info, mask_info = self._files[self.ids[index]]
+        pixels = self._image_pixels(image_info)
+        raw_mask = self._mask_pixels(mask_info)
+        if pixels.shape[1:] != raw_mask.shape[:2]:
+            raise DatasetError(
+                f"{mask_info.path} and {image_info.path} differ in size ({raw_mask.shape[1]}x{raw_mask.shape[0]} vs "
+                f"{pixels.shape[2]}x{pixels.shape[1]}): a file changed after the dataset was built; fix it and restart"
+            )
+        if self._augmentation is not None:
+            # On the uint8 pixels and the raw mask values (cached or not): the crop is cut before anything is
+            # converted, and gathering 8-bit mask values before the class mapping moves an eighth of the bytes.
+            raw = np.array(raw_mask, dtype=np.int32 if raw_mask.dtype == np.uint16 else None)  # torch lacks uint16 ops
+            pixels, moved = self._augmentation(pixels, torch.from_numpy(raw), epoch=self._epoch, index=index)
+            raw_mask = moved.numpy()
+        mask = torch.from_numpy(values_to_classes(raw_mask, self.mask_values, mask_info.path, self.ignore_values))
+        return {"image": unit_float(pixels), "mask": mask}
+
+    def fill_pixel_cache(self, index: int) -> None:
+        """Make sure item ``index``'s pixels are in the pixel cache (``build-cache`` runs this for every item)."""
+        image_info, mask_info = self._files[self.ids[index]]
+        self._image_pixels(image_info)
+        self._mask_pixels(mask_info)
+
+    def _image_pixels(self, info: FileInfo) -> torch.Tensor:
+        """The resized image, [C, H, W]: uint8, or float32 in [0, 1] for 16-bit and float images."""
+        cache = self.pixel_cache
+        if cache is not None:
+            cached = cache.read(info, IMAGE)
+            if cached is not None:
+                # Stored [H, W, C]; a writable copy of the mapped pages, seen as [C, H, W].
+                return torch.from_numpy(np.array(cached)).permute(2, 0, 1)
+        pixels = _decode(info.path, lambda img: resized_image(img, self.scale, self.channels))
+        if cache is not None and pixels.dtype == torch.uint8:
+            cache.write(info, IMAGE, pixels.permute(1, 2, 0).numpy())
+        return pixels
+
+    def _mask_pixels(self, info: FileInfo) -> np.ndarray:
+        """The resized mask's raw values (``mask_array`` sampled to the network's size), before the class mapping."""
+        cache = self.pixel_cache
+        if cache is not None:
+            cached = cache.read(info, MASK)
+            if cached is not None:
+                return cached
+        raw = _decode(info.path, lambda img: resized_mask(img, self.scale))
+        if cache is not None:
+            cache.write(info, MASK, raw)
+        return raw
+
+    @staticmethod
+    def preprocess(mask_values: MaskValues, pil_img: Image.Image, scale: float, is_mask: bool) -> np.ndarray:
+        """Resize by ``scale`` and convert, as milesial's ``BasicDataset.preprocess``.
+
+        Images become float32 CxHxW in [0, 1] (grey images 1xHxW), masks int64 HxW class indices.
+        """
+        if is_mask:
+            return mask_classes(pil_img, scale, mask_values)
+        return image_tensor(pil_img, scale).numpy()
+
+
+class CarvanaDataset(BasicDataset):
+    """``BasicDataset`` with Carvana's mask names, ``<id>_mask.<ext>``."""
+
+    def __init__(self, images_dir: str | Path, mask_dir: str | Path, scale: float = 1.0, **kwargs) -> None:
+        super().__init__(images_dir, mask_dir, scale, mask_suffix=CARVANA_MASK_SUFFIX, **kwargs)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _decode(path: str | Path, convert: Callable[[Image.Image], _T]) -> _T:
+    """Open ``path`` and convert it, turning decoding failures into a ``DatasetError`` that names the file."""
+    try:
+        with load_image(path) as img:
+            return convert(img)
+    except DatasetError:
+        raise
+    except UNREADABLE_FILE_ERRORS as err:
+        raise DatasetError(f"cannot decode {path} ({err}); replace or delete the file") from err
+
+
+def _choose_channels(
+    image_channels: dict[str, int], requested: int | None, images: dict[str, FileInfo], images_dir: Path
+) -> int:
+    """The model's input channels; warns once, with a count, about the photos that will be converted."""
+    counts = Counter(image_channels.values())
+    channels = requested if requested is not None else (1 if counts[1] > counts[3] else 3)
+    converted = sorted(images[name].name for name, count in image_channels.items() if count != channels)
+    if converted:
+        kind, target = ("grey", "RGB") if channels == 3 else ("colour", "grey")
+        logger.warning(
+            "%d of %d images in %s are %s and are converted to %s for a %d-channel model: %s",
+            len(converted),
+            len(image_channels),
+            images_dir,
+            kind,
+            target,
+            channels,
+            format_examples(converted),
+        )
+    return channels
+
+
+def _check_no_empty_files(pairs: list[MaskPair]) -> None:
+    with_empty = [pair for pair in pairs if pair.image.size == 0 or pair.mask.size == 0]
+    empty = [info.path for pair in with_empty for info in (pair.image, pair.mask) if info.size == 0]
+    if empty:
+        raise DatasetError(
+            f"{len(empty)} file(s) are empty (0 bytes), e.g. from an interrupted copy: {format_examples(empty)}; "
+            "copy them again or delete them"
+        )
+
+
+def _check_value_count(mask_values: MaskValues, n_classes: int | None, mask_dir: Path, *, jpeg: bool) -> None:
+    if len(mask_values) == 1:
+        logger.warning("Every mask in %s has the single value %s: there is nothing to learn", mask_dir, mask_values[0])
+    if n_classes is None:
+        return
+    allowed = 2 if n_classes == 1 else n_classes
+    if n_classes >= 2 and len(mask_values) < n_classes:
+        logger.warning(
+            "The masks in %s contain %d distinct values (%s) but n_classes=%d: value mask_values[k] becomes class k, "
+            "so classes %d..%d never occur in training",
+            mask_dir,
+            len(mask_values),
+            mask_values,
+            n_classes,
+            len(mask_values),
+            n_classes - 1,
+        )
+    if len(mask_values) <= allowed:
+        return
+    shown = ", ".join(str(v) for v in mask_values[:10]) + (", ..." if len(mask_values) > 10 else "")
+    message = (
+        f"the masks in {mask_dir} contain {len(mask_values)} distinct values ({shown}) but n_classes={n_classes} "
+        f"allows at most {allowed}; train with --classes {len(mask_values)} if each value is a class"
+    )
+    if jpeg:
+        message += ", or re-save the JPEG masks as PNG/GIF (JPEG compression noise creates the extra values)"
+    raise DatasetError(message)
+
+
+def _check_scaled_sizes(sizes: dict[str, tuple[int, int]], scale: float, images: dict[str, FileInfo]) -> None:
+    if (
+        sizes
+        and int(scale * min(w for w, _ in sizes.values())) > 0
+        and int(scale * min(h for _, h in sizes.values())) > 0
+    ):
+        return
+    too_small = [
+        f"{images[name].name} ({width}x{height})"
+        for name, (width, height) in sorted(sizes.items())
+        if int(scale * width) <= 0 or int(scale * height) <= 0
+    ]
+    if too_small:
+        raise DatasetError(
+            f"scale {scale} shrinks {len(too_small)} image(s) to zero pixels: {format_examples(too_small)}; "
+            "use a larger --scale or remove those images"
+        )
+
+
+def _extension_list() -> str:
+    return " ".join(sorted(IMAGE_EXTENSIONS))

@@ -1,0 +1,86 @@
+"""``python -m utils.datasets.pixel_cache build-cache``: fill a pixel cache up front, in parallel.
+
+Apart from the cache (``utils.datasets.pixel_cache``) because it builds a dataset, and the dataset uses the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from utils.cli import print_error, setup_logging
+from utils.datasets import pixel_cache
+from utils.datasets.dataset import BasicDataset
+from utils.datasets.pools import pool_context
+from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
+from utils.hardware import available_cpus
+
+logger = logging.getLogger(__name__)
+
+
+def build_cache(dataset, workers: int) -> tuple[int, float]:
+    """Fill ``dataset``'s pixel cache (a ``BasicDataset`` made with ``pixel_cache_dir``); returns (items, seconds)."""
+    started = time.perf_counter()
+    indices = list(range(len(dataset)))
+    context = pool_context()
+    if workers <= 1 or context.get_start_method() != "fork":
+        # Without fork the workers could not inherit the dataset (and pickling it per task would cost more than the
+        # decoding it saves): fill serially.
+        for index in indices:
+            dataset.fill_pixel_cache(index)
+    else:
+        global _BUILD_DATASET
+        _BUILD_DATASET = dataset  # inherited by the forked workers, not pickled per task
+        chunksize = max(1, len(indices) // (workers * 8))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread) as pool:
+            list(pool.map(_fill_one, indices, chunksize=chunksize))
+    return len(indices), time.perf_counter() - started
+
+
+_BUILD_DATASET = None
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _fill_one(index: int) -> None:
+    _BUILD_DATASET.fill_pixel_cache(index)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m utils.datasets.pixel_cache", description=pixel_cache.__doc__.split("\n")[0]
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build-cache", help="decode and resize every image and mask into the cache")
+    build.add_argument("--imgs", required=True, help="folder of images")
+    build.add_argument("--masks", required=True, help="folder of masks")
+    build.add_argument("--scale", type=float, default=0.5, help="the training --scale (default 0.5)")
+    build.add_argument("--cache", required=True, help="the --pixel-cache folder")
+    build.add_argument("--channels", type=int, default=None, help="model input channels (default: from the images)")
+    build.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs available)")
+    args = parser.parse_args(argv)
+    setup_logging(0, 1)
+    try:
+        dataset = BasicDataset(
+            args.imgs, args.masks, args.scale, None, channels=args.channels, pixel_cache_dir=args.cache
+        )
+        workers = args.workers if args.workers is not None else available_cpus()
+        if workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {workers}")
+        count, seconds = build_cache(dataset, workers)
+    except UserError as err:
+        print_error(err)
+        return USER_ERROR_EXIT_CODE
+    logger.info("Cached %d items in %s in %.1f s with %d process(es)", count, args.cache, seconds, workers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

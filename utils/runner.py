@@ -1,0 +1,127 @@
+"""The one way out of ``train.py``, ``predict.py`` and ``evaluate.py``: each error becomes an exit status and one line.
+
+| what stopped the run | exit status | stderr |
+| --- | --- | --- |
+| finished | 0 | nothing |
+| a user error (``UserError``: a flag, a file, the data) | 2 | one ``Error:`` line naming the flag or file and the fix |
+| out of memory (CUDA, or the CPU allocator) | 2 | one ``Error:`` line naming the flags that lower memory use |
+| another rank of the job died or stopped answering | 1 | one ``Error:`` line saying where to look and how to resume |
+| SIGINT / SIGTERM | 130 / 143 | (``train.py`` saves and logs how to resume itself) |
+| a bug | 1 | Python's traceback |
+
+Out of memory counts as a user error: a smaller ``--batch-size`` (or the script's other memory flags) fixes it.
+Under a distributed launch a user error every rank has is printed once, by global rank 0 (``RunStage``).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from utils.cli import print_error
+from utils.distributed import DistributedContext, barrier, is_raised_on_every_rank
+from utils.errors import USER_ERROR_EXIT_CODE, UserError
+
+OUT_OF_MEMORY_EXIT_CODE = USER_ERROR_EXIT_CODE
+LOST_CONTACT_EXIT_CODE = 1
+
+# How gloo words it when another process died (closed connection) or stopped answering (--dist-timeout); NCCL and
+# the rendezvous store raise torch.distributed.DistError instead. Compared in lower case.
+PEER_FAILURE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out waiting",
+    "timeout caused pair closure",
+    "socket timeout",
+)
+
+# How long a rank other than 0 waits before exiting after an error that rank 0 prints. torchrun stops the other
+# workers as soon as one exits, so rank 0 must exit first: it has then printed the message, and it is the failure
+# torchrun reports. After an agreed error a barrier guarantees the printing, and a moment lets rank 0 leave first.
+# A bad flag is found before the processes meet, and rank 0 may still be importing torch: the others wait until
+# torchrun stops them (it does as soon as rank 0 has exited), or this long at most.
+QUIET_EXIT_DELAY_S = 1.0
+QUIET_EXIT_BEFORE_JOINING_S = 60.0
+
+
+def signal_exit_code(signum: int) -> int:
+    """Shell convention for death by a signal: 128 + signal (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + signum
+
+
+@dataclass
+class RunStage:
+    """How far a run got, which decides who prints a user error: the launcher's rank until the process group exists
+    (``ctx``); ``joining`` while this process meets the others (an error there is its own)."""
+
+    rank: int = 0
+    ctx: DistributedContext | None = None
+    joining: bool = False
+
+
+def run_main(body: Callable[[], int], *, oom_fix: str, stage: RunStage | None = None) -> int:
+    """Run ``body`` (an entry script's work, returning its exit status) and turn what it raises into the status and
+    the one line of the table above. ``oom_fix`` names the flags that lower this script's memory use."""
+    stage = stage if stage is not None else RunStage()
+    try:
+        return body()
+    except UserError as error:
+        report_user_error(error, stage)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:  # a script that installs no handler of its own (train.py does)
+        print_error("stopped by SIGINT (Ctrl-C)")
+        return signal_exit_code(signal.SIGINT)
+    except (MemoryError, RuntimeError) as error:  # CUDA's OutOfMemoryError and DistError are RuntimeErrors
+        if is_allocator_error(error):
+            where = "CUDA" if isinstance(error, torch.cuda.OutOfMemoryError) else "the CPU"
+            print_error(f"{where} ran out of memory; {oom_fix}")
+            return OUT_OF_MEMORY_EXIT_CODE
+        if lost_contact(error):
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            print_error(
+                f"lost contact with another training process ({first_line}); see the other processes' logs, "
+                "then continue with --resume auto (under torchrun, --max-restarts does that by itself)"
+            )
+            return LOST_CONTACT_EXIT_CODE
+        raise
+    except SystemExit as exit_request:  # --help, or argparse's own usage error (status 2)
+        return exit_request.code if isinstance(exit_request.code, int) else 0
+
+
+def is_allocator_error(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation failure (CUDA's, the CPU allocator's RuntimeError, numpy's MemoryError)."""
+    if isinstance(error, MemoryError | torch.cuda.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "DefaultCPUAllocator" in text)
+
+
+def lost_contact(error: BaseException) -> bool:
+    """Whether ``error`` says another process of the job died or stopped answering."""
+    if isinstance(error, torch.distributed.DistError):
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and any(marker in message for marker in PEER_FAILURE_MARKERS)
+
+
+def report_user_error(error: UserError, stage: RunStage) -> None:
+    """Print ``error`` once per job: a bad flag (found before joining) and an error the ranks agreed on reach every
+    rank, and rank 0 alone prints it; a failure to join, or one found by one rank alone (a corrupt image), is printed
+    where it happened. With a shared error the other ranks leave after rank 0."""
+    ctx = stage.ctx
+    shared = (ctx is None and not stage.joining) or is_raised_on_every_rank(error)
+    quiet = shared and stage.rank != 0
+    if not quiet:
+        print_error(error)
+    if shared and ctx is not None and ctx.is_distributed:
+        try:
+            barrier(ctx)  # rank 0 has printed
+        except (RuntimeError, torch.distributed.DistError):
+            pass  # a rank is gone already: nothing left to wait for
+    if quiet:
+        time.sleep(QUIET_EXIT_DELAY_S if ctx is not None else QUIET_EXIT_BEFORE_JOINING_S)
