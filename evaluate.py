@@ -15,28 +15,39 @@ milesial/Pytorch-UNet: ``evaluate(net, dataloader, device, amp)`` returns the me
 
 from __future__ import annotations
 
-import json
+if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gives one line, not their traceback
+    from utils.startup_interrupt import stop_quietly_while_starting
+
+    stop_quietly_while_starting()
+
+import json  # noqa: E402 - after the start-up handler above, as every import below
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from utils import model_spec
 from utils.cli import setup_logging
 from utils.datasets.dataset import BasicDataset
+from utils.datasets.splits import validation_positions
 from utils.errors import ConfigError, DatasetError
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.hardware import pick_device, warn_if_emulated
 from utils.inference.cli import parse_evaluate_config
 from utils.inference.config import EvaluateConfig
-from utils.inference.file_plan import check_no_clashes, files_in
+from utils.inference.file_plan import files_in
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, format_table, keep_items
+from utils.output_files import check_outputs, write_text
 from utils.runner import run_main
+from utils.shared_memory import SharedMemoryGuard, check_room, loader_timeout
+from utils.startup_interrupt import startup_done
+from utils.wording import count
 
 __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", "main", "run"]
 
 OOM_FIX = "lower --batch-size or --scale"
+WORKERS_FIX = "--workers 0 (-j 0)"  # the flag that keeps loading in the main process (utils.shared_memory)
 
 
 def check_json_path(config: EvaluateConfig) -> None:
@@ -46,11 +57,12 @@ def check_json_path(config: EvaluateConfig) -> None:
     protected = files_in([config.images_dir], "an image in --imgs")
     protected.update(files_in([config.masks_dir], "a mask in --masks"))
     protected[config.model] = "the checkpoint"
-    check_no_clashes([(config.json_path, "--json")], protected)
+    check_outputs([(config.json_path, "--json")], protected, [config.images_dir, config.masks_dir], writes_images=False)
 
 
-def run(config: EvaluateConfig) -> tuple[EvalResult, list, float]:
-    """Score the checkpoint on the dataset; returns the result, the mask values its classes stand for, the scale."""
+def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...]]:
+    """Score the checkpoint on the dataset; returns the result, the mask values its classes stand for, the scale and
+    the class names (empty when the checkpoint has none)."""
     device = pick_device(config.device)
     warn_if_emulated(device, config.precision)
     check_json_path(config)
@@ -69,59 +81,79 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float]:
         ignore_values=spec.ignore_values,
     )
     mask_values = align_mask_values(dataset, spec.mask_values, config.model)
-    if dataset[0]["image"].shape[0] != model.n_channels:
+    # --split: exactly the validation images of the run that wrote the file, whatever else the folders hold.
+    scored = (
+        dataset if config.split_path is None else Subset(dataset, validation_positions(dataset.ids, config.split_path))
+    )
+    first = scored[0]
+    if first["image"].shape[0] != model.n_channels:
         raise DatasetError(
-            f"the images in {config.images_dir} have {dataset[0]['image'].shape[0]} channel(s) but "
+            f"the images in {config.images_dir} have {first['image'].shape[0]} channel(s) but "
             f"{config.model} expects {model.n_channels}"
         )
+    check_room(first, batch_size=config.batch_size, workers=config.workers, workers_fix=WORKERS_FIX)
     loader = DataLoader(
-        dataset,
+        scored,
         batch_size=config.batch_size,
         shuffle=False,
         num_workers=config.workers,
         collate_fn=keep_items,
         pin_memory=device.type == "cuda",
+        timeout=loader_timeout(config.workers),
     )
     model.to(device)
     result = evaluate_segmentation(
         model,
-        SizeGroupedBatches(loader, config.batch_size),
+        SizeGroupedBatches(SharedMemoryGuard(loader, WORKERS_FIX), config.batch_size),
         device,
         n_classes=model.n_classes,
         precision=config.precision,
         progress=config.progress,
+        description="Evaluating",
     )
-    return result, mask_values, scale
+    return result, mask_values, scale, spec.class_names
 
 
-def write_json(path: Path, result: EvalResult, mask_values: list, scale: float, config: EvaluateConfig) -> None:
+def write_json(
+    path: Path,
+    result: EvalResult,
+    mask_values: list,
+    scale: float,
+    config: EvaluateConfig,
+    class_names: tuple[str, ...] = (),
+) -> None:
     payload = {
         "checkpoint": str(config.model),
         "images": str(config.images_dir),
         "masks": str(config.masks_dir),
+        **({"split": str(config.split_path)} if config.split_path is not None else {}),
         "scale": scale,
         "mask_values": mask_values,
+        **({"class_names": list(class_names)} if class_names else {}),
         **result.as_dict(),
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     except OSError as error:
-        raise ConfigError(f"--json {path}: cannot write it ({error.strerror or error})") from error
+        raise ConfigError(f"--json {path}: cannot create its folder ({error.strerror or error})") from error
+    write_text(path, json.dumps(payload, indent=2) + "\n", role="--json")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    startup_done()  # the imports are over: Ctrl-C is a KeyboardInterrupt again, reported by run_main
     setup_logging(rank=0, world_size=1)
     return run_main(lambda: score_and_report(parse_evaluate_config(argv, __doc__)), oom_fix=OOM_FIX)
 
 
 def score_and_report(config: EvaluateConfig) -> int:
     """Score, write --json if asked, print the table; the exit status."""
-    result, mask_values, scale = run(config)
+    result, mask_values, scale, class_names = run(config)
     if config.json_path is not None:
-        write_json(config.json_path, result, mask_values, scale, config)
-    print(f"{config.model} on {result.n_images} images of {config.images_dir}:")
-    print(format_table(result, mask_values))
+        write_json(config.json_path, result, mask_values, scale, config, class_names)
+    print(f"{config.model} on {count(result.n_images, 'image')} of {config.images_dir}:")
+    print(format_table(result, mask_values, class_names))
+    if config.json_path is not None:
+        print(f"Scores written to {config.json_path}")
     return 0
 
 

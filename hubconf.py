@@ -1,8 +1,10 @@
-"""torch.hub entry point, for local checkouts only:
+"""torch.hub entry points, for local checkouts only:
 
     model = torch.hub.load("/path/to/unet-ddp", "unet", source="local", n_classes=2, checkpoint="best.pth")
+    model = torch.hub.load("/path/to/unet-ddp", "unet_carvana", source="local")  # milesial's entry point
 
-Weights come only from a local file; this entry point never downloads anything.
+Weights come only from a local file; these entry points never download anything. Models are returned in eval mode
+(ready for inference; call ``.train()`` to fine-tune).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def unet(
     checkpoint: str | Path | None = None,
     pretrained: bool = False,
 ):
-    """A UNet; with ``checkpoint`` (a local file path) its weights and stored architecture are loaded.
+    """A UNet in eval mode; with ``checkpoint`` (a local file path) its weights and stored architecture are loaded.
 
     Without a checkpoint, unset arguments take ``unet.UNetArgs``'s defaults (3 channels, 2 classes, transposed
     convolutions, width 64). With one, the file decides the architecture, and an argument given here that contradicts
@@ -38,7 +40,7 @@ def unet(
         raise CheckpointError("unet-ddp publishes no pretrained weights to download; pass checkpoint=<local file>")
     expected = {"n_channels": n_channels, "n_classes": n_classes, "bilinear": bilinear, "base_channels": base_channels}
     if checkpoint is None:
-        return UNet(**UNetArgs(**{key: value for key, value in expected.items() if value is not None}).as_dict())
+        return UNet(**UNetArgs(**{key: value for key, value in expected.items() if value is not None}).as_dict()).eval()
     if "://" in str(checkpoint):
         raise CheckpointError(f"checkpoint={checkpoint!r}: only local files are loaded, never URLs; download it first")
     model, spec = load_model(Path(checkpoint), expected=expected, source="checkpoint=")
@@ -47,4 +49,24 @@ def unet(
     model.spec = spec
     model.mask_values = spec.mask_values
     model.scale = spec.scale
-    return model
+    return model.eval()
+
+
+def unet_carvana(pretrained: bool = False, scale: float = 0.5):
+    """milesial/Pytorch-UNet's entry point: its Carvana architecture (3 channels, 2 classes, transposed convolutions),
+    untrained, in eval mode; ``scale`` (the image scale its weights were trained at) is kept as ``model.scale``.
+
+    ``pretrained=True`` is refused in one line: weights come from a local file, loaded with the ``unet`` entry point.
+    """
+    from unet import UNet
+    from utils.errors import CheckpointError
+
+    if pretrained:
+        raise CheckpointError(
+            "unet_carvana(pretrained=True): unet-ddp downloads no weights; they come from a local file: "
+            "torch.hub.load(<this checkout>, 'unet', source='local', checkpoint='<file>.pth') (milesial's released "
+            "unet_carvana .pth files load too, once downloaded)"
+        )
+    model = UNet(n_channels=3, n_classes=2, bilinear=False)
+    model.scale = scale
+    return model.eval()

@@ -14,7 +14,12 @@ answering, 130/143 when SIGINT/SIGTERM stopped it (after INTERRUPTED.pth was wri
 
 from __future__ import annotations
 
-import logging
+if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gives one line, not their traceback
+    from utils.startup_interrupt import stop_quietly_while_starting
+
+    stop_quietly_while_starting()
+
+import logging  # noqa: E402 - after the start-up handler above, as every import below
 import signal
 import sys
 
@@ -25,6 +30,7 @@ from utils.training.config import TrainConfig, parse_config
 from utils.training.interrupts import InterruptFlag
 from utils.training.loop import TrainOutcome
 from utils.training.orphans import stop_when_orphaned
+from utils.training.requeue import requeue_if_asked, signals_to_handle
 from utils.training.setup import build_trainer, join, launch_plan
 
 logger = logging.getLogger("train")
@@ -54,7 +60,7 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
         stage.rank = plan.rank
         setup_logging(plan.rank, plan.world_size)
         # Installed before the process group exists, so that a signal during set-up is not lost either.
-        interrupts.install()
+        interrupts.install(extra=signals_to_handle(config.requeue_signal, plan.slurm_job_id))
         if plan.supervised:
             stop_when_orphaned()  # a worker whose torchrun is killed stops like one sent SIGTERM
         stage.joining = True
@@ -92,6 +98,7 @@ def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome)
                 outcome.checkpoint,
                 outcome.checkpoint,
             )
+        requeue_if_asked(ctx, outcome.interrupted_by, config.requeue_signal)
         return signal_exit_code(outcome.interrupted_by)
     if outcome.reached_max_steps:
         logger.info(
@@ -99,6 +106,9 @@ def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome)
             config.max_steps,
             outcome.checkpoint or "the newest checkpoint of the run folder",
         )
+        return 0
+    if outcome.stopped_early:
+        logger.info("Stopped at epoch %d, step %d; %s", position.epoch, position.global_step, outcome.stopped_early)
         return 0
     logger.info("Training complete (%d steps); best validation Dice %.4f", position.global_step, position.best_dice)
     return 0

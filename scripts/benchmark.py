@@ -12,7 +12,13 @@ Sections (``--sections``, default all):
   matrix-product peak of the same dtype;
 * ``e2e``: the real ``train.py`` on demo data (same model, batch, precision; evaluation never runs because the run
   stops with ``--max-steps`` inside the first epoch); steady-state images/s from ``metrics.jsonl`` timestamps after
-  ``--warmup`` steps, and its ratio to ``compute``;
+  ``--warmup`` steps, and its ratio to ``compute``; each run's log must say it trained in the row's precision (else
+  the section fails), and the row shows its threads, loader workers, the spread of its logged intervals and the load
+  average around it (a wide spread with a load above the run's threads is other work taking the cores);
+* ``epoch``: one whole ``train.py`` epoch of milesial's flags (64 images 480x320, ``-e 1 -b 4 -s 0.5 --amp``, base
+  64; quick: 10 images 128x96, base 8) with validation and checkpoints: its wall time split into start-up, steps,
+  validation, checkpoint writes, curves and the rest (the trainer's ``phase`` records in ``metrics.jsonl``), and its
+  ratio to the compute bound (the epoch's FLOPs at the measured matmul peak of its precision);
 * ``ddp``: ``torchrun`` with 2 processes of half the threads each against 1 process with all threads, same global
   batch, images/s ratio;
 * ``data``: dataset construction over ``--n-masks`` full-size masks, first (scan) and second (cache) time, each in a
@@ -60,6 +66,8 @@ from scripts.bench.checkpoint_io import CheckpointBenchConfig, run_checkpoint  #
 from scripts.bench.context import CARVANA_SIZE, DDP_PROCESSES, SECTIONS, BenchConfig, Context  # noqa: E402
 from scripts.bench.data import run_data, run_startup  # noqa: E402
 from scripts.bench.ddp import run_ddp  # noqa: E402
+from scripts.bench.epoch import SECTION as EPOCH_SECTION  # noqa: E402
+from scripts.bench.epoch import run_epoch  # noqa: E402
 from scripts.bench.prediction import run_predict  # noqa: E402
 from scripts.bench.processes import MeasurementError, worker_main  # noqa: E402
 from scripts.bench.report import new_document, run_memory, update_document  # noqa: E402
@@ -323,6 +331,7 @@ def section_runners(checkpoint: CheckpointBenchConfig) -> list[tuple[tuple[str, 
     """
     return [
         (("compute", "e2e"), run_compute_and_e2e),
+        ((EPOCH_SECTION,), _store(EPOCH_SECTION, run_epoch)),
         (("ddp",), _store("ddp", run_ddp)),
         (("data",), _store("data", run_data)),
         (("startup",), _store("startup", run_startup)),

@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 from unet import UNet
-from utils.checkpoint import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_MASK_VALUES, KEY_MODEL, KEY_MODEL_ARGS
+from utils.checkpoint import (
+    FORMAT_VERSION,
+    KEY_FORMAT_VERSION,
+    KEY_MASK_VALUES,
+    KEY_MODEL,
+    KEY_MODEL_ARGS,
+    save_checkpoint_atomic,
+)
 from utils.datasets.preparation import image_tensor
 
 
@@ -108,7 +115,10 @@ def save_checkpoint(path: Path, model: UNet, mask_values: Sequence | None, style
         raise ValueError(style)
     if mask_values is not None:
         payload["mask_values"] = list(mask_values)
-    torch.save(payload, path)
+    if style == "ours":
+        save_checkpoint_atomic(payload, path)  # with its tensor digests, as every file of our format
+    else:
+        torch.save(payload, path)
     return path
 
 
@@ -277,7 +287,7 @@ def save_checkpoint_trained_at(path: Path, model: UNet, scale: float, mask_value
     """Our format with the run's ``args["scale"]`` recorded, as ``train.py`` writes it."""
     payload = checkpoint_payload(model, mask_values)
     payload["args"] = {"scale": scale}
-    torch.save(payload, path)
+    save_checkpoint_atomic(payload, path)
     return path
 
 

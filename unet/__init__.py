@@ -1,5 +1,7 @@
 """The UNet model package; parameter names match milesial/Pytorch-UNet so its weights load unchanged."""
 
-from .unet_model import UNet, UNetArgs
+from .unet_model import OPTIONAL_ARGS, UNet, UNetArgs, build_model
 
-__all__ = ["UNet", "UNetArgs"]
+ENCODERS = ("unet", "resnet18", "resnet34", "resnet50")
+
+__all__ = ["ENCODERS", "OPTIONAL_ARGS", "UNet", "UNetArgs", "build_model"]

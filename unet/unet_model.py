@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .deep_supervision import AuxiliaryHeads
 from .unet_parts import DoubleConv, Down, OutConv, Up
 
 # The smallest side the model runs at: four 2x2 poolings leave a 2x2 bottleneck, so BatchNorm in training mode sees
@@ -35,9 +36,20 @@ class UNetArgs:
     """Bilinear upsampling instead of transposed convolutions (the deepest block is then halved)."""
     base_channels: int = 64
     """Width of the first block; 64 is the classic model."""
+    encoder: str = "unet"
+    """``unet`` (milesial's encoder) or a torchvision ResNet (``unet.resnet_unet``); files without it are ``unet``."""
+    deep_supervision: bool = False
+    """Auxiliary 1x1-conv heads at 1/2 and 1/4 resolution, used by training-mode forward passes only."""
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The arguments as checkpoints store them; ``OPTIONAL_ARGS`` at their defaults are left out, so a plain
+        UNet's record stays milesial's four keys, readable by versions that predate the optional ones."""
+        args = dataclasses.asdict(self)
+        return {key: value for key, value in args.items() if key not in OPTIONAL_ARGS or value != OPTIONAL_ARGS[key]}
+
+
+# Arguments added after the first checkpoints were written, with the value a file that lacks them means.
+OPTIONAL_ARGS: dict[str, Any] = {"encoder": UNetArgs.encoder, "deep_supervision": UNetArgs.deep_supervision}
 
 
 class UNet(nn.Module):
@@ -53,6 +65,7 @@ class UNet(nn.Module):
         n_classes: int,
         bilinear: bool = UNetArgs.bilinear,
         base_channels: int = UNetArgs.base_channels,
+        deep_supervision: bool = UNetArgs.deep_supervision,
     ) -> None:
         super().__init__()
         if n_channels < 1 or n_classes < 1 or base_channels < 1:
@@ -64,6 +77,7 @@ class UNet(nn.Module):
         self.n_classes = n_classes
         self.bilinear = bilinear
         self.base_channels = base_channels
+        self.deep_supervision = deep_supervision
         self._checkpointing = False
 
         c = base_channels
@@ -79,10 +93,14 @@ class UNet(nn.Module):
         self.up3 = Up(c * 4, c * 2 // factor, bilinear)
         self.up4 = Up(c * 2, c, bilinear)
         self.outc = OutConv(c, n_classes)
+        # Created last and only when asked, so a model without them has milesial's state dict, key for key.
+        self.aux_heads = AuxiliaryHeads((c * 2 // factor, c * 4 // factor), n_classes) if deep_supervision else None
 
     def constructor_args(self) -> dict[str, Any]:
         """The arguments that rebuild this model; stored in checkpoints so inference needs no repeated flags."""
-        return UNetArgs(self.n_channels, self.n_classes, self.bilinear, self.base_channels).as_dict()
+        return UNetArgs(
+            self.n_channels, self.n_classes, self.bilinear, self.base_channels, deep_supervision=self.deep_supervision
+        ).as_dict()
 
     def use_checkpointing(self, enabled: bool = True) -> None:
         """Recompute block activations in the backward pass instead of storing them (less memory, more compute)."""
@@ -100,7 +118,8 @@ class UNet(nn.Module):
             )
         return block(*inputs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """The logits; in training mode with deep supervision ``[logits, logits at 1/2, logits at 1/4]``."""
         height, width = x.shape[-2:]
         # Pad sides under MIN_SIDE (zeros at the bottom/right) and crop the logits back, so any size trains and
         # predicts, a batch of one included, while inputs of 32 pixels or more run exactly as in the classic model.
@@ -113,10 +132,25 @@ class UNet(nn.Module):
         x4 = self._run(self.down3, x3)
         x5 = self._run(self.down4, x4)
         x = self._run(self.up1, x5, x4)
-        x = self._run(self.up2, x, x3)
-        x = self._run(self.up3, x, x2)
-        x = self._run(self.up4, x, x1)
-        return self.outc(x)[..., :height, :width]
+        quarter = self._run(self.up2, x, x3)
+        half = self._run(self.up3, quarter, x2)
+        x = self._run(self.up4, half, x1)
+        logits = self.outc(x)[..., :height, :width]
+        if self.aux_heads is None or not self.training:
+            return logits
+        return [logits, *self.aux_heads([half, quarter], height, width)]
+
+
+def build_model(args: dict[str, Any]) -> nn.Module:
+    """The model ``args`` (``UNetArgs`` names, as checkpoints store them) describe: a UNet or a ResNet-encoder UNet."""
+    spec = UNetArgs(**args)
+    if spec.encoder == "unet":
+        return UNet(spec.n_channels, spec.n_classes, spec.bilinear, spec.base_channels, spec.deep_supervision)
+    from .resnet_unet import ResNetUNet  # imports torchvision, which the plain UNet does not need
+
+    if spec.bilinear:
+        raise ValueError(f"--bilinear applies to --encoder unet only, not {spec.encoder}")
+    return ResNetUNet(spec.n_channels, spec.n_classes, spec.encoder, spec.base_channels, spec.deep_supervision)
 
 
 @contextlib.contextmanager

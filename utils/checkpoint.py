@@ -7,7 +7,8 @@ never changes another. Files get the mode any file the user creates gets (0666 m
 
 Reads always use ``weights_only=True``: a checkpoint can hold tensors, numbers, strings and containers, never objects
 whose unpickling runs code. Our files record a sha256 of every tensor (``KEY_TENSOR_DIGESTS``, computed once at
-save) and every read checks it, so bytes changed on disk are an error naming the file, not wrong weights; every read
+save) and every read checks it, so bytes changed on disk are an error naming the file, not wrong weights (a file of our
+format whose digests were removed is refused too); every read
 also refuses NaN or inf model weights (the only check possible for foreign files, which carry no digests) and checks
 the format version (``load_checkpoint_file``, the one reader every other read goes through).
 
@@ -34,7 +35,9 @@ from typing import Any
 
 import torch
 
+from utils.class_names import split_class_names
 from utils.errors import CheckpointError
+from utils.pickle_scan import code_refusal, pickled_code, without_unsafe_advice
 
 FORMAT_VERSION = 1
 
@@ -56,6 +59,15 @@ KEY_WORLD_SIZE = "world_size"
 KEY_DATASET = "dataset"
 KEY_TENSOR_DIGESTS = "tensor_sha256"
 KEY_INFERENCE = "inference"
+# --ema runs: ``model_state`` holds the averaged weights (what validation, best.pth and inference use) and this key the
+# weights being trained (what a resume continues), in every file of the run, so best.pth stays a copy of last.pth's
+# bytes and a resume from any of them is exact (utils.training.ema).
+KEY_LIVE_MODEL = "live_model_state"
+# --patience: the epoch of best_dice and the validations since the last improvement (utils.training.early_stop).
+KEY_BEST_EPOCH = "best_epoch"
+KEY_VALIDATIONS_WITHOUT_IMPROVEMENT = "validations_without_improvement"
+# sha256 of the run's split.json (utils.datasets.splits.SplitRecord.digest): a resume on another split is refused.
+KEY_SPLIT_DIGEST = "split_sha256"
 
 # Names of files being written: ``.<final name>.<random>.tmp`` beside the final name. A crash can leave one behind
 # (never under a final name); ``RunFolder.remove_partial_files`` clears them when the next run takes the folder's lock.
@@ -82,9 +94,16 @@ class InferenceRecord:
     """Void mask values (``--ignore-value``): never a class, never predicted."""
     channels: int | None = None
     """Channels of the training images (grey photos for an RGB model are converted)."""
+    class_names: tuple[str, ...] = ()
+    """One name per class (``--class-names``), shown by predict's legends and evaluate's table; empty when unnamed."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "ignore_values": list(self.ignore_values), "channels": self.channels}
+        return {
+            "scale": self.scale,
+            "ignore_values": list(self.ignore_values),
+            "channels": self.channels,
+            "class_names": list(self.class_names),
+        }
 
     @classmethod
     def of(cls, raw: Mapping[str, Any]) -> InferenceRecord:
@@ -103,11 +122,13 @@ class InferenceRecord:
                 "scale": run_args.get("scale"),
                 "ignore_values": run_args.get("ignore_values"),
                 "channels": channels,
+                "class_names": run_args.get("class_names"),
             }
         return cls(
             scale=_usable_scale(record.get("scale")),
             ignore_values=_usable_ints(record.get("ignore_values")),
             channels=_usable_channels(record.get("channels")),
+            class_names=_usable_names(record.get("class_names")),
         )
 
 
@@ -129,6 +150,15 @@ def _usable_ints(values: Any) -> tuple[int, ...]:
 
 def _usable_channels(value: Any) -> int | None:
     return value if _is_int(value) and value >= 1 else None
+
+
+def _usable_names(values: Any) -> tuple[str, ...]:
+    # A run's args hold the flag's text ("background,car"); the record holds the list.
+    if isinstance(values, str):
+        return split_class_names(values)
+    if not isinstance(values, list | tuple) or not all(isinstance(value, str) for value in values):
+        return ()
+    return tuple(values)
 
 
 @dataclass
@@ -235,6 +265,14 @@ def tensor_digests(payload: Mapping[str, Any]) -> dict[str, str]:
 def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
     """Refuse a file whose tensors changed since the save (digest) or whose model weights are NaN or inf."""
     recorded = raw.get(KEY_TENSOR_DIGESTS)
+    if recorded is None and KEY_FORMAT_VERSION in raw:
+        # Every file of our format is written with its digests (save_checkpoint_atomic): one without them was edited
+        # by other code, which may have changed the tensors too. A file of ours is verified, or not read as ours.
+        raise CheckpointError(
+            f"checkpoint {path} is in unet-ddp's format ({KEY_FORMAT_VERSION} {raw[KEY_FORMAT_VERSION]!r}) but its "
+            f"tensor digests ({KEY_TENSOR_DIGESTS}) were removed, so its weights cannot be verified; use another "
+            f"checkpoint, or if you trust it, save its weights alone with torch.save(state_dict, ...) and load that"
+        )
     if recorded is not None:
         if not isinstance(recorded, Mapping):
             raise CheckpointError(f"checkpoint {path} is damaged (its tensor digests are unreadable); use another")
@@ -335,13 +373,14 @@ def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "c
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         # Only a GLOBAL reference (a class or function to import) can run code; other refusals are just bad bytes.
-        if "Unsupported global" in str(error) or "GLOBAL" in str(error):
+        code = pickled_code(path)
+        if code or "Unsupported global" in str(error) or "GLOBAL" in str(error):
             raise CheckpointError(
-                f"refused to load {path}: it contains Python objects that could run code when unpickled "
-                f"(only tensors, numbers, strings and containers are accepted). If you trust its source, re-save "
-                f"its weights with torch.save(model.state_dict(), ...)"
+                f"refused to load {path}: {code_refusal(code)}. If you trust its source, re-save its weights with "
+                "torch.save(model.state_dict(), ...)"
             ) from error
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file ({error}); use another") from error
+        reason = without_unsafe_advice(error)
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file ({reason}); use another") from error
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, IndexError, KeyError) as error:
         raise CheckpointError(
             f"checkpoint {path} is corrupt or truncated ({type(error).__name__}); use another checkpoint"

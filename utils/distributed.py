@@ -8,7 +8,12 @@ Supported launches, all through the same ``train.py``:
 * ``python -m torch.distributed.launch --nproc_per_node N train.py --ddp_mode`` (legacy): the same environment, plus
   ``--local-rank`` on the command line unless ``--use-env``;
 * manual: one ``python train.py --ddp_mode --rank R --world-size W`` per GPU, rendezvous through ``MASTER_ADDR`` and
-  ``MASTER_PORT`` or ``--dist-url tcp://HOST:PORT``.
+  ``MASTER_PORT`` or ``--dist-url tcp://HOST:PORT``;
+* SLURM tasks: ``srun python train.py --ddp_mode`` (one task per GPU, no torchrun): rank, world size and local rank
+  from ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``, rendezvous at ``MASTER_ADDR`` or else the first host of
+  ``SLURM_JOB_NODELIST``, on ``MASTER_PORT`` or else a port derived from ``SLURM_JOB_ID`` (``utils.slurm``). Only with
+  ``--ddp_mode``: a batch script's plain ``python train.py`` also sees ``SLURM_NTASKS`` but is one process. torchrun's
+  variables win when both are present (torchrun started by srun). docs/CLUSTERS.md.
 
 A launcher that starts several processes without ``--ddp_mode`` switches DDP on (with a warning) rather than running
 N independent trainings that overwrite each other's checkpoints.
@@ -17,11 +22,12 @@ torchrun restarts (``--max-restarts``): the agent keeps one store for the whole 
 failed attempt published there are still present when the next attempt starts, and gloo/NCCL would connect to the dead
 processes. Each attempt therefore works in its own namespace of that store (``TORCHELASTIC_RESTART_COUNT``). That
 count is per machine: on several machines, run torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so every
-attempt gets a new store instead (README, "What survives a crash").
+attempt gets a new store instead (docs/RELIABILITY.md, "What survives a crash").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -33,7 +39,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from utils import errors
+from utils import errors, slurm
 from utils.errors import ConfigError, UserError
 from utils.hardware import available_cpus, pick_device, threads_per_process
 
@@ -51,6 +57,14 @@ LAUNCHER_ENV_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
 )
 
 
@@ -73,6 +87,10 @@ class LaunchPlan:
     """How many times torchrun restarted the workers before this attempt (``--max-restarts``); 0 without torchrun."""
     supervised: bool = False
     """This process is a worker of torchrun's agent, its parent: when the agent dies, nobody else will stop it."""
+    slurm_job_id: str | None = None
+    """``SLURM_JOB_ID`` when the process runs inside a SLURM job (whatever started it): the job a requeue names."""
+    slurm_tasks: bool = False
+    """srun's tasks are the ranks (``SLURM_PROCID``/``SLURM_NTASKS``), not torchrun's workers."""
 
 
 @dataclass
@@ -90,6 +108,8 @@ class DistributedContext:
     control_group: Any = None
     restart_count: int = 0
     """torchrun restarts before this attempt (see ``LaunchPlan.restart_count``)."""
+    slurm_job_id: str | None = None
+    """The SLURM job this process runs in (see ``LaunchPlan.slurm_job_id``)."""
 
     @property
     def is_main(self) -> bool:
@@ -112,6 +132,29 @@ def plan_launch(
 ) -> LaunchPlan:
     """Decide single-process or DDP from the flags and the environment (pure: ``environ`` defaults to os.environ)."""
     environ = os.environ if environ is None else environ
+    plan = _plan_launch(
+        ddp_mode=ddp_mode,
+        rank=rank,
+        world_size=world_size,
+        dist_url=dist_url,
+        local_rank=local_rank,
+        environ=environ,
+        argv=argv,
+    )
+    job_id = environ.get("SLURM_JOB_ID") or None
+    return dataclasses.replace(plan, slurm_job_id=job_id) if job_id else plan
+
+
+def _plan_launch(
+    *,
+    ddp_mode: bool,
+    rank: int | None,
+    world_size: int | None,
+    dist_url: str | None,
+    local_rank: int | None,
+    environ: Mapping[str, str],
+    argv: Sequence[str],
+) -> LaunchPlan:
     env_local_rank = _env_int(environ, "LOCAL_RANK")
     env_local_world = _env_int(environ, "LOCAL_WORLD_SIZE")
 
@@ -161,6 +204,9 @@ def plan_launch(
             supervised="TORCHELASTIC_RUN_ID" in environ,
         )
 
+    if ddp_mode and "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        return _slurm_plan(environ)
+
     if ddp_mode:
         shown = shlex.join([arg for arg in argv if not arg.startswith(("--local-rank", "--local_rank"))])
         raise ConfigError(
@@ -169,6 +215,38 @@ def plan_launch(
             + " (or give each process --rank R --world-size W with --dist-url tcp://HOST:PORT)"
         )
     return LaunchPlan(distributed=False, local_rank=_first_set(env_local_rank, local_rank, 0))
+
+
+def _slurm_plan(environ: Mapping[str, str]) -> LaunchPlan:
+    """``srun python train.py --ddp_mode``: every task is one rank; the rendezvous is on the job's first node."""
+    world = _env_int(environ, "SLURM_NTASKS") or 1
+    task_rank = _env_int(environ, "SLURM_PROCID") or 0
+    local = _env_int(environ, "SLURM_LOCALID") or 0
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
+    local_world = slurm.tasks_on_first_node(per_node) or world
+    host = environ.get("MASTER_ADDR") or None
+    if host is None:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise ConfigError(
+                "srun started this task without SLURM_JOB_NODELIST, so rank 0's node is unknown; set MASTER_ADDR"
+            )
+        host = slurm.first_host(nodelist)
+    port = _env_int(environ, "MASTER_PORT")
+    if port is None:
+        job_id = environ.get("SLURM_JOB_ID")
+        if not job_id:
+            raise ConfigError("srun started this task without SLURM_JOB_ID, so no port can be derived; set MASTER_PORT")
+        port = slurm.derived_port(job_id)
+    return LaunchPlan(
+        distributed=True,
+        rank=task_rank,
+        local_rank=local,
+        world_size=world,
+        local_world_size=local_world,
+        init_method=f"tcp://{host}:{port}",
+        slurm_tasks=True,
+    )
 
 
 def setup(
@@ -182,7 +260,9 @@ def setup(
     if plan.warning:
         logger.warning(plan.warning)
     if not plan.distributed:
-        return DistributedContext(0, plan.local_rank, 1, 1, device, restart_count=plan.restart_count)
+        return DistributedContext(
+            0, plan.local_rank, 1, 1, device, restart_count=plan.restart_count, slurm_job_id=plan.slurm_job_id
+        )
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -219,6 +299,7 @@ def setup(
         backend=backend,
         control_group=control_group,
         restart_count=plan.restart_count,
+        slurm_job_id=plan.slurm_job_id,
     )
 
 
@@ -232,6 +313,8 @@ def rendezvous_address(plan: LaunchPlan) -> str:
 def _rendezvous_failure(plan: LaunchPlan, timeout_s: float, error: Exception) -> str:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     flags = "--dist-url" if plan.init_method.startswith("tcp://") else "MASTER_ADDR/MASTER_PORT"
+    if plan.slurm_tasks:
+        flags = "MASTER_ADDR (else SLURM_JOB_NODELIST's first host) and MASTER_PORT (else derived from SLURM_JOB_ID)"
     return (
         f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at {rendezvous_address(plan)} "
         f"within --dist-timeout {timeout_s:g} s ({reason}); check that {flags} names rank 0's machine and a free, "
@@ -319,13 +402,13 @@ def is_raised_on_every_rank(error: BaseException) -> bool:
 
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
-    """The global rank a launcher gave this process (``RANK``), 0 without one or when unreadable.
+    """The global rank a launcher gave this process (``RANK``, else srun's ``SLURM_PROCID``), 0 without one.
 
     For deciding who prints an error found before the launch plan exists (a bad flag: every rank has the same).
     """
     environ = os.environ if environ is None else environ
     try:
-        return int(environ.get("RANK") or 0)
+        return int(environ.get("RANK") or environ.get("SLURM_PROCID") or 0)
     except ValueError:
         return 0
 

@@ -19,11 +19,16 @@ failure on that class, and it raises macro scores on datasets where most images 
 Two entry points: ``evaluate(net, dataloader, device, amp)`` is milesial/Pytorch-UNet's signature and returns the
 mean Dice as a float (it also takes the documented DDP script's ``disable_log=``); ``evaluate_segmentation`` returns
 the full ``EvalResult`` (per-class Dice and IoU) and is what training and ``evaluate.py`` use.
+
+Sharded validation (``train.py --val-mode sharded``): each rank scores the images of ``shard_range``
+(``score_batches``), then ``SegmentationMetrics.reduce`` sums over ranks. Every score is a ratio of sums (per-image
+scores, pixel counts, the image count), so the reduced sums give the scores of one rank that scored everything, up to
+float64 rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +122,22 @@ class SegmentationMetrics:
         self._counts_sum += torch.stack([count.sum(dim=0) for count in counts])
         self._n_images += pred.shape[0]
 
+    def reduce(self, reduce_sums: Callable[[Tensor], Tensor]) -> None:
+        """Replace every sum by ``reduce_sums`` of it (the sum over ranks): one float64 vector, one collective."""
+        k = self.n_classes
+        packed = torch.cat(
+            [
+                self._dice_sum,
+                self._iou_sum,
+                self._counts_sum.flatten(),
+                torch.tensor([self._n_images], dtype=torch.float64),
+            ]
+        )
+        total = reduce_sums(packed).cpu()
+        self._dice_sum, self._iou_sum = total[:k].clone(), total[k : 2 * k].clone()
+        self._counts_sum = total[2 * k : 5 * k].reshape(3, k).clone()
+        self._n_images = int(round(float(total[5 * k])))
+
     def compute(self) -> EvalResult:
         if self._n_images == 0:
             raise ValueError("no images were evaluated: the validation set is empty")
@@ -158,22 +179,53 @@ def evaluate_segmentation(
     n_classes: int,
     precision: str = "fp32",
     progress: bool = True,
+    description: str = "Validation",
 ) -> EvalResult:
     """Score ``model`` (the unwrapped module, never a DDP wrapper) on every batch of ``dataloader``.
 
+    ``description`` labels the progress bar: training validates, ``evaluate.py`` evaluates.
+
     The model is put in eval mode and its previous mode restored, so BatchNorm buffers are not touched.
     """
+    return score_batches(
+        model, dataloader, device, n_classes=n_classes, precision=precision, progress=progress, description=description
+    ).compute()
+
+
+@torch.inference_mode()
+def score_batches(
+    model: nn.Module,
+    dataloader: Iterable[dict[str, Tensor]],
+    device: torch.device,
+    *,
+    n_classes: int,
+    precision: str = "fp32",
+    progress: bool = True,
+    description: str = "Validation",
+) -> SegmentationMetrics:
+    """The accumulated sums of ``evaluate_segmentation``, before scoring (a sharded validation reduces them first)."""
     was_training = model.training
     model.eval()
     metrics = SegmentationMetrics(n_classes=max(n_classes, 2))
     try:
-        for batch in tqdm(dataloader, desc="Validation", unit="batch", leave=False, disable=not progress):
+        for batch in tqdm(dataloader, desc=description, unit="batch", leave=False, disable=not progress):
             images = batch["image"].to(device=device, dtype=torch.float32, non_blocking=True)
             true_masks = batch["mask"].to(device=device, dtype=torch.long, non_blocking=True)
             metrics.update(predict_classes(run_model(model, images, precision)).cpu(), true_masks.cpu())
     finally:
         model.train(was_training)
-    return metrics.compute()
+    return metrics
+
+
+def shard_range(n_items: int, *, rank: int, world_size: int) -> range:
+    """The positions of ``n_items`` that ``rank`` scores: contiguous, disjoint, covering each item once (no padding).
+
+    Blocks of ``ceil(n / world_size)``: rank 0 always has an image when there is one (it draws the wandb sample),
+    and the last ranks may have none (4 images on 3 ranks: 2, 2, 0).
+    """
+    block = -(-n_items // world_size)
+    start = min(n_items, rank * block)
+    return range(start, min(n_items, start + block))
 
 
 def evaluate(

@@ -14,6 +14,7 @@ Files without that record keep milesial/Pytorch-UNet's default, 0.5.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ from typing import Any
 
 import torch
 
-from unet import UNet, UNetArgs
+from unet import ENCODERS, OPTIONAL_ARGS, UNetArgs, build_model
 from utils.checkpoint import LoadedWeights, read_model_weights
+from utils.checkpoint_checks import check_checkpoint
 from utils.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ ARG_FLAGS = {
     "n_classes": "--classes",
     "bilinear": "--bilinear",
     "base_channels": "--base-channels",
+    "encoder": "--encoder",
+    "deep_supervision": "--deep-supervision",
 }
 # Sane ranges: a crafted file must not make the process allocate gigabytes before anything else is checked.
 _INT_RANGES = {"n_channels": (1, 64), "n_classes": (1, 1024), "base_channels": (1, 1024)}
@@ -55,6 +59,12 @@ class ModelSpec:
     """The ``--scale`` the model was trained at, when the file records it (ours do; milesial's do not)."""
     ignore_values: tuple[int, ...] = ()
     """The void mask values the model was trained with (``--ignore-value``): never a class, never predicted."""
+    class_names: tuple[str, ...] = ()
+    """One name per class (``--class-names`` in training), for legends and tables; empty when the file has none."""
+    encoder: str = UNetArgs.encoder
+    """``unet`` or a ResNet (``--encoder``); a ResNet model normalises its own input (``unet.resnet_unet``)."""
+    deep_supervision: bool = UNetArgs.deep_supervision
+    """Whether the model has auxiliary heads; they are used in training only, so inference ignores them."""
 
     @property
     def scale(self) -> float:
@@ -63,10 +73,19 @@ class ModelSpec:
 
     @property
     def model_args(self) -> dict[str, Any]:
-        return UNetArgs(self.n_channels, self.n_classes, self.bilinear, self.base_channels).as_dict()
+        return self._unet_args().as_dict()
 
-    def build(self) -> UNet:
-        return UNet(**self.model_args)
+    def all_model_args(self) -> dict[str, Any]:
+        """``model_args`` with the optional arguments a file may omit filled in (for comparisons)."""
+        return dataclasses.asdict(self._unet_args())
+
+    def _unet_args(self) -> UNetArgs:
+        return UNetArgs(
+            self.n_channels, self.n_classes, self.bilinear, self.base_channels, self.encoder, self.deep_supervision
+        )
+
+    def build(self) -> torch.nn.Module:
+        return build_model(self.model_args)
 
 
 def validate_model_args(args: Any, path: str | Path) -> dict[str, Any]:
@@ -74,7 +93,7 @@ def validate_model_args(args: Any, path: str | Path) -> dict[str, Any]:
     if not isinstance(args, Mapping):
         raise CheckpointError(f"{path}: model_args is a {type(args).__name__}, not a mapping; the file is damaged")
     unknown = sorted(set(args) - set(ARG_FLAGS))
-    missing = sorted(set(ARG_FLAGS) - set(args))
+    missing = sorted(set(ARG_FLAGS) - set(args) - set(OPTIONAL_ARGS))
     if unknown or missing:
         problem = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
         raise CheckpointError(f"{path}: model_args has {problem}; it was not written by a compatible unet-ddp")
@@ -84,6 +103,12 @@ def validate_model_args(args: Any, path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"{path}: model_args {key}={value!r} is not an integer in [{low}, {high}]")
     if not isinstance(args["bilinear"], bool):
         raise CheckpointError(f"{path}: model_args bilinear={args['bilinear']!r} is not true or false")
+    if args.get("encoder", UNetArgs.encoder) not in ENCODERS:
+        raise CheckpointError(f"{path}: model_args encoder={args['encoder']!r} is not one of {', '.join(ENCODERS)}")
+    if not isinstance(args.get("deep_supervision", False), bool):
+        raise CheckpointError(f"{path}: model_args deep_supervision={args['deep_supervision']!r} is not true or false")
+    if args.get("encoder", UNetArgs.encoder) != UNetArgs.encoder and args["bilinear"]:
+        raise CheckpointError(f"{path}: model_args asks for bilinear upsampling, which only the unet encoder has")
     return dict(args)
 
 
@@ -100,6 +125,7 @@ def infer_model_args(state_dict: Mapping[str, torch.Tensor], path: str | Path) -
         # Only the transposed-convolution variant has weights in its upsampling layers.
         bilinear="up1.up.weight" not in state_dict,
         base_channels=int(first_conv.shape[0]),
+        deep_supervision="aux_heads.convs.0.weight" in state_dict,
     ).as_dict()
 
 
@@ -109,12 +135,14 @@ def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
         args = validate_model_args(loaded.model_args, path)
     else:
         args = validate_model_args(infer_model_args(loaded.state_dict, path), path)
+    check_checkpoint(args, loaded.state_dict, loaded.mask_values, path)  # before anything is built from it
     inference = loaded.inference
     return ModelSpec(
         **args,
         mask_values=loaded.mask_values,
         training_scale=inference.scale,
         ignore_values=inference.ignore_values,
+        class_names=inference.class_names,
     )
 
 
@@ -146,7 +174,7 @@ def check_expected(
     ``source`` names the flag the file came from (``--load``, ``--model``, ...), ``images_from`` where the images
     whose channel count is ``expected["n_channels"]`` come from (``--imgs``, ...).
     """
-    stored = spec.model_args
+    stored = spec.all_model_args()
     for key, value in expected.items():
         if value is None or stored[key] == value:
             continue
@@ -157,8 +185,8 @@ def check_expected(
                 f"checkpoint trained on such images"
             )
         flag = ARG_FLAGS[key]
-        if key == "bilinear":
-            fix = "pass --bilinear" if stored[key] else "drop --bilinear"
+        if key in ("bilinear", "deep_supervision"):
+            fix = f"pass {flag}" if stored[key] else f"drop {flag}"
         else:
             fix = f"pass {flag} {stored[key]}"
         raise CheckpointError(
@@ -188,7 +216,7 @@ def load_weights_into(model: torch.nn.Module, loaded: LoadedWeights, path: str |
             details.append(f"{len(unexpected)} unexpected keys, e.g. {unexpected[0]}")
         raise CheckpointError(
             f"checkpoint {path} does not fit the model ({'; '.join(details)}); check --classes, --bilinear, "
-            f"--base-channels and the number of image channels"
+            f"--base-channels, --encoder, --deep-supervision and the number of image channels"
         )
     model.load_state_dict(state_dict)
 
@@ -199,7 +227,7 @@ def load_model(
     expected: Mapping[str, Any] | None = None,
     source: str = "--model",
     map_location: str | torch.device = "cpu",
-) -> tuple[UNet, ModelSpec]:
+) -> tuple[torch.nn.Module, ModelSpec]:
     """The UNet stored in ``path`` and its spec, after checking it against ``expected`` (see ``check_expected``)."""
     loaded = read_model_weights(path, map_location)
     spec = spec_of(loaded, path)

@@ -26,6 +26,7 @@ import torch
 from scripts.bench.context import Context, ratio
 from scripts.bench.demo_data import DISTINCT_FULL_SIZE, ensure_demo_data, write_linked_dataset, write_small_pairs
 from scripts.bench.processes import call_worker
+from utils.hardware import available_cpus
 
 
 def run_data(ctx: Context) -> dict[str, Any]:
@@ -43,6 +44,7 @@ def run_data(ctx: Context) -> dict[str, Any]:
         f"{first['seconds']:.3g} s / {second['seconds']:.3g} s",
         f"first (scan) / second (cache, best of {SECOND_STARTS}): {first['seconds'] / second['seconds']:.0f}x faster",
     )
+    scaling = _first_construction_scaling(ctx, full)
     load_spec = {
         "demo_imgs": str(demo / "imgs"),
         "demo_masks": str(demo / "masks"),
@@ -71,6 +73,7 @@ def run_data(ctx: Context) -> dict[str, Any]:
         "full_size": list(config.full_size),
         "build_first_s": first["seconds"],
         "build_second_s": second["seconds"],
+        "build_first_s_by_processes": scaling,
         "model_images_per_s": consumption,
         **{key: value for key, value in load.items() if key not in ("max_rss_mib", "isolated")},
     }
@@ -164,12 +167,43 @@ def _two_constructions(ctx: Context, folder: Path, cache_dir: Path, what: str) -
     return first, {**second, "seconds": min(seconds), "seconds_runs": seconds}
 
 
+SCAN_PROCESSES = (1, 2)
+
+
+def _first_construction_scaling(ctx: Context, folder: Path) -> dict[str, float]:
+    """The first construction (the mask scan, nothing cached) with 1 and 2 scan processes, each in a fresh process
+    with an empty cache: whether the scan a first start pays scales with processes."""
+    config = ctx.config
+    seconds = {}
+    for processes in SCAN_PROCESSES:
+        cache_dir = ctx.work_dir / f"mask-value-cache-{processes}"
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        spec = {
+            "imgs": str(folder / "imgs"),
+            "masks": str(folder / "masks"),
+            "cache_dir": str(cache_dir),
+            "scan_workers": processes,
+        }
+        run = call_worker("data-build", spec, threads=1, config=config, log_dir=ctx.log_dir)
+        seconds[str(processes)] = run["seconds"]
+    one, two = (seconds[str(p)] for p in SCAN_PROCESSES)
+    ctx.row(
+        "data",
+        f"first dataset construction, {config.n_masks} masks, 1 / 2 scan processes",
+        f"{one:.3g} s / {two:.3g} s",
+        f"{one / two:.2f}x with 2 processes ({available_cpus()} CPUs available)",
+    )
+    return seconds
+
+
 def build_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Construct a CarvanaDataset once (mask scan, or its cache when one matches)."""
     from utils.datasets.dataset import CarvanaDataset
 
     started = time.perf_counter()
-    dataset = CarvanaDataset(spec["imgs"], spec["masks"], 1.0, cache_dir=spec["cache_dir"])
+    dataset = CarvanaDataset(
+        spec["imgs"], spec["masks"], 1.0, cache_dir=spec["cache_dir"], scan_workers=spec.get("scan_workers")
+    )
     return {"seconds": time.perf_counter() - started, "n_items": len(dataset)}
 
 

@@ -60,6 +60,16 @@ def training_flops_per_image(
     return count_flops(step) // batch_size
 
 
+def inference_flops_per_image(build_model: Callable[[], nn.Module], *, channels: int, height: int, width: int) -> int:
+    """Forward FLOPs per image in evaluation mode (validation, prediction), counted on the meta device."""
+    with torch.device("meta"):
+        model = build_model()
+        images = torch.empty(1, channels, height, width)
+    model.eval()
+    with torch.no_grad():
+        return count_flops(lambda: model(images))
+
+
 @dataclass(frozen=True)
 class MatmulPeak:
     """The best FLOP/s a square matrix product of ``dtype`` reached, and at which size."""

@@ -36,6 +36,7 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # Worker name -> "module:function", imported only in the process that runs it.
 WORKERS = {
     "compute": "scripts.bench.training:compute_worker",
+    "epoch-bound": "scripts.bench.epoch:bound_worker",
     "data-build": "scripts.bench.data:build_worker",
     "data-load": "scripts.bench.data:load_worker",
     "predict": "scripts.bench.prediction:predict_worker",

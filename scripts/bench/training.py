@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -25,6 +26,7 @@ import torch
 from scripts.bench.context import BenchConfig, Context, logged_total_steps
 from scripts.bench.demo_data import ensure_demo_data
 from scripts.bench.processes import REPO_ROOT, MeasurementError, call_worker, run_child, tail
+from scripts.bench.run_log import check_precision
 from scripts.bench.timing import cuda_max_allocated_mib, sync, timed
 from utils.training.run_folder import RunFolder
 
@@ -65,6 +67,17 @@ def steady_state(events: Sequence[dict[str, Any]], warmup_steps: int) -> SteadyS
     if seconds <= 0 or images <= 0:
         raise ValueError(f"no progress between steps {first['global_step']} and {last['global_step']}")
     return SteadyState(images / seconds, int(first["global_step"]), int(last["global_step"]), images, seconds)
+
+
+def interval_rates(events: Sequence[dict[str, Any]], warmup_steps: int) -> list[float]:
+    """Images/s of each logged interval from step ``warmup_steps`` on: the steady-state window, interval by interval."""
+    train = sorted((e for e in events if e.get("event") == "train"), key=lambda e: e["global_step"])
+    window = [e for e in train if e["global_step"] >= warmup_steps]
+    return [
+        (later["images_seen"] - earlier["images_seen"]) / (later["time"] - earlier["time"])
+        for earlier, later in zip(window, window[1:], strict=False)
+        if later["time"] > earlier["time"]
+    ]
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -251,18 +264,26 @@ def train_run(
         command = [sys.executable, train_py, *args]
     run_dir = runs_folder(ctx) / name
     shutil.rmtree(run_dir, ignore_errors=True)
+    load_before = os.getloadavg()[0]
     run = run_child(command, threads=threads, timeout=config.timeout, log_path=ctx.log_dir / f"{name}.log")
     if run.returncode != 0:
         raise MeasurementError(f"{name}: train.py exited with {run.returncode}:\n{tail(run.output)}")
+    # The row names a precision: the run's own "Starting training" line must say it trained in it.
+    summary = check_precision(run.output, precision, name)
     events = [json.loads(line) for line in RunFolder(run_dir).metrics.read_text().splitlines() if line.strip()]
     rate = steady_state(events, config.warmup)
     result = {
         "precision": precision,
+        "run": summary,
         "processes": processes,
         "threads_per_process": threads,
         "images_per_s": rate.images_per_s,
         "steps_timed": rate.to_step - rate.from_step,
         "seconds_timed": rate.seconds,
+        # The spread of the logged intervals inside the window, and the machine's load around the run: a wide
+        # spread with a load above the run's own threads is other work taking the cores, not the loop.
+        "interval_images_per_s": interval_rates(events, config.warmup),
+        "load_average": [load_before, os.getloadavg()[0]],
         "validation_ran": any(e.get("event") == "val" for e in events),
         "wall_s": run.wall_s,
         "max_rss_mib": run.max_rss_mib,
@@ -298,6 +319,14 @@ def _e2e_row(ctx: Context, precision: str, result: dict[str, Any]) -> None:
         note += ", ".join(f"{r:.2f}" for r in ratios) + ")"
     if result.get("ratio_to_uncached") is not None:
         note += f"; {result['ratio_to_uncached']:.2f} of the uncached run's images/s"
+    intervals = result.get("interval_images_per_s") or []
+    if len(intervals) > 1:
+        load = result["load_average"]
+        note += (
+            f"; trained in {result['run']['precision']} with {result['run']['threads']} threads, "
+            f"{result['run']['loader_workers']} loader workers; steps {min(intervals):.3g}-{max(intervals):.3g} "
+            f"img/s, load {load[0]:.1f}-{load[1]:.1f}"
+        )
     if result["validation_ran"]:
         note += "; validation ran inside the window (too few images in --data-dir)"
     label = precision.replace(" pixel-cache", " train.py steady state, --pixel-cache")

@@ -62,12 +62,28 @@ def test_quick_run_measures_every_section(
     assert positive(doc["e2e"]["pixel_cache_build"]["wall_s"])
     assert any((tmp_path / "w" / "pixel-cache").glob("*.npy")), "build-cache filled the e2e runs' cache"
 
+    # Every e2e run trained in the precision its row names, as its own log says.
+    assert e2e["run"]["precision"] == "fp32" and e2e["run"]["threads"] == 1 and e2e["run"]["loader_workers"] == 0
+    assert len(e2e["interval_images_per_s"]) == e2e["steps_timed"] and all(map(positive, e2e["interval_images_per_s"]))
+
+    epoch = doc["epoch"]
+    assert epoch["run"]["precision"] == "bf16" and (epoch["train_images"], epoch["val_images"]) == (9, 1)
+    split = epoch["split_s"]
+    assert set(split) == {"startup", "steps", "validation", "checkpoint", "curves", "rest"}
+    assert all(positive(split[k]) for k in ("startup", "steps", "validation", "checkpoint", "curves"))
+    assert sum(split.values()) == pytest.approx(epoch["wall_s"])
+    assert epoch["fraction_of_bound"] == pytest.approx(epoch["bound_s"] / epoch["wall_s"])
+    assert positive(epoch["flops"]) and epoch["flops"] > epoch["train_flops"] > 0 and epoch["milesial_ratio"] is None
+    assert (tmp_path / "w" / "runs" / "epoch-bf16" / "best.pth").is_file(), "a whole epoch: validated and saved"
+
     ddp = doc["ddp"]
     assert ddp["multi"]["processes"] == 2 and ddp["multi"]["threads_per_process"] >= 1
     assert ddp["ratio"] == pytest.approx(ddp["multi"]["images_per_s"] / ddp["single"]["images_per_s"])
 
     data = doc["data"]
     assert data["n_masks"] == 24 and positive(data["build_first_s"]) and positive(data["build_second_s"])
+    assert set(data["build_first_s_by_processes"]) == {"1", "2"}
+    assert all(map(positive, data["build_first_s_by_processes"].values()))
     assert data["item_shape_demo"] == [3, 48, 64]
     for key in ("item_ms_demo", "item_ms_full", "cached_uint8_item_ms_demo", "cached_uint8_item_ms_full"):
         assert positive(data[key]), key
@@ -96,7 +112,7 @@ def test_quick_run_measures_every_section(
     assert checkpointing["measure"] == "max_rss_mib" and positive(checkpointing["with_mib"])
     assert checkpointing["ratio"] == pytest.approx(checkpointing["with_mib"] / checkpointing["without_mib"])
 
-    for section in ("compute", "e2e", "ddp", "data", "startup", "predict", "memory"):
+    for section in ("compute", "e2e", "epoch", "ddp", "data", "startup", "predict", "memory"):
         assert f"\n{section} " in stdout, section
     assert "FAILED" not in stdout
 

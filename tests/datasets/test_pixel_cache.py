@@ -266,9 +266,11 @@ def test_training_data_from_a_mixed_folder_with_the_cache(tmp_path) -> None:
     folders = {"imgs": str(photos[0]), "masks": str(photos[1]), "pixel_cache": str(tmp_path / "pixels")}
     config = DataConfig(**folders, scale=0.5, validation=34.0, augment=True)
     data = build_data(config, world_size=1)
-    assert data.n_channels == 3 and data.item_seconds > 0 and data.item_pixels == (WIDTH // 2) * (HEIGHT // 2)
-    assert data.train_dataset.pixel_cache is not None
-    assert entries(tmp_path / "pixels"), "measuring the first items already cached them"
+    assert data.n_channels == 3 and data.train_dataset.pixel_cache is not None
+    assert data.item_seconds is None and not (tmp_path / "pixels").exists(), "nothing is decoded before it is needed"
+    seconds, pixels = data.item_cost()
+    assert seconds > 0 and pixels == (WIDTH // 2) * (HEIGHT // 2) and data.item_seconds == seconds
+    assert entries(tmp_path / "pixels"), "measuring the first items cached them"
 
 
 def test_train_py_on_a_mixed_folder_with_the_pixel_cache(tmp_path, capsys) -> None:

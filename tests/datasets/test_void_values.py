@@ -67,7 +67,7 @@ def test_the_cache_stores_per_image_counts(void_data: tuple[Path, int], tmp_path
     first = BasicDataset(root / "imgs", root / "masks", 1.0, None, ignore_values=[255], cache_dir=tmp_path)
     (cache_file,) = tmp_path.glob("*.json")
     content = json.loads(cache_file.read_text())
-    assert content["format"] == CACHE_FORMAT_VERSION == 4
+    assert content["format"] == CACHE_FORMAT_VERSION == 5
     assert len(content["value_counts"]) == 6
     again = BasicDataset(root / "imgs", root / "masks", 1.0, None, ignore_values=[255], cache_dir=tmp_path)
     assert again.class_pixel_counts() == first.class_pixel_counts()

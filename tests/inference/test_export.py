@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import warnings
 from pathlib import Path
 
@@ -11,9 +12,10 @@ import torch
 
 import predict
 from tests.conftest import REPO_ROOT
-from tests.helpers import make_model, one_error_line, save_checkpoint
+from tests.helpers import make_model, one_error_line, save_checkpoint, save_checkpoint_trained_at
 from utils.errors import USER_ERROR_EXIT_CODE, CheckpointError
-from utils.inference.export import ExportError, export_model
+from utils.inference import export
+from utils.inference.export import ExportError, Preprocessing, export_model, read_preprocessing
 
 
 def _load_torchscript(path: Path) -> torch.jit.ScriptModule:
@@ -70,15 +72,71 @@ def test_onnx_without_its_packages_says_how_to_install_them(tmp_path, monkeypatc
     assert not (tmp_path / "m.onnx").exists()
 
 
-def test_onnx_export_matches_pytorch(tmp_path):
+def test_onnx_export_is_one_file_that_matches_pytorch_and_carries_its_preprocessing(tmp_path):
     pytest.importorskip("onnx")
     pytest.importorskip("onnxscript")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    folder = tmp_path / "out"
+    path = folder / "model.onnx"
+    record = Preprocessing(scale=0.25, mask_values=[0, 255], channels=3, ignore_values=[128], class_names=["bg", "car"])
+    report = export_model(make_model(2), "onnx", path, (32, 48), record)
+    assert report.checked_with == "onnxruntime"
+    assert report.max_abs_difference is not None and report.max_abs_difference < 1e-4
+    assert report.weights_file is None
+    assert [child.name for child in folder.iterdir()] == ["model.onnx"]  # no side file, no temporary left
+    recorded = read_preprocessing(path)
+    assert {key: recorded[key] for key in ("scale", "mask_values", "channels", "ignore_values", "class_names")} == {
+        "scale": 0.25,
+        "mask_values": [0, 255],
+        "channels": 3,
+        "ignore_values": [128],
+        "class_names": ["bg", "car"],
+    }
+    assert "/ 255" in recorded["input"] and "mask_values[class]" in recorded["output"]
+    # It travels alone: copied elsewhere by itself, it loads and runs.
+    moved = shutil.copy(path, tmp_path / "alone.onnx")
+    session = onnxruntime.InferenceSession(str(moved), providers=["CPUExecutionProvider"])
+    images = torch.rand(1, 3, 32, 32)
+    with torch.inference_mode():
+        expected = make_model(2)(images)
+    torch.testing.assert_close(
+        torch.from_numpy(session.run(None, {"image": images.numpy()})[0]), expected, atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.slow
+def test_onnx_above_the_protobuf_limit_keeps_its_weights_beside_it_and_says_so(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxscript")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    # A tiny model stands in for one above 2 GB: the rule's limit is lowered below its size.
+    monkeypatch.setattr(export, "PROTOBUF_LIMIT_BYTES", export.PROTOBUF_MARGIN_BYTES + 1024)
+    path = tmp_path / "out" / "model.onnx"
+    with caplog.at_level("WARNING", logger="utils.inference.export"):
+        report = export_model(make_model(2), "onnx", path, (32, 32), Preprocessing(0.5, [0, 1], 3))
+    assert report.weights_file == tmp_path / "out" / "model.onnx.data"
+    assert sorted(child.name for child in path.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert [record.message for record in caplog.records if "2 GB" in record.message] == [
+        "The model is above ONNX's 2 GB file limit: its weights are in model.onnx.data beside model.onnx; copy both "
+        "files together"
+    ]
+    assert read_preprocessing(path)["scale"] == 0.5
+    # Both files together, elsewhere, load and run.
+    moved = tmp_path / "moved"
+    shutil.copytree(path.parent, moved)
+    session = onnxruntime.InferenceSession(str(moved / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert session.run(None, {"image": torch.rand(1, 3, 32, 32).numpy()})[0].shape == (1, 2, 32, 32)
+
+
+@pytest.mark.slow
+def test_predict_export_onnx_records_the_checkpoints_preprocessing(tmp_path):
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxscript")
+    checkpoint = save_checkpoint_trained_at(tmp_path / "m.pth", make_model(2), 0.25, [0, 255])
     path = tmp_path / "model.onnx"
-    report = export_model(make_model(2), "onnx", path, (32, 48))
-    assert path.stat().st_size > 0
-    if importlib.util.find_spec("onnxruntime") is not None:
-        assert report.checked_with == "onnxruntime"
-        assert report.max_abs_difference is not None and report.max_abs_difference < 1e-4
+    assert predict.main(["-m", str(checkpoint), "--export", "onnx", str(path), "--export-size", "32x32"]) == 0
+    recorded = read_preprocessing(path)
+    assert (recorded["scale"], recorded["mask_values"], recorded["channels"]) == (0.25, [0, 255], 3)
 
 
 def test_hub_builds_a_model_from_local_code_only(tmp_path):
@@ -102,3 +160,20 @@ def test_hub_never_downloads(tmp_path):
         torch.hub.load(str(REPO_ROOT), "unet", source="local", pretrained=True)
     with pytest.raises(CheckpointError, match="only local files"):
         torch.hub.load(str(REPO_ROOT), "unet", source="local", checkpoint="https://example.com/unet.pth")
+
+
+def test_hub_models_come_back_in_eval_mode(tmp_path):
+    model = torch.hub.load(str(REPO_ROOT), "unet", source="local", base_channels=8)
+    assert not model.training
+    checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 255])
+    assert not torch.hub.load(str(REPO_ROOT), "unet", source="local", checkpoint=str(checkpoint)).training
+
+
+def test_hub_has_milesials_unet_carvana_entry_point():
+    model = torch.hub.load(str(REPO_ROOT), "unet_carvana", source="local")
+    assert model.constructor_args() == {"n_channels": 3, "n_classes": 2, "bilinear": False, "base_channels": 64}
+    assert not model.training and model.scale == 0.5
+    assert torch.hub.load(str(REPO_ROOT), "unet_carvana", source="local", pretrained=False, scale=1.0).scale == 1.0
+    with pytest.raises(CheckpointError, match=r"downloads no weights; they come from a local file") as raised:
+        torch.hub.load(str(REPO_ROOT), "unet_carvana", source="local", pretrained=True)
+    assert len(str(raised.value).splitlines()) == 1 and "checkpoint=" in str(raised.value)

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 import evaluate as evaluate_cli
 import predict
-from tests.helpers import one_error_line, write_images
+from tests.conftest import REPO_ROOT
+from tests.helpers import one_error_line, small_tmpfs, write_images
 from utils.errors import USER_ERROR_EXIT_CODE
 
 
@@ -92,3 +97,104 @@ def test_evaluate_json_never_replaces_an_input_or_a_checkpoint(
     argv = ["-m", str(binary_checkpoint), "--imgs", str(imgs), "--masks", str(masks), "--json", str(path[target])]
     assert evaluate_cli.main([*argv, "--workers", "0", "--no-progress"]) == USER_ERROR_EXIT_CODE
     expect_refused(capsys, before, tmp_path, path[target], "--json")
+
+
+# Outputs are compared with inputs as files (device and inode), not as path strings: links are caught.
+
+
+def test_an_output_hard_linked_to_the_input_is_refused(tmp_path, images, binary_checkpoint, capsys):
+    link = tmp_path / "mask.png"
+    os.link(images[0], link)
+    before = snapshot(tmp_path)
+    assert run_predict("-m", binary_checkpoint, "-i", images[0], "-o", link) == USER_ERROR_EXIT_CODE
+    expect_refused(capsys, before, tmp_path, link, "the input")
+
+
+def test_an_output_symlinked_to_a_sibling_photo_is_refused(tmp_path, images, binary_checkpoint, capsys):
+    link = tmp_path / "mask.png"
+    link.symlink_to(images[1])  # not an input of this run, but an image in the input folder
+    before = snapshot(tmp_path)
+    assert run_predict("-m", binary_checkpoint, "-i", images[0], "-o", link) == USER_ERROR_EXIT_CODE
+    expect_refused(capsys, before, tmp_path, link, "an existing image in an input folder")
+
+
+def test_an_output_hard_linked_elsewhere_replaces_the_link_not_the_file(tmp_path, images, binary_checkpoint):
+    elsewhere = tmp_path / "keep" / "photo.png"
+    elsewhere.parent.mkdir()
+    shutil.copy(images[1], elsewhere)
+    link = tmp_path / "out" / "mask.png"
+    link.parent.mkdir()
+    os.link(elsewhere, link)
+    kept = hashlib.sha256(elsewhere.read_bytes()).hexdigest()
+    assert run_predict("-m", binary_checkpoint, "-i", images[0], "-o", link) == 0
+    assert hashlib.sha256(elsewhere.read_bytes()).hexdigest() == kept, "the write went through the hard link"
+    assert not os.path.samefile(link, elsewhere)
+    assert sorted(path.name for path in link.parent.iterdir()) == ["mask.png"], "a temporary file was left"
+
+
+@pytest.mark.parametrize("name", ["weights.pt", "scores.json", "model.ckpt"])
+def test_evaluate_json_never_replaces_a_checkpoint_under_any_name(
+    tmp_path, carvana_data, binary_checkpoint, capsys, name
+):
+    path = shutil.copy(binary_checkpoint, tmp_path / name)
+    before = snapshot(tmp_path)
+    argv = ["-m", str(binary_checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks)]
+    assert evaluate_cli.main([*argv, "--json", str(path), "--workers", "0", "--no-progress"]) == USER_ERROR_EXIT_CODE
+    expect_refused(capsys, before, tmp_path, path, "an existing checkpoint")
+
+
+def test_evaluate_json_symlinked_to_the_checkpoint_is_refused(tmp_path, carvana_data, binary_checkpoint, capsys):
+    link = tmp_path / "scores.json"
+    link.symlink_to(binary_checkpoint)
+    before = snapshot(tmp_path)
+    argv = ["-m", str(binary_checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks)]
+    assert evaluate_cli.main([*argv, "--json", str(link), "--workers", "0", "--no-progress"]) == USER_ERROR_EXIT_CODE
+    expect_refused(capsys, before, tmp_path, link, "the checkpoint")
+
+
+def test_evaluate_refuses_one_folder_for_images_and_masks(tmp_path, carvana_data, binary_checkpoint, capsys):
+    link = tmp_path / "same"
+    link.symlink_to(carvana_data.imgs, target_is_directory=True)
+    argv = ["-m", str(binary_checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(link)]
+    assert evaluate_cli.main([*argv, "--workers", "0", "--no-progress"]) == USER_ERROR_EXIT_CODE
+    line = one_error_line(capsys.readouterr().err)
+    assert "one folder" in line and "--masks" in line, line
+
+
+@pytest.mark.parametrize("target", ["checkpoint_as_pt", "image"])
+def test_export_never_replaces_a_checkpoint_under_another_name_or_an_image(
+    tmp_path, images, binary_checkpoint, capsys, target
+):
+    path = shutil.copy(binary_checkpoint, tmp_path / "weights.pt") if target == "checkpoint_as_pt" else images[0]
+    before = snapshot(tmp_path)
+    code = run_predict("-m", binary_checkpoint, "--export", "torchscript", path, "--export-size", "32x32")
+    assert code == USER_ERROR_EXIT_CODE
+    expect_refused(capsys, before, tmp_path, path)
+
+
+def test_export_replaces_an_earlier_export_with_a_new_file(tmp_path, binary_checkpoint):
+    path = tmp_path / "model.pt"
+    assert run_predict("-m", binary_checkpoint, "--export", "torchscript", path, "--export-size", "32x32") == 0
+    first = path.stat().st_ino
+    assert run_predict("-m", binary_checkpoint, "--export", "torchscript", path, "--export-size", "32x32") == 0
+    assert path.stat().st_ino != first, "the second export was not written"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_predict_into_a_full_disk_with_workers_stops_with_one_line(tmp_path, binary_checkpoint):
+    """A full output disk ends predict (exit 2, one Error line) with loader workers running; the previous output is
+    left whole and no temporary file behind. A timeout turns a hang into a failure."""
+    photos = write_images(tmp_path / "in", [(128, 128)] * 12)
+    with small_tmpfs(tmp_path / "small", "64k") as out:
+        previous = out / f"{photos[0].stem}_OUT.png"
+        previous.write_bytes(b"previous good output")
+        command = [sys.executable, "predict.py", "-m", str(binary_checkpoint), "-i", str(photos[0].parent)]
+        command += ["--output-dir", str(out), "--viz", "--workers", "1", "--no-progress"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr
+        line = one_error_line(result.stderr)
+        assert "No space left on device" in line and str(out) in line, line
+        assert not [path.name for path in out.iterdir() if path.name.startswith(".")], "a temporary file was left"
+        if previous.read_bytes() != b"previous good output":  # replaced by a complete mask, or left as it was
+            with Image.open(previous) as mask:
+                mask.load()

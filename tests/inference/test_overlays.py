@@ -62,7 +62,7 @@ def test_side_by_side_view_has_captions_and_a_legend_of_every_foreground_class()
     truth = np.zeros((40, 60), dtype=np.uint8)
     truth[10:30, 20:50] = 2
     colours = class_colours([0, 128, 255], 3)
-    assert legend_entries(colours, [0, 128, 255]) == [(colours[1], "class 1 = 128"), (colours[2], "class 2 = 255")]
+    assert legend_entries(colours, [0, 128, 255]) == [(colours[1], "value 128"), (colours[2], "value 255")]
     rendered = np.asarray(render_visualization(image, predicted, colours, truth, [0, 128, 255])).astype(int)
     # The panels keep the image's pixel positions: truth on the left, prediction right of the gap.
     np.testing.assert_array_equal(np.any(rendered[:40, :60] != 90, axis=-1), truth == 2)

@@ -1,7 +1,7 @@
 """Bad data found mid-run loses nothing: the run saves INTERRUPTED.pth, then stops with one line naming the file.
 
-The policy (README, "What survives a crash"): stop, not skip. A truncated JPEG passes the start-up scan (it reads
-headers only) and fails when its pixels are decoded, in training or in validation.
+The policy (docs/RELIABILITY.md, "What survives a crash"): stop, not skip. A truncated JPEG passes the start-up scan
+(it reads headers only) and fails when its pixels are decoded, in training or in validation.
 """
 
 from __future__ import annotations

@@ -52,3 +52,34 @@ def test_resume_refuses_another_dataset(runner: TrainRunner, tmp_path: Path, cap
     assert other.main("data", *TRAINED, "--resume", "auto") == 2
     error = one_error_line(capsys.readouterr().err)
     assert "was trained on another dataset (16 images, now 15" in error and "--load" in error, error
+
+
+# Every flag that changes what the loss measures, changed either way (unset -> set included: a check of "saved is not
+# None" let a resume add --class-weights to a run trained without them).
+OBJECTIVE_CHANGES = [
+    ([], ["--class-weights", "auto"], "trained with no --class-weights but this run asks for --class-weights auto"),
+    (["--class-weights", "auto"], [], "trained with --class-weights auto but this run asks for no --class-weights"),
+    (["--class-weights", "1,2"], ["--class-weights", "1,3"], "--class-weights 1,2 but this run asks for"),
+    ([], ["--ignore-value", "7"], "trained with no --ignore-value but this run asks for --ignore-value 7"),
+    (["--ignore-value", "7"], [], "trained with --ignore-value 7 but this run asks for no --ignore-value"),
+    ([], ["--oversample-foreground", "0.5"], "--oversample-foreground 0.0 but this run asks for"),
+    (["--oversample-foreground", "0.5"], [], "--oversample-foreground 0.5 but this run asks for"),
+    ([], ["--augment"], "trained with no --augment but this run asks for --augment"),
+    (["--augment"], [], "trained with --augment but this run asks for no --augment"),
+]
+
+
+@pytest.mark.parametrize(("trained", "resumed", "expected"), OBJECTIVE_CHANGES)
+def test_resume_refuses_an_objective_flag_set_unset_or_changed(
+    runner: TrainRunner, capsys: pytest.CaptureFixture, trained: list[str], resumed: list[str], expected: str
+) -> None:
+    assert runner.main("objective", *TRAINED, *trained) == 0
+    last = runner.run_dir("objective") / "last.pth"
+    before = last.read_bytes()
+    capsys.readouterr()
+    assert runner.main("objective", *TRAINED, *resumed, "--resume", "auto") == 2
+    error = one_error_line(capsys.readouterr().err)
+    assert expected in error and f"--load {last}" in error, error
+    assert last.read_bytes() == before
+    # The control: the same flags again resume (nothing else in the command trips the check).
+    assert runner.main("objective", "-e", "3", *TRAINED[2:], *trained, "--resume", "auto") == 0

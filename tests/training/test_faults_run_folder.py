@@ -173,12 +173,13 @@ def test_resume_from_a_copy_of_the_newest_state_continues_its_folder(
     run_dir = runner.run_dir("unet")
     assert runner.main("unet", *SHORT, "-e", "1") == 0
     folder = RunFolder(run_dir)
-    # The epoch end wrote last.pth first, then copied it to checkpoint_epoch1.pth and best.pth: a copy is the newest
-    # file, by a clear margin here (a coarse file clock can give all three one time).
+    # The epoch end wrote last.pth first, then copied it to checkpoint_epoch1.pth: the copy is the newest full-state
+    # file, by a clear margin here (a coarse file clock can give both one time). best.pth is weights-only.
     written = folder.last.stat().st_mtime_ns
-    assert folder.best.stat().st_mtime_ns >= written
-    os.utime(folder.best, ns=(written + 10**9, written + 10**9))
-    assert folder.checkpoints()[0] == folder.best
+    copy = folder.epoch_checkpoint(1)
+    assert copy.stat().st_mtime_ns >= written
+    os.utime(copy, ns=(written + 10**9, written + 10**9))
+    assert folder.checkpoints()[0] == copy
     assert folder.can_continue_from(folder.last, load_checkpoint(folder.last))
     capsys.readouterr()
     assert runner.main("unet", *SHORT, "-e", "1", "--resume", str(folder.last)) == 0

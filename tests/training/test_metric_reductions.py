@@ -14,6 +14,7 @@ from PIL import Image
 
 from tests.conftest import REPO_ROOT, child_env
 from tests.helpers import checkpoint_payload, make_model, read_metrics
+from utils.checkpoint import save_checkpoint_atomic
 from utils.evaluation import SegmentationMetrics
 
 
@@ -40,7 +41,7 @@ def self_labelled_void(tmp_path: Path, carvana_data, self_labelled_masks) -> tup
     model = make_model(3)
     payload = {**checkpoint_payload(model, [0, 1, 2]), "args": {"ignore_values": [255], "scale": 1.0}}
     checkpoint = tmp_path / "m.pth"
-    torch.save(payload, checkpoint)
+    save_checkpoint_atomic(payload, checkpoint)
     masks = self_labelled_masks(checkpoint)
     frame = None
     for path in sorted(masks.glob("*.png")):

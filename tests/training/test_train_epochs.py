@@ -50,7 +50,8 @@ def test_the_ddp_scripts_load_start_from_save_every_pattern(
     assert (last["epoch"], last["global_step"]) == (7, 3 * STEPS_PER_EPOCH)
     assert epochs_of(run_dir, "train") == [5, 6, 7] and epochs_of(run_dir, "val") == [5, 6, 7]
     # The cosine is planned for these three epochs and stored in the checkpoint; it ends at zero at the last step.
-    assert last["scheduler"]["lr_lambdas"] == [{"total_steps": 3 * STEPS_PER_EPOCH}]
+    plan = {"total_steps": 3 * STEPS_PER_EPOCH, "warmup_steps": 0, "shape": "cosine"}
+    assert last["scheduler"]["lr_lambdas"] == [plan]
     assert last["args"]["start_from"] == 5 and last["args"]["epochs"] == 3
     assert read_metrics(run_dir, event="train")[-1]["lr"] == 0.0
 
@@ -73,8 +74,10 @@ def bar_frames(stream: str, name: str) -> list[str]:
 
 
 def test_the_bar_counts_the_images_trained_and_ends_at_100_percent(
-    runner: TrainRunner, capsys: pytest.CaptureFixture
+    runner: TrainRunner, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Bars are drawn on a terminal only (a log file gets log lines): stand in for one.
+    monkeypatch.setattr("utils.training.progress_log._is_terminal", lambda stream: True)
     assert runner.main("bars", "-e", "1", "--log-every", "2") == 0
     err = capsys.readouterr().err
     assert bar_frames(err, "Validation:")  # a bar of its own, after the epoch's

@@ -34,8 +34,8 @@ def test_run_outputs_and_bit_exact_resume(runner: TrainRunner) -> None:
     straight = runner.run_dir("straight")
     names = sorted(p.name for p in straight.iterdir())
     assert names == [
-        ".lock", "best.pth", "checkpoint_epoch1.pth", "checkpoint_epoch2.pth", "curves.png", "last.pth",
-        "metrics.jsonl",
+        ".lock", "best.pth", "checkpoint_epoch1.pth", "checkpoint_epoch2.pth", "config.yaml", "curves.png",
+        "last.pth", "metrics.jsonl", "split.json",
     ]  # fmt: skip
     last = load_checkpoint(straight / "last.pth")
     assert (last["epoch"], last["global_step"], last["step_in_epoch"], last["world_size"]) == (2, 16, 0, 1)
@@ -93,7 +93,8 @@ def test_features_multiclass_rmsprop_plateau_accumulation(
 def _weights_file(tmp_path: Path, kind: str, *, n_channels: int = 3, n_classes: int = 2) -> tuple[Path, dict]:
     """``kind``: "ours", "milesial" (with mask_values) or "ddp" (``module.`` prefixes, no mask_values)."""
     model = tiny_unet(123, n_channels=n_channels, n_classes=n_classes)
-    path = save_checkpoint(tmp_path / f"{kind}.pth", model, None if kind == "ddp" else [0, 1], style=kind)
+    mask_values = None if kind == "ddp" else list(range(max(n_classes, 2)))
+    path = save_checkpoint(tmp_path / f"{kind}.pth", model, mask_values, style=kind)
     return path, model.state_dict()
 
 
@@ -106,7 +107,7 @@ def test_load_weights_in_every_accepted_format(runner: TrainRunner, tmp_path: Pa
     assert sorted(p.name for p in run_dir.glob("checkpoint_epoch*.pth")) == ["checkpoint_epoch2.pth"]
     saved = load_checkpoint(run_dir / "last.pth")
     assert (saved["epoch"], saved["global_step"]) == (2, 8)  # fresh optimizer: steps count from 0
-    assert {e["epoch"] for e in read_metrics(run_dir)} == {2}
+    assert {e["epoch"] for e in read_metrics(run_dir) if e["event"] in ("train", "val")} == {2}
     # Eight small steps from the loaded weights, far from the run's own initialisation.
     torch.manual_seed(0)
     fresh = UNet(3, 2, base_channels=8).state_dict()

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
+from utils.checkpoint import save_checkpoint_atomic
 from utils.dice_score import dice_loss
 from utils.errors import CheckpointError
 from utils.training.curves import build_figure, draw_curves, read_series
@@ -184,14 +185,17 @@ def test_resume_auto_skips_corrupt_and_incomplete_files(tmp_path: Path, caplog: 
         "global_step": 4,
         "step_in_epoch": 0,
     }
-    torch.save(good, tmp_path / "checkpoint_epoch1.pth")
+    save_checkpoint_atomic(good, tmp_path / "checkpoint_epoch1.pth")  # with its digests, as every file of ours
     torch.save({"w": torch.ones(1)}, tmp_path / "best.pth")  # weights only: cannot be resumed
+    # Incomplete (no optimizer) at a further step: ranked first by its position, then skipped when read in full.
+    incomplete = {key: value for key, value in good.items() if key != "optimizer"}
+    save_checkpoint_atomic({**incomplete, "global_step": 5}, tmp_path / "checkpoint_epoch2.pth")
     (tmp_path / "last.pth").write_bytes(b"PK\x03\x04 truncated")
     for age, name in enumerate(["last.pth", "best.pth", "checkpoint_epoch1.pth"]):
         os.utime(tmp_path / name, ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
     path, payload = RunFolder(tmp_path).find_resume_checkpoint()
     assert path.name == "checkpoint_epoch1.pth" and payload["global_step"] == 4
-    assert "skipping" in caplog.text and "last.pth" in caplog.text
+    assert "skipping" in caplog.text and "checkpoint_epoch2.pth" in caplog.text
     assert RunFolder(tmp_path / "empty").find_resume_checkpoint() is None  # nothing yet: --resume auto starts a new run
     (tmp_path / "checkpoint_epoch1.pth").write_bytes(b"")
     with pytest.raises(CheckpointError, match="no usable checkpoint"):

@@ -36,7 +36,11 @@ class RecordingStep:
         self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         self.scaler = None
         self.calls: list[tuple] = []
+        self.epochs: list[int] = []
         self.on_batch = lambda image_ids: None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
 
     def begin(self) -> None:
         self.calls.append(("begin",))
@@ -273,6 +277,7 @@ def test_every_epoch_selects_its_order_and_augmentation(tmp_path: Path, epochs: 
     run.trainer.train()
     dataset = run.trainer.parts.data.train_dataset
     assert dataset.epochs == list(range(epochs))  # type: ignore[attr-defined]
+    assert run.step.epochs == list(range(epochs))  # the step is told each epoch too (--freeze-encoder-epochs)
     images = [call[1][0] for call in run.step.calls if call[0] == "batch"]
     sampler = ResumableDistributedSampler(5, rank=0, world_size=1, seed=0)
     expected = []

@@ -12,6 +12,7 @@ import copy
 import gc
 import logging
 import operator
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -108,8 +109,9 @@ class BasicDataset(Dataset):
             if not images:
                 raise DatasetError(
                     f"no images in {self.images_dir} (looked for {_extension_list()}; hidden files and sub-folders are "
-                    "ignored); put the training images there"
+                    "ignored); put the images there"
                 )
+            _check_two_folders(self.images_dir, self.mask_dir)
             masks = index_folder(self.mask_dir, "mask")
             if not masks:
                 raise DatasetError(
@@ -298,6 +300,16 @@ def _decode(path: str | Path, convert: Callable[[Image.Image], _T]) -> _T:
         raise DatasetError(f"cannot decode {path} ({err}); replace or delete the file") from err
 
 
+def _check_two_folders(images_dir: Path, mask_dir: Path) -> None:
+    """Images and masks must live in two folders: in one, every image would be paired with itself as its mask.
+    Compared as files (``os.path.samefile``), so a link or a second spelling of one folder is caught."""
+    if images_dir.is_dir() and mask_dir.is_dir() and os.path.samefile(images_dir, mask_dir):
+        raise ConfigError(
+            f"the images ({images_dir}, --imgs) and the masks ({mask_dir}, --masks) are one folder; "
+            "give the masks their own folder"
+        )
+
+
 def _choose_channels(
     image_channels: dict[str, int], requested: int | None, images: dict[str, FileInfo], images_dir: Path
 ) -> int:
@@ -339,7 +351,7 @@ def _check_value_count(mask_values: MaskValues, n_classes: int | None, mask_dir:
     if n_classes >= 2 and len(mask_values) < n_classes:
         logger.warning(
             "The masks in %s contain %d distinct values (%s) but n_classes=%d: value mask_values[k] becomes class k, "
-            "so classes %d..%d never occur in training",
+            "so classes %d..%d never occur in these masks",
             mask_dir,
             len(mask_values),
             mask_values,
@@ -352,7 +364,7 @@ def _check_value_count(mask_values: MaskValues, n_classes: int | None, mask_dir:
     shown = ", ".join(str(v) for v in mask_values[:10]) + (", ..." if len(mask_values) > 10 else "")
     message = (
         f"the masks in {mask_dir} contain {len(mask_values)} distinct values ({shown}) but n_classes={n_classes} "
-        f"allows at most {allowed}; train with --classes {len(mask_values)} if each value is a class"
+        f"allows at most {allowed}; if each value is a class, the model needs --classes {len(mask_values)}"
     )
     if jpeg:
         message += ", or re-save the JPEG masks as PNG/GIF (JPEG compression noise creates the extra values)"

@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from utils.errors import DatasetError
 
@@ -38,6 +39,10 @@ UNREADABLE_FILE_ERRORS = (
 
 # Channel counts an HxWxC array may have: grey, RGB, RGBA.
 _CHANNEL_COUNTS = (1, 3, 4)
+EXIF_ORIENTATION_TAG = 0x0112
+# EXIF orientations 2-8 change the pixels' layout; 5-8 swap width and height.
+_ROTATING_ORIENTATIONS = frozenset(range(2, 9))
+_TRANSPOSING_ORIENTATIONS = frozenset({5, 6, 7, 8})
 
 # Name endings of predict.py's outputs (``<name>_OUT.png`` masks, ``<name>_VIZ.png`` overlays), defined here, where
 # no torch is imported, so that predict's file plan and the dataset scan share them: a scan skips these files.
@@ -45,6 +50,10 @@ OUTPUT_SUFFIX = "_OUT"
 VIZ_SUFFIX = "_VIZ"
 PREDICTION_SUFFIXES = (OUTPUT_SUFFIX, VIZ_SUFFIX)
 _warned_prediction_files: set[tuple[str, int]] = set()
+# PIL's decompression-bomb limit is one module attribute (Image.MAX_IMAGE_PIXELS): ``open_pil`` sets it aside while it
+# opens a file and checks the size itself. The lock keeps two threads (predict's writer threads read true masks) from
+# restoring each other's saved value.
+_pil_limit_lock = threading.Lock()
 
 
 class FileInfo(NamedTuple):
@@ -60,6 +69,10 @@ class FileInfo(NamedTuple):
     """Lower-case extension, with its dot."""
     size: int
     mtime_ns: int
+    inode: int
+    ctime_ns: int
+    """With size and mtime, what keys the caches: a changed file whose mtime was put back (``os.utime``, a copy
+    with ``cp -p`` or rsync ``-t``) still has a new ctime (or inode), so its cached scan or pixels are not reused."""
 
     @property
     def name(self) -> str:
@@ -118,7 +131,9 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
                 duplicates.setdefault(stem, [files[stem].name]).append(name)
                 continue
             # tuple.__new__: a named tuple's own constructor is Python code, a measurable cost per entry.
-            files[stem] = _new_tuple(FileInfo, (prefix + name, ext, stat.st_size, stat.st_mtime_ns))
+            files[stem] = _new_tuple(
+                FileInfo, (prefix + name, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
+            )
     if skipped_predictions and (prefix, len(skipped_predictions)) not in _warned_prediction_files:
         _warned_prediction_files.add((prefix, len(skipped_predictions)))  # one warning, however often it is indexed
         logger.warning(
@@ -138,12 +153,18 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     return files
 
 
-def load_image(path: str | Path) -> Image.Image:
+def load_image(path: str | Path, *, any_size: bool = False) -> Image.Image:
     """Open an image or mask file as a PIL image.
 
-    PIL formats are opened lazily (pixels decode on first use). ``.npy`` and ``.pt`` files hold one array, HxW or
-    HxWxC (C in 1, 3, 4; a CxHxW tensor is accepted when only its first axis is a channel count), of uint8, bool
-    (→ 0/255) or float in [0, 1] (→ 0..255); single-channel integer arrays (masks) keep their values.
+    A file with more pixels than PIL's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) raises ``DatasetError``
+    naming it and the limit, unless ``any_size`` (predict.py ``--tile``, which never holds a whole image's
+    activations).
+
+    PIL formats are opened lazily (pixels decode on first use). A file with an EXIF orientation (a phone's JPEG) is
+    turned upright as every image viewer shows it, photo and mask alike, each by its own tag (``exif_orientation``).
+    ``.npy`` and ``.pt`` files hold one array, HxW or HxWxC (C in 1, 3, 4; a CxHxW tensor is accepted when only its
+    first axis is a channel count), of uint8, bool (→ 0/255) or float in [0, 1] (→ 0..255); single-channel integer
+    arrays (masks) keep their values.
     """
     path = Path(path)
     ext = path.suffix.lower()
@@ -151,7 +172,43 @@ def load_image(path: str | Path) -> Image.Image:
         return array_to_image(_load_npy(path), path)
     if ext == ".pt":
         return array_to_image(_load_pt(path), path)
-    return Image.open(path)
+    image = open_pil(path, any_size=any_size)
+    if exif_orientation(image) in _ROTATING_ORIENTATIONS:
+        with image:
+            return ImageOps.exif_transpose(image)
+    return image
+
+
+def open_pil(path: Path, *, any_size: bool = False) -> Image.Image:
+    """``Image.open`` with PIL's pixel limit checked here: PIL only warns between its limit and twice the limit and
+    raises above; here anything above the limit is one ``DatasetError`` that names the file, the limit and the fix."""
+    with _pil_limit_lock:
+        limit = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = None
+        try:
+            image = Image.open(path)
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
+    width, height = image.size
+    if not any_size and limit is not None and width * height > limit:
+        image.close()
+        raise DatasetError(
+            f"{path} has {width}x{height} = {width * height:,} pixels, more than PIL's decompression-bomb limit of "
+            f"{limit:,} (PIL.Image.MAX_IMAGE_PIXELS); downscale or split it (predict.py --tile reads images of any "
+            "size)"
+        )
+    return image
+
+
+def exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation tag of an opened file (1, upright, when it has none), read from its header only.
+
+    PNG keeps EXIF in a chunk that Pillow reads early only when it precedes the pixels; asking for it otherwise would
+    decode the whole file, so a PNG without it there counts as upright.
+    """
+    if image.format == "PNG" and "exif" not in image.info:
+        return 1
+    return int(image.getexif().get(EXIF_ORIENTATION_TAG, 1) or 1)
 
 
 def image_size(path: str | Path) -> tuple[int, int]:
@@ -172,8 +229,11 @@ def image_header(path: str | Path) -> tuple[int, int, int]:
         layout = _layout(shape, path)
         channels = 1 if layout == "hw" else shape[0] if layout == "chw" else shape[2]
         return width, height, 1 if channels == 1 else 3
-    with Image.open(path) as img:
-        return img.size[0], img.size[1], mode_channels(img.mode)
+    with open_pil(path, any_size=True) as img:  # a header holds no bomb: load_image checks the size
+        width, height = img.size
+        if exif_orientation(img) in _TRANSPOSING_ORIENTATIONS:  # turned upright by load_image: sides swap
+            width, height = height, width
+        return width, height, mode_channels(img.mode)
 
 
 def mode_channels(mode: str) -> int:
@@ -208,6 +268,11 @@ def _load_pt(path: Path) -> np.ndarray:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         # torch's own message suggests weights_only=False, which is exactly what must not be done with data files.
+        from utils.pickle_scan import code_refusal, pickled_code
+
+        code = pickled_code(path)
+        if code:
+            raise DatasetError(f"{path}: {code_refusal(code)}; save one tensor per file with torch.save") from err
         raise DatasetError(
             f"{path} cannot be loaded safely: it is corrupt or holds objects other than tensors; save one tensor "
             "per file with torch.save"

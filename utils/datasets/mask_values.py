@@ -1,9 +1,9 @@
 """Finding the distinct values of a dataset's masks, and checking each mask fits its image.
 
 The first scan decodes every mask, in a process pool. Its result is cached in a JSON file named by a hash of the
-files' absolute paths, sizes and modification times, outside the user's data folders, so later starts over unchanged
-files decode nothing. Like the rest of the data scan, this module must not import
-torch (see ``utils.datasets.image_files``).
+files' absolute paths, sizes, modification and change times and inodes (``FileInfo``), outside the user's data
+folders, so later starts over unchanged files decode nothing. Like the rest of the data scan, this module must not
+import torch (see ``utils.datasets.image_files``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from utils.errors import ConfigError, DatasetError
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it whenever decoding or the stored fields change, so older cache files stop matching.
-CACHE_FORMAT_VERSION = 4
+CACHE_FORMAT_VERSION = 5  # 5: EXIF orientation applied; inode and ctime in the key
 # The class index of a void pixel (a mask value passed as --ignore-value): cross-entropy's default ignore_index, and
 # negative, so it can never be a class.
 IGNORE_INDEX = -100
@@ -345,7 +345,8 @@ def _cache_key(pairs: Sequence[MaskPair]) -> str:
         strings = [p.name for p in pairs] if field == "name" else [getattr(p, field).path for p in pairs]
         digest.update("\0".join(strings).encode("utf-8", "surrogateescape") + b"\1")
     numbers = array.array(
-        "q", [n for p in pairs for n in (p.image.size, p.image.mtime_ns, p.mask.size, p.mask.mtime_ns)]
+        "q",
+        [n for p in pairs for info in (p.image, p.mask) for n in (info.size, info.mtime_ns, info.inode, info.ctime_ns)],
     )
     digest.update(numbers.tobytes())
     return digest.hexdigest()

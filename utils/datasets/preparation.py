@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torchvision.transforms.v2.functional as TF
+import torch.nn.functional as F
 from PIL import Image
 
 from utils.datasets.image_files import mode_channels
@@ -38,7 +38,7 @@ def resized_image(img: Image.Image, scale: float, channels: int | None = None) -
     height, width = tensor.shape[1:]
     new_width, new_height = scaled_size(width, height, scale)
     if (new_width, new_height) != (width, height):
-        tensor = TF.resize(tensor, [new_height, new_width], interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
+        tensor = bicubic_resize(tensor, new_height, new_width)
     if tensor.dtype != torch.uint8:
         # Bicubic filtering overshoots at edges; float images must stay within [0, 1].
         tensor = tensor.clamp(0.0, 1.0)
@@ -68,6 +68,29 @@ def unit_float(pixels: torch.Tensor) -> torch.Tensor:
     if pixels.dtype == torch.uint8:
         return pixels.to(torch.float32, memory_format=torch.contiguous_format).div_(255)
     return pixels.to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def bicubic_resize(tensor: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """A [C, H, W] CPU tensor resized with antialiased bicubic filtering, exactly as torchvision's
+    ``transforms.v2.functional.resize(..., BICUBIC, antialias=True)``, which runs the same ``interpolate`` call.
+
+    Called directly because importing torchvision imports ``torch._dynamo`` (through ``torchvision.ops``): seconds
+    added to every ``train.py``/``predict.py`` start for a function that is one line of PyTorch. uint8 (resized
+    natively, as torchvision does on a CPU) and float32 only; anything else goes through torchvision itself.
+    """
+    if tensor.dtype not in (torch.uint8, torch.float32) or tensor.device.type != "cpu":
+        import torchvision.transforms.v2.functional as TF
+
+        return TF.resize(tensor, [height, width], interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
+    channels, old_height, old_width = tensor.shape
+    image = tensor.reshape(1, channels, old_height, old_width)
+    strides, numel = image.stride(), image.numel()
+    if image.is_contiguous(memory_format=torch.channels_last) and numel != strides[0]:
+        # torchvision's restride (pytorch/pytorch#68430): a channels-last [1, C, H, W] view gets a channels-last
+        # output, which the uint8 kernel needs to avoid a repacking copy.
+        image = image.as_strided((1, channels, old_height, old_width), [numel, *strides[1:]])
+    resized = F.interpolate(image, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
+    return resized.reshape(channels, height, width)
 
 
 def scaled_size(width: int, height: int, scale: float) -> tuple[int, int]:

@@ -5,9 +5,11 @@
 
 Binary data uses Carvana's layout exactly: ``imgs/<id>_<nn>.jpg`` and ``masks/<id>_<nn>_mask.gif`` (palette GIF,
 indices 0 = background, 1 = car), ``<id>`` 12 hex digits per car and ``<nn>`` 01..16 its views; train on it with
-``CarvanaDataset``. Multiclass data writes ``imgs/<id>_<nn>.jpg`` and ``masks/<id>_<nn>.png`` (no mask suffix,
-8-bit grey class indices; train with ``BasicDataset``): 0 background, 1 car body, 2 wheels, 3 windows, and from 4 on
-one kind of floor object per class (cone, box, ball; each class its own colour).
+``CarvanaDataset``. ``--views V`` gives each car V views instead (``<id>_01`` .. ``<id>_<V>``; e.g. 48 images of 12
+cars with ``--n 48 --views 4``), for trying group-aware splits. Multiclass data writes ``imgs/<id>_<nn>.jpg`` and
+``masks/<id>_<nn>.png`` (no mask suffix, 8-bit grey class indices; train with ``BasicDataset``): 0 background, 1 car
+body, 2 wheels, 3 windows, and from 4 on one kind of floor object per class (cone, box, ball; each class its own
+colour).
 
 The same arguments always give byte-identical files. Existing non-empty folders are only replaced with ``force``.
 """
@@ -56,10 +58,19 @@ class _Part:
 
 
 def generate_carvana_like(
-    out_dir: str | Path, n: int, size: tuple[int, int] = DEFAULT_SIZE, seed: int = 0, *, force: bool = False
+    out_dir: str | Path,
+    n: int,
+    size: tuple[int, int] = DEFAULT_SIZE,
+    seed: int = 0,
+    *,
+    force: bool = False,
+    views: int = VIEWS_PER_CAR,
 ) -> list[str]:
-    """Write ``n`` images and palette-GIF masks in Carvana's layout under ``out_dir``; return the image ids in order."""
-    return _generate(Path(out_dir), n, size, seed, n_classes=None, force=force)
+    """Write ``n`` images and palette-GIF masks in Carvana's layout under ``out_dir``; return the image ids in order.
+
+    ``views``: images per car (ids ``<car>_01`` .. ``<car>_<views>``), 16 as in Carvana.
+    """
+    return _generate(Path(out_dir), n, size, seed, n_classes=None, force=force, views=views)
 
 
 def generate_multiclass(
@@ -78,11 +89,20 @@ def generate_multiclass(
 
 
 def _generate(
-    out_dir: Path, n: int, size: tuple[int, int], seed: int, *, n_classes: int | None, force: bool
+    out_dir: Path,
+    n: int,
+    size: tuple[int, int],
+    seed: int,
+    *,
+    n_classes: int | None,
+    force: bool,
+    views: int = VIEWS_PER_CAR,
 ) -> list[str]:
     width, height = size
     if n < 1:
         raise ConfigError(f"--n must be at least 1, got {n}")
+    if not 1 <= views <= 99:
+        raise ConfigError(f"--views must be between 1 and 99, got {views}")
     if width < MIN_SIDE or height < MIN_SIDE:
         raise ConfigError(f"--size must be at least {MIN_SIDE}x{MIN_SIDE}, got {width}x{height}")
     images_dir, masks_dir = out_dir / "imgs", out_dir / "masks"
@@ -91,7 +111,7 @@ def _generate(
 
     ids = []
     for index in range(n):
-        car_index, view = divmod(index, VIEWS_PER_CAR)
+        car_index, view = divmod(index, views)
         car_rng = np.random.default_rng([seed, car_index])
         name = f"{car_rng.bytes(ID_BYTES).hex()}_{view + 1:02d}"
         image, labels = _render(car_rng, np.random.default_rng([seed, car_index, view + 1]), view, size, n_classes)
@@ -289,12 +309,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--classes", type=int, default=None, help="K >= 3: multiclass PNG masks with values 0..K-1")
     parser.add_argument("--force", action="store_true", help="replace image files already in imgs/ and masks/")
+    parser.add_argument("--views", type=int, default=VIEWS_PER_CAR, help="binary data: images per car (default 16)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         size = parse_size(args.size, "--size")
         if args.classes is None:
-            generate_carvana_like(args.out_dir, args.n, size, args.seed, force=args.force)
+            generate_carvana_like(args.out_dir, args.n, size, args.seed, force=args.force, views=args.views)
         else:
             generate_multiclass(args.out_dir, args.n, size, args.classes, args.seed, force=args.force)
     except UserError as err:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from utils.cli import parse_size
 from utils.errors import ConfigError
-from utils.inference.config import EvaluateConfig, PredictConfig
+from utils.inference.config import DEFAULT_MASK_THRESHOLD, EvaluateConfig, PredictConfig
 from utils.inference.export import EXPORT_FORMATS
 from utils.inference.flags import add_compute_flags, add_model_check_flags, add_progress_flag, add_scale_flag
 from utils.inference.tiling import DEFAULT_TILE_OVERLAP
@@ -36,7 +36,7 @@ def build_predict_parser(doc: str) -> argparse.ArgumentParser:
         "--mask-threshold",
         "-t",
         type=float,
-        default=0.5,
+        default=DEFAULT_MASK_THRESHOLD,
         help="probability above which a pixel is foreground (one-logit models; 0.5)",
     )
     add_scale_flag(parser)
@@ -64,6 +64,11 @@ def build_predict_parser(doc: str) -> argparse.ArgumentParser:
         help=f"write the model as {' or '.join(EXPORT_FORMATS)} to PATH and check it",
     )
     parser.add_argument("--export-size", default="256x256", metavar="WxH", help="sample input size for --export")
+    parser.add_argument(
+        "--pixel-cache",
+        metavar="DIR",
+        help="read the resized inputs from train.py's --pixel-cache DIR (same --scale), filling it on a miss",
+    )
     add_progress_flag(parser)
     return parser
 
@@ -91,6 +96,7 @@ def parse_predict_config(argv: Sequence[str] | None, doc: str) -> PredictConfig:
         precision=args.precision,
         device=args.device,
         workers=args.workers,
+        pixel_cache=Path(args.pixel_cache) if args.pixel_cache else None,
         tile=args.tile,
         tile_overlap=args.tile_overlap,
         tta=args.tta,
@@ -112,6 +118,9 @@ def build_evaluate_parser(doc: str) -> argparse.ArgumentParser:
     add_scale_flag(parser)
     add_compute_flags(parser, workers_help="data-loading")
     parser.add_argument("--json", metavar="FILE", help="also write the scores as JSON to FILE")
+    parser.add_argument(
+        "--split", metavar="FILE", help="score only the validation images of a run's split.json (from --imgs/--masks)"
+    )
     add_model_check_flags(parser)
     add_progress_flag(parser)
     return parser
@@ -130,6 +139,7 @@ def parse_evaluate_config(argv: Sequence[str] | None, doc: str) -> EvaluateConfi
         device=args.device,
         workers=args.workers,
         json_path=Path(args.json) if args.json else None,
+        split_path=Path(args.split) if args.split else None,
         bilinear=args.bilinear,
         classes=args.classes,
         progress=not args.no_progress,

@@ -10,6 +10,9 @@ from utils.inference.file_plan import MASK_FORMATS
 from utils.inference.flags import check_compute_flags
 from utils.inference.tiling import TileSettings
 
+# Probability above which a one-logit model's pixel is foreground (milesial's -t default).
+DEFAULT_MASK_THRESHOLD = 0.5
+
 
 @dataclass
 class PredictConfig:
@@ -26,7 +29,7 @@ class PredictConfig:
     """Write ``<name>_VIZ.png``: the prediction over the image (truth | prediction with ``masks_dir``)."""
     masks_dir: Path | None = None
     no_save: bool = False
-    mask_threshold: float = 0.5
+    mask_threshold: float = DEFAULT_MASK_THRESHOLD
     scale: float | None = None
     """Resize factor; None: the checkpoint's training scale (``utils.model_spec.resolve_scale``)."""
     bilinear: bool = False
@@ -37,6 +40,8 @@ class PredictConfig:
     precision: str = "fp32"
     device: str = "auto"
     workers: int = 2
+    pixel_cache: Path | None = None
+    """--pixel-cache: read (and fill) the decoded, resized inputs there, as training's --pixel-cache does."""
     tile: int | None = None
     tile_overlap: float = 0.5
     """Fraction shared by neighbouring windows; 0.5 is nnU-Net's step of half a window."""
@@ -90,6 +95,8 @@ class EvaluateConfig:
     workers: int = 2
     json_path: Path | None = None
     """Also write the scores as JSON here."""
+    split_path: Path | None = None
+    """A run's ``split.json``: score only its validation images (``utils.datasets.splits``)."""
     bilinear: bool = False
     """milesial's flag; the checkpoint decides the architecture, a contradicting flag is an error."""
     classes: int | None = None

@@ -12,6 +12,7 @@ Tiled inference (``TileSettings``, for images too large to run whole) lives in `
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,14 +24,19 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from utils.datasets.image_files import load_image, mode_channels
-from utils.datasets.preparation import image_tensor
+from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
+from utils.datasets.pixel_cache import IMAGE, PixelCache
+from utils.datasets.preparation import image_tensor, resized_image, unit_float
 from utils.evaluation import predict_classes
 from utils.inference.forward import forward_logits
 from utils.inference.memory import MemoryPlanner
 from utils.inference.tiling import TileSettings, predict_logits_tiled
+from utils.shared_memory import SharedMemoryGuard, check_room, loader_timeout
 
 logger = logging.getLogger(__name__)
+
+WORKERS_FIX = "--workers 0 (-j 0)"
+"""predict.py's flag that keeps decoding in the main process (see utils.shared_memory)."""
 
 
 @dataclass
@@ -66,11 +72,30 @@ class PredictionInputs(Dataset):
     training does; ``predict_items`` warns once with the count of such files.
     """
 
-    def __init__(self, paths: Sequence[Path], scale: float, n_channels: int, keep_original: bool = False) -> None:
+    def __init__(
+        self,
+        paths: Sequence[Path],
+        scale: float,
+        n_channels: int,
+        keep_original: bool = False,
+        pixel_cache: str | Path | None = None,
+        any_size: bool = False,
+    ) -> None:
         self.paths = list(paths)
+        # Past PIL's pixel limit: --tile holds a window's activations at a time, never a whole image's.
+        self.any_size = any_size
         self.scale = scale
         self.n_channels = n_channels
         self.keep_original = keep_original
+        # --pixel-cache: the training cache's entries (same scale and channels) are read instead of decoding, and
+        # a decoded input is stored for the next run. Not with --viz, which needs the full-size pixels anyway.
+        self.pixel_cache = (
+            PixelCache(pixel_cache, scale=scale, channels=n_channels)
+            if pixel_cache is not None and not keep_original and n_channels in (1, 3)
+            else None
+        )
+        if self.pixel_cache is not None:
+            self.pixel_cache.check_outside(*{path.parent for path in self.paths})
         # The dataset's conversion (grey <-> RGB by PIL mode) exists for 1- and 3-channel models only.
         self._convert_to = n_channels if n_channels in (1, 3) else None
 
@@ -79,8 +104,10 @@ class PredictionInputs(Dataset):
 
     def __getitem__(self, index: int) -> InputItem:
         path = self.paths[index]
+        if self.pixel_cache is not None:
+            return self._cached_item(index, path)
         try:
-            with load_image(path) as pil_image:
+            with load_image(path, any_size=self.any_size) as pil_image:
                 # The training pipeline's conversion and resize, so predictions see what the model was trained on.
                 own_channels = mode_channels(pil_image.mode)
                 converted_from = own_channels if own_channels != self.n_channels else None
@@ -92,6 +119,35 @@ class PredictionInputs(Dataset):
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
             return InputItem(index, path, error=f"cannot read image {path}: {_describe(error)}")
         return InputItem(index, path, image, original_size, original, converted_from=converted_from)
+
+    def _cached_item(self, index: int, path: Path) -> InputItem:
+        """The item from the pixel cache (the header gives the original size), decoded and stored on a miss."""
+        assert self.pixel_cache is not None
+        try:
+            info = _file_info(path)
+            width, height, own_channels = image_header(path)
+            cached = self.pixel_cache.read(info, IMAGE)
+            if cached is None:
+                with load_image(path, any_size=self.any_size) as pil_image:
+                    pixels = resized_image(pil_image, self.scale, self._convert_to)
+                if pixels.dtype == torch.uint8:  # 16-bit and float images are not cached (see the cache's docs)
+                    self.pixel_cache.write(info, IMAGE, pixels.permute(1, 2, 0).numpy())
+            else:
+                pixels = torch.from_numpy(np.array(cached)).permute(2, 0, 1)
+            if pixels.shape[0] != self.n_channels:
+                raise ValueError(f"it has {pixels.shape[0]} channel(s) but the model expects {self.n_channels}")
+        except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
+            return InputItem(index, path, error=f"cannot read image {path}: {_describe(error)}")
+        converted_from = own_channels if own_channels != self.n_channels else None
+        return InputItem(index, path, unit_float(pixels), (height, width), converted_from=converted_from)
+
+
+def _file_info(path: Path) -> FileInfo:
+    """The record ``index_folder`` makes for ``path`` (what keys the pixel cache), so training's entries are found."""
+    absolute = os.path.abspath(path)
+    stat = os.stat(absolute)
+    ext = os.path.splitext(absolute)[1].lower()
+    return FileInfo(absolute, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
 
 
 def _display_pixels(pil_image) -> Tensor:
@@ -190,11 +246,14 @@ def predict_items(
     whose whole-image pass would not fit runs in windows the planner sizes, with one warning.
     """
     model.eval()
+    if workers and len(dataset):  # one image decoded here tells what the workers will share
+        check_room(dataset[0], batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX)
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
         num_workers=workers,
         collate_fn=keep_as_list,
+        timeout=loader_timeout(workers),
     )
     buckets = ShapeBuckets(batch_size)
     planner = memory if memory is not None else MemoryPlanner.for_device(device)
@@ -218,7 +277,7 @@ def predict_items(
 
     converted: dict[int, int] = {}
     with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not progress) as bar:
-        for predictions in _run_batches(loader, buckets, run):
+        for predictions in _run_batches(SharedMemoryGuard(loader, WORKERS_FIX), buckets, run):
             for prediction in predictions:
                 if prediction.item.converted_from is not None:
                     converted[prediction.item.converted_from] = converted.get(prediction.item.converted_from, 0) + 1

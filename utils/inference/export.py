@@ -3,6 +3,11 @@
 After writing, the file is loaded back (``torch.jit.load``; ``onnxruntime`` for ONNX when it is installed) and run on
 the sample input and on a second, larger input; the export fails if either output differs from the PyTorch model's.
 
+An ONNX export is one self-contained file that can be copied alone: the weights sit inside it, except for a model
+above protobuf's 2 GB limit, whose weights go to ``<file>.data`` beside it (said in one log line: copy both). Its
+``metadata_props`` carry the preprocessing record (``Preprocessing``: scale, mask values, channels, void values, class
+names, input and output layout), so a runtime without this project can prepare images and read the classes.
+
 Both formats keep the batch size, height and width free, but only for heights and widths that are multiples of 16:
 the UNet pads odd-sized feature maps with Python-level branches, which tracing and ``torch.export`` fix to the branch
 the sample took. ``predict.py`` resizes with ``--scale``; callers of an exported model should pad inputs to a multiple
@@ -17,17 +22,20 @@ import contextlib
 import copy
 import importlib.util
 import io
+import json
 import logging
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from utils.checkpoint import InferenceRecord, load_checkpoint_file
 from utils.errors import UserError
+from utils.output_files import replacing
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +45,56 @@ SIZE_MULTIPLE = 16
 ABSOLUTE_TOLERANCE = 1e-4
 RELATIVE_TOLERANCE = 1e-4
 ONNX_INSTALL_HINT = "pip install onnx onnxscript"
+# protobuf cannot serialise a message above 2 GiB: larger models keep their weights in a side file.
+PROTOBUF_LIMIT_BYTES = 2**31
+# Room under the limit for the graph itself (nodes, shapes, names) beside the weights.
+PROTOBUF_MARGIN_BYTES = 64 * 2**20
+METADATA_PREFIX = "unet_ddp."
 
 
 class ExportError(UserError):
     """The model could not be exported, or the exported file does not reproduce the model."""
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How images must be prepared for the exported model and how its output reads, as the checkpoint records it."""
+
+    scale: float
+    """Resize factor of the images (the training ``--scale``)."""
+    mask_values: Sequence
+    """``mask_values[k]``: the mask value written for class ``k``."""
+    channels: int
+    ignore_values: Sequence[int] = ()
+    """Void mask values of the training data: never a class, never predicted."""
+    class_names: Sequence[str] = ()
+
+    def metadata(self) -> dict[str, str]:
+        """``metadata_props`` entries: keys prefixed ``unet_ddp.``, values JSON (plain text for the two layouts)."""
+        record = {
+            "scale": self.scale,
+            "mask_values": list(self.mask_values),
+            "channels": self.channels,
+            "ignore_values": list(self.ignore_values),
+            "class_names": list(self.class_names),
+        }
+        entries = {f"{METADATA_PREFIX}{key}": json.dumps(value) for key, value in record.items()}
+        entries[f"{METADATA_PREFIX}input"] = (
+            f"image: float32 [N, {self.channels}, H, W], pixel values / 255 (RGB order for 3 channels), resized by "
+            f"scale; H and W multiples of {SIZE_MULTIPLE} (pad, then crop the logits)"
+        )
+        entries[f"{METADATA_PREFIX}output"] = (
+            "logits: float32 [N, classes, H, W]; class = argmax over classes (one class: sigmoid > 0.5), written "
+            "as mask_values[class]"
+        )
+        return entries
+
+
+def checkpoint_preprocessing(checkpoint: Path, mask_values: Sequence, scale: float, channels: int) -> Preprocessing:
+    """The record of the model in ``checkpoint`` as predict.py prepares images for it (``scale`` and ``mask_values``
+    resolved as it resolves them); void values and class names from the file's ``InferenceRecord``."""
+    record = InferenceRecord.of(load_checkpoint_file(checkpoint))
+    return Preprocessing(scale, list(mask_values), channels, record.ignore_values, record.class_names)
 
 
 @dataclass
@@ -53,12 +107,21 @@ class ExportReport:
     """``torch.jit.load``, ``onnxruntime``, or why outputs were not compared."""
     max_abs_difference: float | None
     """Largest difference from PyTorch over the checked inputs; ``None`` when outputs were not compared."""
+    weights_file: Path | None = None
+    """For an ONNX model above 2 GB: the file beside ``path`` that holds its weights (copy both)."""
 
 
-def export_model(model: nn.Module, export_format: str, path: str | Path, sample_size: tuple[int, int]) -> ExportReport:
+def export_model(
+    model: nn.Module,
+    export_format: str,
+    path: str | Path,
+    sample_size: tuple[int, int],
+    preprocessing: Preprocessing | None = None,
+) -> ExportReport:
     """Write ``model`` in ``export_format`` to ``path`` for ``[N, C, H, W]`` float32 input and check it.
 
     ``sample_size`` is ``(height, width)`` of the sample input used to trace the model; both must be multiples of 16.
+    ``preprocessing`` goes into an ONNX file's ``metadata_props``.
     """
     if export_format not in EXPORT_FORMATS:
         raise ExportError(f"--export {export_format}: choose one of {', '.join(EXPORT_FORMATS)}")
@@ -81,14 +144,15 @@ def export_model(model: nn.Module, export_format: str, path: str | Path, sample_
     except OSError as error:
         raise ExportError(f"cannot write export file {path}: {error.strerror or error}") from error
 
-    try:
+    # Written and checked under a temporary name, then renamed (utils.output_files): a file that failed its check is
+    # never left to be mistaken for a usable export, and an earlier export at ``path`` stays whole until then.
+    with replacing(path, "--export") as temporary:
         if export_format == "torchscript":
-            return _export_torchscript(model, path, sample, other)
-        return _export_onnx(model, path, sample, other)
-    except ExportError:
-        # A file that failed its check must not be mistaken for a usable export later.
-        path.unlink(missing_ok=True)
-        raise
+            report = _export_torchscript(model, temporary, sample, other)
+        else:
+            report = _export_onnx(model, temporary, sample, other, preprocessing, _weights_file(path))
+    report.path = path
+    return report
 
 
 @contextlib.contextmanager
@@ -148,10 +212,20 @@ def _export_torchscript(model: nn.Module, path: Path, sample: Tensor, other: Ten
     return ExportReport(path, "torchscript", "torch.jit.load", worst)
 
 
-def _export_onnx(model: nn.Module, path: Path, sample: Tensor, other: Tensor) -> ExportReport:
+def _export_onnx(
+    model: nn.Module,
+    path: Path,
+    sample: Tensor,
+    other: Tensor,
+    preprocessing: Preprocessing | None,
+    weights_file: Path,
+) -> ExportReport:
+    """Export to ``path`` (a temporary name); ``weights_file`` is where the weights go if the model is above 2 GB."""
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
     if missing:
         raise ExportError(f"--export onnx needs the optional package(s) {', '.join(missing)}: {ONNX_INSTALL_HINT}")
+
+    external = needs_external_data(model)
     dynamic = torch.export.Dim.AUTO
     try:
         # The exporter reports each stage on stdout and its optimiser logs at INFO; one summary line is enough.
@@ -169,16 +243,62 @@ def _export_onnx(model: nn.Module, path: Path, sample: Tensor, other: Tensor) ->
                 output_names=["logits"],
                 dynamic_shapes=({0: dynamic, 2: dynamic, 3: dynamic},),
                 dynamo=True,
+                external_data=external,
                 verbose=False,
             )
     except Exception as error:  # noqa: BLE001 - the exporter raises many types; the user needs the one line
+        _weights_file(path).unlink(missing_ok=True)
         raise ExportError(
             f"ONNX export to {path} failed: {str(error).splitlines()[0] if str(error) else error}"
         ) from error
 
-    if importlib.util.find_spec("onnxruntime") is None:
-        import onnx
+    try:
+        _write_metadata(path, preprocessing, weights_file if external else None)
+        report = _check_onnx(model, path, sample, other)
+    except BaseException:
+        weights_file.unlink(missing_ok=True)
+        raise
+    if external:
+        report.weights_file = weights_file
+        logger.warning(
+            "The model is above ONNX's 2 GB file limit: its weights are in %s beside %s; copy both files together",
+            weights_file.name,
+            weights_file.name.removesuffix(".data"),
+        )
+    return report
 
+
+def _write_metadata(path: Path, preprocessing: Preprocessing | None, weights_file: Path | None) -> None:
+    """Add the preprocessing record; an export with external data gets its weights under the final file's name."""
+    import onnx
+
+    if weights_file is None:
+        proto = onnx.load(str(path))
+        _set_metadata(proto, preprocessing)
+        onnx.save(proto, str(path))
+        return
+    # The exporter named the side file after the temporary name: write it again under the final one.
+    exporter_weights = _weights_file(path)
+    proto = onnx.load(str(path))
+    _set_metadata(proto, preprocessing)
+    onnx.save_model(
+        proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=weights_file.name
+    )
+    exporter_weights.unlink(missing_ok=True)
+
+
+def _set_metadata(proto: object, preprocessing: Preprocessing | None) -> None:
+    import onnx
+
+    if preprocessing is not None:
+        props = {prop.key: prop.value for prop in proto.metadata_props}
+        onnx.helper.set_model_props(proto, {**props, **preprocessing.metadata()})
+
+
+def _check_onnx(model: nn.Module, path: Path, sample: Tensor, other: Tensor) -> ExportReport:
+    import onnx
+
+    if importlib.util.find_spec("onnxruntime") is None:
         onnx.checker.check_model(str(path))
         logger.warning(
             "onnxruntime is not installed: %s is a valid ONNX graph but its outputs were not compared "
@@ -194,3 +314,27 @@ def _export_onnx(model: nn.Module, path: Path, sample: Tensor, other: Tensor) ->
     actual = [torch.from_numpy(session.run(None, {input_name: x.numpy()})[0]) for x in (sample, other)]
     worst = _compare(path, _reference(model, sample, other), actual)
     return ExportReport(path, "onnx", "onnxruntime", worst)
+
+
+def needs_external_data(model: nn.Module) -> bool:
+    """Whether the model's float32 weights and buffers leave too little room under protobuf's limit for one file."""
+    size = sum(tensor.numel() * 4 for tensor in [*model.parameters(), *model.buffers()])
+    return size > PROTOBUF_LIMIT_BYTES - PROTOBUF_MARGIN_BYTES
+
+
+def read_preprocessing(path: str | Path) -> dict[str, object]:
+    """The preprocessing record of an exported ONNX file (``Preprocessing.metadata``), values decoded."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    record: dict[str, object] = {}
+    for prop in proto.metadata_props:
+        if prop.key.startswith(METADATA_PREFIX):
+            name = prop.key.removeprefix(METADATA_PREFIX)
+            record[name] = prop.value if name in ("input", "output") else json.loads(prop.value)
+    return record
+
+
+def _weights_file(path: Path) -> Path:
+    """Where an ONNX model's weights go when they do not fit in it: ``<file>.data`` beside it (torch.onnx's name)."""
+    return path.with_name(path.name + ".data")

@@ -1,14 +1,14 @@
 """Which image files a run reads, where each one's outputs go, and whether they can be written there.
 
-``check_no_clashes`` is the one guard of predict's and evaluate's outputs: before anything is written, every output
-path is compared with every input path, with the checkpoint and any existing ``.pth`` file, and with the others.
+The outputs and the files they must not replace are listed here; ``utils.output_files.check_outputs`` compares them
+(by file identity) and writes them.
 """
 
 from __future__ import annotations
 
 import glob
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +18,8 @@ from utils.errors import ConfigError
 __all__ = [
     "OUTPUT_SUFFIX",
     "VIZ_SUFFIX",
-    "check_no_clashes",
+    "OutputPlan",
+    "input_folders",
     "check_writable",
     "collect_inputs",
     "files_in",
@@ -94,34 +95,10 @@ def plan_outputs(
     return plans
 
 
-def check_no_clashes(outputs: Iterable[tuple[Path, str]], inputs: Mapping[Path, str]) -> None:
-    """Raise ``ConfigError`` naming both paths when an output would replace an input, a checkpoint or another output.
-
-    ``outputs`` pairs and ``inputs`` map each path with what it is (``"the mask of in/a.png"``, ``"--input"``). Paths
-    are compared resolved, so ``./a.png`` and ``a.png`` (or a symbolic link) are one file. An existing ``.pth``
-    file is never overwritten, whether or not it is this run's checkpoint.
-    """
-    protected = {_key(path): (path, role) for path, role in inputs.items()}
-    written: dict[Path, tuple[Path, str]] = {}
-    for path, role in outputs:
-        key = _key(path)
-        if key in protected:
-            other, other_role = protected[key]
-            raise ConfigError(
-                f"{role} would be written to {path}, which is {other_role} {other}; choose another output name"
-            )
-        if path.suffix.lower() == ".pth" and path.exists():
-            raise ConfigError(f"{role} would be written to {path}, an existing checkpoint; choose another name")
-        if key in written:
-            other, other_role = written[key]
-            raise ConfigError(f"{other_role} and {role} would both be written to {path}; rename one or use --output")
-        written[key] = (path, role)
-
-
 def prediction_outputs(
     inputs: Sequence[Path], plans: Sequence[OutputPlan], masks: bool, viz: bool
 ) -> list[tuple[Path, str]]:
-    """The files a prediction run writes, each with what it is (for ``check_no_clashes``)."""
+    """The files a prediction run writes, each with what it is (for ``check_outputs``)."""
     outputs: list[tuple[Path, str]] = []
     for path, plan in zip(inputs, plans, strict=True):
         if masks:
@@ -140,8 +117,11 @@ def files_in(folders: Iterable[Path], role: str) -> dict[Path, str]:
     return found
 
 
-def _key(path: Path) -> Path:
-    return path.resolve()
+def input_folders(patterns: Sequence[str], inputs: Sequence[Path], *extra: Path | None) -> list[Path]:
+    """The folders a run reads from: each input's folder, folders given as inputs, and ``extra`` (such as --masks)."""
+    folders = [path.parent for path in inputs] + [Path(pattern) for pattern in patterns if Path(pattern).is_dir()]
+    folders.extend(folder for folder in extra if folder is not None)
+    return list(dict.fromkeys(folders))
 
 
 def check_writable(folders: set[Path]) -> None:

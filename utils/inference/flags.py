@@ -7,6 +7,7 @@ import argparse
 from utils.cli import DEVICE_HELP, device_flag
 from utils.errors import ConfigError
 from utils.hardware import PRECISIONS
+from utils.machine_bounds import check_workers
 
 
 def add_model_check_flags(parser: argparse.ArgumentParser) -> None:
@@ -51,3 +52,4 @@ def check_compute_flags(scale: float | None, batch_size: int, workers: int, *, w
         raise ConfigError(f"--batch-size {batch_size}: use 1 or more")
     if workers < 0:
         raise ConfigError(f"--workers {workers}: use 0 ({workers_job} in the main process) or more")
+    check_workers(workers, "--workers")

@@ -19,6 +19,7 @@ from utils.errors import CheckpointError
 
 # PIL modes for colour masks, by number of channels per value.
 _COLOUR_MODES = {2: "LA", 3: "RGB", 4: "RGBA"}
+MAX_PNG_GREY_VALUE = 2**16 - 1
 
 
 def default_mask_values(n_classes: int) -> list[int]:
@@ -39,6 +40,13 @@ def check_mask_values(mask_values: Sequence, n_classes: int) -> None:
         raise CheckpointError(f"the checkpoint's mask_values {list(mask_values)} mix grey values and colours")
     if all(is_colour) and len({len(value) for value in mask_values}) != 1:
         raise CheckpointError(f"the checkpoint's colour mask_values {list(mask_values)} have different lengths")
+    too_wide = [value for value in mask_values if not isinstance(value, Sequence) and value > MAX_PNG_GREY_VALUE]
+    if too_wide:
+        # Written as they are they would wrap around in the 16-bit PNG: another class's value, silently.
+        raise CheckpointError(
+            f"the checkpoint's mask value {too_wide[0]} does not fit a 16-bit PNG mask (at most {MAX_PNG_GREY_VALUE}); "
+            f"evaluate.py scores this model, but its masks cannot be written as images"
+        )
 
 
 def _value_table(mask_values: Sequence) -> tuple[np.ndarray, str]:

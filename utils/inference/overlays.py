@@ -3,7 +3,8 @@
 Class 0 is treated as background and left undrawn; the other classes are painted over the image in their own colour:
 the dataset's colour when its mask values are colours, else a fixed palette. Below the image(s) a white strip holds
 the captions (``truth`` under the true mask's overlay, ``prediction`` under the model's) and a legend: a swatch of
-each foreground class's colour labelled ``class k = mask value``. The image pixels themselves carry no text.
+each foreground class's colour labelled with its name (``--class-names`` in training) or else its mask value
+(``value 255``), the value a person finds in the mask files. The image pixels themselves carry no text.
 """
 
 from __future__ import annotations
@@ -74,13 +75,24 @@ def overlay(image: Tensor, classes: np.ndarray, colours: Sequence[tuple[int, int
     return draw_segmentation_masks(rgb, masks, alpha=OVERLAY_ALPHA, colors=[colours[k] for k in present])
 
 
-def legend_entries(colours: Sequence[tuple[int, int, int]], mask_values: Sequence) -> list[tuple[tuple, str]]:
-    """``(colour, label)`` for every foreground class: ``class k = <mask value>`` (class 0 is not drawn)."""
+def legend_entries(
+    colours: Sequence[tuple[int, int, int]], mask_values: Sequence, class_names: Sequence[str] = ()
+) -> list[tuple[tuple, str]]:
+    """``(colour, label)`` for every foreground class (class 0 is not drawn): its name, else ``value <mask value>``."""
     entries = []
     for k in range(1, len(colours)):
-        value = mask_values[k] if k < len(mask_values) else k
-        entries.append((tuple(colours[k]), f"class {k} = {value}"))
+        entries.append((tuple(colours[k]), class_label(k, mask_values, class_names)))
     return entries
+
+
+def class_label(k: int, mask_values: Sequence, class_names: Sequence[str] = ()) -> str:
+    """How a person knows class ``k``: its name when the checkpoint has names, else its value in the mask files."""
+    if k < len(class_names):
+        return class_names[k]
+    value = mask_values[k] if k < len(mask_values) else k
+    if isinstance(value, Sequence):
+        value = "(" + ", ".join(str(int(channel)) for channel in value) + ")"  # an RGB colour of a colour-coded mask
+    return f"value {value}"
 
 
 def with_captions(
@@ -164,13 +176,14 @@ def render_visualization(
     colours: Sequence[tuple[int, int, int]],
     truth: np.ndarray | None = None,
     mask_values: Sequence = (),
+    class_names: Sequence[str] = (),
 ) -> Image.Image:
     """The prediction overlay, or truth | prediction side by side when ``truth`` is given, captioned, with a legend.
 
     The overlay pixels sit at the top left, as in the image (``[:H, :W]``; the prediction's at ``W + GAP_PIXELS``
     beside the truth's); the captions and legend are below them.
     """
-    legend = legend_entries(colours, mask_values)
+    legend = legend_entries(colours, mask_values, class_names)
     predicted_overlay = overlay(image, predicted, colours)
     if truth is None:
         return with_captions([predicted_overlay], CAPTIONS[1:], legend)

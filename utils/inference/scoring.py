@@ -90,27 +90,31 @@ def _stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
-def format_table(result: EvalResult, mask_values: Sequence) -> str:
-    """Per-class Dice and IoU and their means as an aligned text table."""
-    rows = [("class", "mask value", "Dice", "IoU")]
+def format_table(result: EvalResult, mask_values: Sequence, class_names: Sequence[str] = ()) -> str:
+    """Per-class Dice and IoU and their means as an aligned text table (with a name column when classes have names)."""
+    labels = ["class", "mask value", *(["name"] if class_names else [])]
+    blank = [""] * (len(labels) - 1)
+    rows = [(*labels, "Dice", "IoU")]
     for index, (dice, iou) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True)):
         value = mask_values[index] if index < len(mask_values) else "?"
-        rows.append((str(index), str(value), f"{dice:.4f}", f"{iou:.4f}"))
+        name = [class_names[index] if index < len(class_names) else ""] if class_names else []
+        rows.append((str(index), str(value), *name, f"{dice:.4f}", f"{iou:.4f}"))
     foreground = "mean (classes 1+)" if len(result.per_class_dice) > 1 else "mean"
-    rows.append((foreground, "", f"{result.dice:.4f}", f"{result.iou:.4f}"))
+    rows.append((foreground, *blank, f"{result.dice:.4f}", f"{result.iou:.4f}"))
     mean_all_dice = sum(result.per_class_dice) / len(result.per_class_dice)
     mean_all_iou = sum(result.per_class_iou) / len(result.per_class_iou)
-    rows.append(("mean (all classes)", "", f"{mean_all_dice:.4f}", f"{mean_all_iou:.4f}"))
+    rows.append(("mean (all classes)", *blank, f"{mean_all_dice:.4f}", f"{mean_all_iou:.4f}"))
     if result.micro_per_class_dice:
         # The rows above are per-image means (macro); these score the pixels of the whole dataset at once.
         micro = result.reductions()["micro"]
-        rows.append((f"micro {foreground}", "", f"{micro['dice']:.4f}", f"{micro['iou']:.4f}"))
+        rows.append((f"micro {foreground}", *blank, f"{micro['dice']:.4f}", f"{micro['iou']:.4f}"))
         with_background = f"{micro['dice_with_background']:.4f}", f"{micro['iou_with_background']:.4f}"
-        rows.append(("micro mean (all classes)", "", *with_background))
-    widths = [max(len(row[column]) for row in rows) for column in range(4)]
+        rows.append(("micro mean (all classes)", *blank, *with_background))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    text_columns = len(labels)  # left-aligned; the scores are right-aligned
     lines = [
         "  ".join(
-            cell.ljust(width) if column < 2 else cell.rjust(width)
+            cell.ljust(width) if column < text_columns else cell.rjust(width)
             for column, (cell, width) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in rows

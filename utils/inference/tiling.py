@@ -7,7 +7,7 @@ the most context, count most, and the blended logit is the weighted mean over th
 
 How close this is to whole-image prediction: a window that covers the whole image gives exactly the whole-image
 logits; otherwise a UNet's receptive field (about 200 pixels) exceeds any window margin, so logits differ slightly
-near window edges. Measured figures are in the README (predict section) and ``tests/inference/test_tiling.py``.
+near window edges. Measured figures are in docs/INFERENCE.md and ``tests/inference/test_tiling.py``.
 """
 
 from __future__ import annotations

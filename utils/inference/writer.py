@@ -1,4 +1,9 @@
-"""Writing predictions: masks and overlays encoded in writer threads, overlapping the next forward passes."""
+"""Writing predictions: masks and overlays encoded in writer threads, overlapping the next forward passes.
+
+Each file goes through ``utils.output_files`` (all or nothing). A failure of one file is that image's failure; a
+failure of the output location (a full disk, a read-only folder) ends the run with one error, since every later
+write would fail the same way.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from utils.inference.engine import Prediction
 from utils.inference.file_plan import OutputPlan
 from utils.inference.outputs import mask_to_image
 from utils.inference.overlays import find_truth_mask, load_truth_classes, render_visualization
+from utils.output_files import OutputError, write_file
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +36,22 @@ class Writer:
     save_mask: bool
     save_viz: bool
     masks_dir: Path | None
+    class_names: tuple[str, ...] = ()
 
     def write(self, prediction: Prediction, plan: OutputPlan) -> str | None:
-        """Write one prediction's files; returns an error message instead of raising."""
+        """Write one prediction's files; returns an error message instead of raising, except for an
+        ``OutputError`` of the output location (see the module docstring)."""
         assert prediction.classes is not None
         try:
             if self.save_mask:
-                mask_to_image(prediction.classes, self.mask_values).save(plan.mask)
+                mask = mask_to_image(prediction.classes, self.mask_values)
+                write_file(plan.mask, mask.save, f"the mask of {prediction.item.path}")
             if self.save_viz:
                 self._write_viz(prediction, plan.viz)
+        except OutputError as error:
+            if error.location_failure:
+                raise
+            return f"{prediction.item.path}: could not write its output: {error}"
         except (OSError, ValueError, UserError) as error:
             return f"{prediction.item.path}: could not write its output: {error}"
         return None
@@ -55,13 +68,18 @@ class Writer:
                 )
             else:
                 truth = load_truth_classes(truth_path, self.mask_values, item.original_size)
-        render_visualization(item.original, prediction.classes, self.colours, truth, self.mask_values).save(path)
+        overlay = render_visualization(
+            item.original, prediction.classes, self.colours, truth, self.mask_values, self.class_names
+        )
+        write_file(path, overlay.save, f"the overlay of {item.path}")
 
 
 def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: Sequence[OutputPlan]) -> list[str]:
     """Write every prediction in ``writer``'s threads; returns the failures (each logged), inputs' and writes'.
 
-    At most ``MAX_PENDING_WRITES`` predictions wait for a thread, so a fast model cannot fill memory with them.
+    At most ``MAX_PENDING_WRITES`` predictions wait for a thread, so a fast model cannot fill memory with them. An
+    ``OutputError`` of the output location is raised once the threads stop; writes not yet started are cancelled and
+    ``predictions`` is closed (its loader workers stop) so that nothing waits for them.
     """
     failures: list[str] = []
     pending: deque[Future] = deque()
@@ -72,7 +90,8 @@ def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: 
             logger.error("%s", message)
             failures.append(message)
 
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer") as pool:
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer")
+    try:
         for prediction in predictions:
             if prediction.error is not None:
                 logger.error("%s", prediction.error)
@@ -83,4 +102,9 @@ def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: 
                 collect(pending.popleft())
         while pending:
             collect(pending.popleft())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(predictions, "close", None)
+        if close is not None:
+            close()
     return failures

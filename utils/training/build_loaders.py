@@ -8,22 +8,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from utils.distributed import DistributedContext
 from utils.errors import ConfigError
+from utils.evaluation import shard_range
 from utils.hardware import available_cpus, threads_per_process
+from utils.shared_memory import SharedMemoryGuard, check_room
 from utils.training.config import TrainConfig
 from utils.training.data import DataConfig, TrainData, build_train_loader, build_val_loader, default_num_workers
 from utils.training.sampler import ResumableDistributedSampler
+
+WORKERS_FIX = "--num-workers 0"
+"""train.py's flag that keeps loading in the training process (see utils.shared_memory)."""
 
 
 @dataclass
 class Loaders:
     sampler: ResumableDistributedSampler
-    train: DataLoader
-    val: DataLoader | None
-    """Global rank 0 only."""
+    train: DataLoader | SharedMemoryGuard
+    val: DataLoader | SharedMemoryGuard | None
+    """Global rank 0 only; every rank its part with --val-mode sharded."""
     num_workers: int
     """Loader processes per rank, each loader."""
 
@@ -40,6 +45,10 @@ def data_config(config: TrainConfig) -> DataConfig:
         batch_size=config.batch_size,
         pixel_cache=config.pixel_cache,
         ignore_values=tuple(config.ignore_values),
+        split_by=config.split_by,
+        group_pattern=config.group_pattern,
+        folds=config.folds,
+        fold=config.fold,
     )
 
 
@@ -61,13 +70,32 @@ def build_loaders(config: TrainConfig, settings: DataConfig, ctx: DistributedCon
     )
     num_workers = config.num_workers
     if num_workers is None:
+        # The cost per item is measured (two items decoded) only where the default uses it: on CUDA.
+        item_seconds, item_pixels = data.item_cost() if ctx.device.type == "cuda" else (None, None)
         num_workers = default_num_workers(
-            ctx.device.type,
-            threads_per_process(available_cpus(), ctx.local_world_size),
-            data.item_seconds,
-            data.item_pixels,
+            ctx.device.type, threads_per_process(available_cpus(), ctx.local_world_size), item_seconds, item_pixels
+        )
+    if num_workers and len(data.train_set):  # the ranks of this machine share its /dev/shm
+        check_room(
+            data.train_set[0],
+            batch_size=config.batch_size,
+            workers=num_workers,
+            workers_fix=WORKERS_FIX,
+            processes=ctx.local_world_size,
         )
     pin = ctx.device.type == "cuda"
     train = build_train_loader(data.train_set, sampler, settings, num_workers=num_workers, pin=pin)
-    val = build_val_loader(data.val_set, settings, num_workers=num_workers, pin=pin) if ctx.is_main else None
-    return Loaders(sampler=sampler, train=train, val=val, num_workers=num_workers)
+    val = None
+    if config.val_mode == "sharded" and ctx.is_distributed:
+        # Every rank validates its own part (utils.evaluation.shard_range); the scores are all-reduced.
+        shard = Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size))
+        val = build_val_loader(shard, settings, num_workers=num_workers, pin=pin)
+    elif ctx.is_main:
+        val = build_val_loader(data.val_set, settings, num_workers=num_workers, pin=pin)
+    # A worker that cannot share its batch (a small /dev/shm) becomes one Error: line naming the fix.
+    return Loaders(
+        sampler=sampler,
+        train=SharedMemoryGuard(train, WORKERS_FIX),
+        val=SharedMemoryGuard(val, WORKERS_FIX) if val is not None else None,
+        num_workers=num_workers,
+    )

@@ -7,19 +7,22 @@ same images. ``wrap_for_training`` then gives the model the forward pass calls (
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from unet import UNet, UNetArgs
+from unet import UNetArgs
+from unet import build_model as build_architecture
 from utils.checkpoint import LoadedWeights, read_model_weights
 from utils.distributed import DistributedContext
 from utils.errors import ConfigError
 from utils.model_spec import check_expected, load_weights_into, spec_of
 from utils.training.config import TrainConfig
 from utils.training.data import TrainData
+from utils.training.encoder_weights import load_encoder_weights
 from utils.training.state import TrainingState, dataset_record
 from utils.training.sync_batchnorm import convert_sync_batchnorm
 
@@ -32,26 +35,33 @@ def build_model(
     data: TrainData,
     resume_path: str | None,
     state: TrainingState | None,
-) -> tuple[UNet, dict[str, Any]]:
-    """The plain UNet on ``ctx.device`` with its starting weights (``state`` read from ``resume_path``, else --load),
-    and its constructor arguments."""
-    model_args = UNetArgs(
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model (UNet, or ResNet-encoder UNet with --encoder) on ``ctx.device`` with its starting weights (``state``
+    read from ``resume_path``, else --load, else --encoder-weights for the encoder), and its constructor arguments."""
+    unet_args = UNetArgs(
         n_channels=data.n_channels,
         n_classes=config.classes,
         bilinear=config.bilinear,
         base_channels=config.base_channels,
-    ).as_dict()
-    model = UNet(**model_args)
+        encoder=config.encoder,
+        deep_supervision=config.deep_supervision,
+    )
+    model_args = unet_args.as_dict()
+    # Every argument is compared with a file's, the optional ones too (as_dict leaves out their defaults).
+    wanted_args = dataclasses.asdict(unet_args)
+    model = build_architecture(model_args)
     if state is not None:
         assert resume_path is not None  # a state is always read from a file
         _check_same_dataset(state.dataset, data, resume_path)
-        _load_weights(model, state.weights, model_args, resume_path, "--resume")
+        _load_weights(model, state.weights, wanted_args, resume_path, "--resume")
         _warn_mask_values(state.mask_values, data.mask_values, resume_path)
     elif config.load:
         loaded = read_model_weights(config.load)
-        _load_weights(model, loaded, model_args, config.load, "--load")
+        _load_weights(model, loaded, wanted_args, config.load, "--load")
         _warn_mask_values(loaded.mask_values, data.mask_values, config.load)
         logger.info("Model weights loaded from %s", config.load)
+    elif config.encoder_weights:
+        load_encoder_weights(model.encoder, config.encoder_weights, config.encoder)
     if config.checkpointing:
         model.use_checkpointing()
     if config.sync_bn:
@@ -88,7 +98,9 @@ def _check_same_dataset(saved: dict[str, Any] | None, data: TrainData, path: str
         )
 
 
-def _load_weights(model: UNet, loaded: LoadedWeights, wanted_args: dict[str, Any], path: str, flag: str) -> None:
+def _load_weights(
+    model: torch.nn.Module, loaded: LoadedWeights, wanted_args: dict[str, Any], path: str, flag: str
+) -> None:
     """Load ``loaded`` after checking it was made for the model these flags and images describe."""
     spec = spec_of(loaded, path)
     check_expected(spec, wanted_args, path, source=flag, images_from="--imgs")

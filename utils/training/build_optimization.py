@@ -16,7 +16,13 @@ import torch
 from utils.errors import ConfigError
 from utils.training.config import TrainConfig, parse_class_weights
 from utils.training.data import TrainData
-from utils.training.objective import OptimizerConfig, auto_class_weights, build_optimizer, build_scheduler
+from utils.training.objective import (
+    OptimizerConfig,
+    auto_class_weights,
+    build_optimizer,
+    build_scheduler,
+    steps_every_update,
+)
 from utils.training.state import TrainingState
 from utils.training.step import StepConfig, TrainStep
 
@@ -40,6 +46,7 @@ def optimizer_config(config: TrainConfig) -> OptimizerConfig:
         weight_decay=config.weight_decay,
         momentum=config.momentum,
         scheduler=config.scheduler,
+        warmup_steps=config.warmup_steps,
     )
 
 
@@ -53,6 +60,14 @@ def build_optimization(
 ) -> Optimization:
     """Optimizer, schedule (planned over ``total_steps``) and scaler, with their state from ``state`` if resumed."""
     settings = optimizer_config(config)
+    if state is None and settings.warmup_steps >= total_steps and settings.scheduler != "plateau":
+        logger.warning(
+            "--warmup-steps %d is not shorter than the run's %d optimizer steps: the learning rate never reaches the "
+            "%s schedule",
+            settings.warmup_steps,
+            total_steps,
+            settings.scheduler,
+        )
     optimizer = build_optimizer(settings, parameters)
     # Planned for the run's epochs; a resumed run's scheduler state brings back the plan it was made with.
     scheduler = build_scheduler(settings, optimizer, total_steps)
@@ -81,8 +96,8 @@ def build_step(
         model=model,
         raw_model=raw_model,
         optimizer=optimization.optimizer,
-        # ReduceLROnPlateau steps on validation Dice, in the loop, not after every update.
-        scheduler=None if config.scheduler == "plateau" else optimization.scheduler,
+        # ReduceLROnPlateau steps on validation Dice, in the loop; only its warmup (if any) steps after every update.
+        scheduler=optimization.scheduler if steps_every_update(optimizer_config(config)) else None,
         scaler=optimization.scaler,
         device=device,
     )
@@ -95,6 +110,9 @@ def step_config(config: TrainConfig, precision: str, class_weights: tuple[float,
         grad_clip=config.grad_clip,
         channels_last=config.channels_last,
         class_weights=class_weights,
+        freeze_encoder_before_epoch=config.start_from - 1 + config.freeze_encoder_epochs
+        if config.freeze_encoder_epochs
+        else 0,
     )
 
 

@@ -10,17 +10,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from unet import ENCODERS
+from utils.class_names import parse_class_names
 from utils.cli import DEVICE_HELP, device_flag
+from utils.datasets.splits import SPLIT_BY_IMAGE, SPLIT_RULES, check_split_flags
 from utils.errors import ConfigError
 from utils.hardware import PRECISIONS
+from utils.machine_bounds import check_model_fits, check_threads, check_workers
+from utils.training.config_file import add_config_flag, apply_config_file
 from utils.training.flags import Range, add_flags, check_ranges, flag, require_number
 from utils.training.objective import CLASS_WEIGHTS_AUTO, OPTIMIZERS, SCHEDULERS
 
 WANDB_MODES = ("online", "offline", "disabled")
+VAL_MODES = ("rank0", "sharded")
+REQUEUE_SIGNALS = ("USR1", "USR2", "none")
 RESUME_AUTO = "auto"
 
 
@@ -41,7 +49,7 @@ class TrainConfig:
     """Everything a training run needs; ``args`` in checkpoints is ``dataclasses.asdict`` of this.
 
     Each field is also its flag (``utils.training.flags.flag``): spellings, help group, help and range sit beside the
-    name, type and default, and the parser, the range checks and the README's flags table all follow them.
+    name, type and default, and the parser, the range checks and docs/TRAINING.md's flags table all follow them.
     """
 
     # data
@@ -95,6 +103,34 @@ class TrainConfig:
         range=Range(0, MAX_SEED),
     )
     """Seed of model initialisation, data order and augmentation."""
+    split_by: str = flag(
+        SPLIT_BY_IMAGE,
+        "--split-by",
+        group="data",
+        choices=SPLIT_RULES,
+        help="Train/validation split: 'image' (seeded random over images) or 'prefix' (ids sharing the part before "
+        "the last '_', e.g. a Carvana car's 16 views, stay on one side)",
+    )
+    """How the validation images are chosen (utils.datasets.splits); docs/VALIDATION.md."""
+    group_pattern: str | None = flag(
+        None,
+        "--group-pattern",
+        group="data",
+        metavar="REGEX",
+        help="With --split-by prefix: a regular expression whose first group is an id's group (default: the part "
+        "before the last '_')",
+    )
+    """The group of an image id, for --split-by prefix: the first group of this pattern (``re.search``)."""
+    folds: int = flag(
+        0,
+        "--folds",
+        group="data",
+        help="Cross-validation folds (0 = off; N >= 2: fold --fold validates)",
+        range=Range(0),
+    )
+    """Number of folds; each fold trains in its own run folder ``<exp_name>-fold<K>``."""
+    fold: int = flag(0, "--fold", group="data", help="The fold that validates, 0..--folds - 1", range=Range(0))
+    """The fold that validates (with --folds)."""
 
     # model
     classes: int = flag(
@@ -112,6 +148,39 @@ class TrainConfig:
         64, "--base-channels", group="model", help="Width of the first UNet block", range=Range(1)
     )
     """Width of the first UNet block (64 = the classic model)."""
+    encoder: str = flag(
+        "unet",
+        "--encoder",
+        group="model",
+        help="unet (milesial's UNet) or a torchvision ResNet encoder under a UNet decoder (inputs normalised with "
+        "ImageNet mean/std inside the model)",
+        choices=ENCODERS,
+    )
+    """unet (milesial's architecture) or resnet18/34/50: a torchvision ResNet under a UNet decoder."""
+    encoder_weights: str | None = flag(
+        None,
+        "--encoder-weights",
+        group="model",
+        metavar="PATH",
+        help="Local torchvision state dict for the ResNet encoder (e.g. resnet34-b627a593.pth; fc.* is dropped; "
+        "never downloaded)",
+    )
+    """A local torchvision ResNet state dict loaded into the encoder of a new run (utils.training.encoder_weights)."""
+    freeze_encoder_epochs: int = flag(
+        0,
+        "--freeze-encoder-epochs",
+        group="model",
+        help="Train the decoder alone for the first N epochs (the ResNet encoder's weights stay as loaded)",
+        range=Range(0, zero="off"),
+    )
+    """Epochs at the start of the run in which the ResNet encoder's parameters are not updated."""
+    deep_supervision: bool = flag(
+        False,
+        "--deep-supervision",
+        group="model",
+        help="Also supervise decoder outputs at 1/2 and 1/4 resolution (nnU-Net weights 1, 0.5, 0.25; training only)",
+    )
+    """Auxiliary logits at 1/2 and 1/4 resolution in the training loss (unet.deep_supervision); not at inference."""
 
     # optimisation
     epochs: int = flag(
@@ -140,10 +209,12 @@ class TrainConfig:
         "cosine",
         "--scheduler",
         group="optimisation",
-        help="cosine annealing per step, or ReduceLROnPlateau on validation Dice",
+        help="cosine annealing per step, poly (nnU-Net: (1 - t/T)^0.9 per step), or ReduceLROnPlateau on validation "
+        "Dice",
         choices=SCHEDULERS,
     )
-    """cosine (per optimizer step, to zero at the last epoch), or plateau (ReduceLROnPlateau on validation Dice)."""
+    """cosine or poly (per optimizer step, to zero at the last epoch), or plateau (ReduceLROnPlateau on validation
+    Dice)."""
     weight_decay: float = flag(
         1e-8,
         "--weight-decay",
@@ -202,6 +273,53 @@ class TrainConfig:
         "10x the most frequent class, mean 1) or one number per class (two for --classes 1)",
     )
     """Cross-entropy class weights: 'auto' (inverse frequency, clipped, mean 1) or one number per class ('1,5,5')."""
+    warmup_steps: int = flag(
+        0,
+        "--warmup-steps",
+        group="optimisation",
+        metavar="N",
+        help="Optimizer steps of linear warmup from ~0 to the learning rate, before any --scheduler (0 = none)",
+        range=Range(0, zero="none"),
+    )
+    """Linear warmup of the learning rate over this many optimizer steps before the schedule (0 = none)."""
+    ema: float | None = flag(
+        None,
+        "--ema",
+        group="optimisation",
+        metavar="DECAY",
+        help="Keep an exponential moving average of the weights with this decay in (0, 1), e.g. 0.999; validation, "
+        "best.pth and predict use it",
+        range=Range(0, 1, low_open=True, high_open=True),
+    )
+    """Decay of the exponential moving average of the weights (None = off); utils.training.ema."""
+    patience: int = flag(
+        0,
+        "--patience",
+        group="optimisation",
+        metavar="N",
+        help="Stop after N validations without an improvement of validation Dice by more than --min-delta (0 = off)",
+        range=Range(0, zero="off"),
+    )
+    """Early stopping: validations without improvement before the run stops (0 = off); utils.training.early_stop."""
+    min_delta: float = flag(
+        0.0,
+        "--min-delta",
+        group="optimisation",
+        metavar="D",
+        help="With --patience: the validation Dice improvement that counts, in [0, 1)",
+        range=Range(0, 1, high_open=True),
+    )
+    """With --patience: a validation counts as an improvement when its Dice beats the best by more than this."""
+    class_names: str | None = flag(
+        None,
+        "--class-names",
+        group="data",
+        metavar="NAME,NAME,...",
+        help="One name per class, background first (two for --classes 1); predict's legends and evaluate's table "
+        "show them",
+    )
+    """Class names separated by commas ('background,car'), recorded in checkpoints for predict's and evaluate's
+    output."""
 
     # distributed: torchrun needs none of these but --ddp_mode; the others serve manual and legacy launches.
     ddp_mode: bool = flag(
@@ -316,8 +434,35 @@ class TrainConfig:
     """Validate every this many epochs (the last epoch is always validated)."""
     log_every: int = flag(10, "--log-every", group="logging", help="Log every N optimizer steps", range=Range(1))
     """Log loss/lr/throughput every this many optimizer steps (the only host syncs of the training loop)."""
+    no_progress: bool = flag(
+        False, "--no-progress", group="logging", help="Log lines instead of progress bars (also when not a terminal)"
+    )
+    """No progress bars: a log line every --log-every steps (automatic when stderr is not a terminal)."""
+    val_mode: str = flag(
+        "rank0",
+        "--val-mode",
+        group="distributed",
+        help="Validate on global rank 0 (rank0) or split across ranks (sharded, same scores)",
+        choices=VAL_MODES,
+    )
+    """rank0: rank 0 validates while the others wait; sharded: each rank a disjoint part, the sums all-reduced."""
+    requeue_signal: str = flag(
+        "USR1",
+        "--requeue-signal",
+        group="distributed",
+        help="Under SLURM: the signal (#SBATCH --signal=SIG@SECONDS) that saves, requeues the job and exits",
+        choices=REQUEUE_SIGNALS,
+    )
+    """Under SLURM, this signal saves the full state and requeues the job (scontrol requeue); 'none' = off."""
     wandb: str = flag("disabled", "--wandb", group="logging", help="Weights & Biases mode", choices=WANDB_MODES)
     """Weights & Biases mode; 'disabled' sends nothing and does not import wandb."""
+    tensorboard: bool = flag(
+        False,
+        "--tensorboard",
+        group="logging",
+        help="Write TensorBoard events (the metrics.jsonl scalars, a few validation images) to <run>/tensorboard/",
+    )
+    """TensorBoard events in <run>/tensorboard/ from global rank 0 (``utils.training.tensorboard_log``)."""
 
     # performance
     device: str = flag("auto", "--device", group="performance", help=DEVICE_HELP, value_type=device_flag)
@@ -390,17 +535,19 @@ def build_parser() -> argparse.ArgumentParser:
         # "--epoch 1" must not pass for --epochs: a typo gets a suggestion instead (parse_config).
         allow_abbrev=False,
     )
+    add_config_flag(parser)
     add_flags(parser, TrainConfig, HELP_GROUPS)
     return parser
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Parse ``argv`` (default: sys.argv[1:]) into a validated TrainConfig."""
+    """Parse ``argv`` (default: sys.argv[1:]) into a validated TrainConfig; ``--config FILE`` under the flags."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     namespace, unknown = parser.parse_known_args(argv)
     if unknown:
         raise ConfigError(unknown_arguments_message(parser, unknown))
-    config = TrainConfig(**vars(namespace))
+    config = TrainConfig(**apply_config_file(parser, argv, vars(namespace), TrainConfig))
     validate_config(config)
     return config
 
@@ -422,8 +569,12 @@ def unknown_arguments_message(parser: argparse.ArgumentParser, unknown: Sequence
 def validate_config(config: TrainConfig) -> None:
     """Reject impossible values before anything is built; every message names the flag to change."""
     check_ranges(config)  # each flag's own range, declared with its field
+    check_machine_bounds(config)
+    check_split_flags(config.split_by, config.group_pattern, config.folds, config.fold)
     if config.class_weights is not None:
         parse_class_weights(config.class_weights, config.classes)
+    if config.class_names is not None:
+        parse_class_names(config.class_names, config.classes)
     _require(
         bool(config.exp_name) and "/" not in config.exp_name and config.exp_name not in (".", ".."),
         f"--exp_name {config.exp_name!r} must be a plain folder name (no '/')",
@@ -431,6 +582,23 @@ def validate_config(config: TrainConfig) -> None:
     _require(
         not (config.amp and config.precision == "fp32"),
         "--amp asks for mixed precision but --precision fp32 forbids it; drop one of the two",
+    )
+    _require(
+        config.encoder != "unet" or not (config.encoder_weights or config.freeze_encoder_epochs),
+        "--encoder-weights and --freeze-encoder-epochs need a ResNet encoder; add --encoder resnet34 (or resnet18, "
+        "resnet50, matching the weights file)",
+    )
+    _require(
+        not (config.encoder_weights and config.load),
+        "--load sets every weight, the encoder's too, so --encoder-weights would be ignored; pass only one of them",
+    )
+    _require(
+        not (config.encoder != "unet" and config.bilinear),
+        f"--bilinear applies to --encoder unet only; drop it with --encoder {config.encoder}",
+    )
+    _require(
+        not (config.encoder != "unet" and config.checkpointing),
+        f"--checkpointing is implemented for --encoder unet only; drop it with --encoder {config.encoder}",
     )
     _require(
         not (config.load and config.resume),
@@ -450,6 +618,15 @@ def validate_config(config: TrainConfig) -> None:
         config.dist_url is None or config.dist_url.startswith(("tcp://", "file://", "env://")),
         f"--dist-url must look like tcp://HOST:PORT, got {config.dist_url!r}",
     )
+
+
+def check_machine_bounds(config: TrainConfig) -> None:
+    """The bounds this machine sets (``utils.machine_bounds``), checked before a run folder or a model exists."""
+    check_threads(config.threads)
+    if config.num_workers is not None:
+        check_workers(config.num_workers, "--num-workers")
+    # The photos' channels are not known yet: 3 (the first layer's share of the weights is negligible).
+    check_model_fits(3, config.classes, bilinear=config.bilinear, base_channels=config.base_channels)
 
 
 def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:

@@ -9,17 +9,22 @@ last value, so the curves of a resumed run continue as one line.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
-import os
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from utils.output_files import OutputError, write_file
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+logger = logging.getLogger(__name__)
 
 Points = list[tuple[float, float]]
 
@@ -27,6 +32,7 @@ FIGURE_SIZE_INCHES = (14.0, 8.0)
 DPI = 80
 LOSS_COLOUR = "#1f77b4"
 DICE_COLOUR = "#d62728"
+SERIES_DIGEST_KEY = "unet-ddp curves sha256"
 
 
 @dataclass
@@ -45,7 +51,7 @@ class Series:
 
 
 def read_series(metrics_path: Path) -> Series:
-    """The curves in ``metrics_path``; lines cut short by a crash are skipped."""
+    """The curves in ``metrics_path``; lines cut short by a crash (see ``output_files.open_for_append``) are skipped."""
     train: dict[int, dict] = {}
     val: dict[int, dict] = {}
     with open(metrics_path, encoding="utf-8") as handle:
@@ -53,6 +59,8 @@ def read_series(metrics_path: Path) -> Series:
             try:
                 event = json.loads(line)
             except json.JSONDecodeError:
+                continue
+            if not isinstance(event, dict):  # a torn line can still parse (as a number, say)
                 continue
             if event.get("event") == "train":
                 train[int(event["global_step"])] = event
@@ -166,18 +174,50 @@ def _plot(
 
 
 def draw_curves(metrics_path: Path, out_path: Path) -> None:
-    """Write the curves of ``metrics_path`` to ``out_path`` (PNG), atomically: a viewer never sees half a file."""
+    """Write the curves of ``metrics_path`` to ``out_path`` (PNG), all or nothing (``utils.output_files``): a viewer
+    never sees half a file, and a failed write leaves the previous figure.
+
+    A figure already drawn from the same curves is left as it is: the loop draws after each validation and again at
+    the end of the run, and drawing takes about half a second of the training process's time (a second with
+    matplotlib's import). The PNG carries a digest of its curves in a text chunk for this check.
+    """
+    series = read_series(metrics_path)
+    digest = series_digest(series)
+    if drawn_digest(out_path) == digest:
+        return
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    figure = build_figure(read_series(metrics_path))
-    temporary = out_path.with_name(f".{out_path.name}.tmp")
-    FigureCanvasAgg(figure).print_png(str(temporary))
-    os.replace(temporary, out_path)
+    figure = build_figure(series)
+    metadata = {SERIES_DIGEST_KEY: digest}
+    write_file(
+        out_path, lambda temporary: FigureCanvasAgg(figure).print_png(str(temporary), metadata=metadata), "the curves"
+    )
+
+
+def series_digest(series: Series) -> str:
+    """A digest of everything the figure shows."""
+    return hashlib.sha256(repr(series).encode()).hexdigest()
+
+
+def drawn_digest(png_path: Path) -> str | None:
+    """The curves digest stored in ``png_path`` by ``draw_curves``; None when the file is missing or has none."""
+    from PIL import Image
+
+    try:
+        with Image.open(png_path) as image:
+            return image.text.get(SERIES_DIGEST_KEY)  # type: ignore[attr-defined]
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def write_curves_if_possible(metrics_path: Path, out_path: Path) -> bool:
-    """Draw the curves when metrics exist; False when there is nothing to draw yet."""
+    """Draw the curves when metrics exist; False when there is nothing to draw yet or the figure could not be
+    written (a warning: the figure is a view of metrics.jsonl, and must not end a training run)."""
     if not metrics_path.exists():
         return False
-    draw_curves(metrics_path, out_path)
+    try:
+        draw_curves(metrics_path, out_path)
+    except OutputError as error:
+        logger.warning("%s; training continues without updating it", error)
+        return False
     return True

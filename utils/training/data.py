@@ -7,19 +7,30 @@ import math
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, random_split
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from utils.datasets.dataset import BasicDataset
+from utils.datasets.splits import (
+    SPLIT_BY_IMAGE,
+    SPLIT_SEED,
+    SplitRecord,
+    SplitRule,
+    check_same_split,
+    groups_across,
+    looks_grouped,
+    make_record,
+    split_positions,
+    write_split_file,
+)
 from utils.errors import ConfigError
+from utils.shared_memory import loader_timeout
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 
 logger = logging.getLogger(__name__)
 
-# milesial/Pytorch-UNet splits with random_split(..., generator=torch.Generator().manual_seed(0)); the same fixed seed
-# keeps its validation set, and makes the split identical on every rank whatever --seed is.
-SPLIT_SEED = 0
 MAX_DEFAULT_WORKERS = 16
 # What one GPU process consumes, in input pixels per second, to size its loaders: an H200 trains the base-64 UNet at
 # 959x640 (2.7 TFLOP per image, forward + backward) at about 180 images/s at half its dense bf16 peak, ~1.1e8
@@ -46,6 +57,21 @@ class DataConfig:
     """Folder of decoded, resized pixels (--pixel-cache), filled by the loaders of the first epoch; None: no cache."""
     ignore_values: tuple[int, ...] = ()
     """Void mask values (--ignore-value): not classes, their pixels are ``IGNORE_INDEX`` in the masks."""
+    split_by: str = SPLIT_BY_IMAGE
+    """--split-by: ``image`` (seeded random over images) or ``prefix`` (groups stay on one side)."""
+    group_pattern: str | None = None
+    folds: int = 0
+    fold: int = 0
+
+    def split_rule(self) -> SplitRule:
+        return SplitRule(
+            by=self.split_by,
+            group_pattern=self.group_pattern,
+            validation=self.validation,
+            folds=self.folds,
+            fold=self.fold,
+            seed=SPLIT_SEED,
+        )
 
 
 @dataclass
@@ -57,14 +83,27 @@ class TrainData:
     train_dataset: BasicDataset
     mask_values: list
     n_channels: int
-    item_seconds: float
-    """Measured time to load one training item in this process (decode or cache read, augmentation)."""
-    item_pixels: int
-    """Pixels of one network input (height x width)."""
+    item_seconds: float | None = None
+    """Measured time to load one training item in this process (decode or cache read, augmentation); None until
+    ``item_cost()`` measured it."""
+    item_pixels: int | None = None
+    """Pixels of one network input (height x width); None until ``item_cost()`` measured it."""
     train_class_pixels: list[int] = field(default_factory=list)
     """Pixels of each class over the training images (full-size masks, void excluded), from the mask scan."""
     train_foreground: list[int] = field(default_factory=list)
     """Positions in ``train_set`` of the images that contain a non-background class."""
+    split: SplitRecord | None = None
+    """The ids on each side and the rule that made them (``split.json``, its digest in every checkpoint)."""
+
+    def item_cost(self) -> tuple[float, int]:
+        """(seconds to load one training item here, pixels of one network input), measured on the first call.
+
+        Only the CUDA default of --num-workers needs it; decoding two items on every start bought a CPU run nothing.
+        """
+        if self.item_seconds is None or self.item_pixels is None:
+            seconds, shape = measure_item(self.train_set)
+            self.item_seconds, self.item_pixels = seconds, shape[-1] * shape[-2]
+        return self.item_seconds, self.item_pixels
 
 
 def build_data(config: DataConfig, *, world_size: int) -> TrainData:
@@ -83,33 +122,67 @@ def build_data(config: DataConfig, *, world_size: int) -> TrainData:
     # The split is defined on the unaugmented dataset; the training subset reads the same files through an augmenting
     # twin that shares its index and scan.
     augmented = plain.with_augmentation(config.seed) if config.augment else plain
-    n_val, n_train = split_sizes(len(plain), config.validation)
-    if n_val == 0 or n_train == 0:
-        raise ConfigError(
-            f"--validation {config.validation:g} leaves {n_train} training and {n_val} validation images out of "
-            f"{len(plain)}; choose a percentage that leaves at least one of each, or add images to {config.imgs}"
-        )
+    train_positions, val_positions = split_data(plain.ids, config)
+    n_train = len(train_positions)
     per_rank = BatchPlan(n_train=n_train, batch_size=config.batch_size, world_size=world_size).images_per_rank()
     if config.batch_size > per_rank:
         raise ConfigError(
             f"--batch-size {config.batch_size} is larger than the {per_rank} training images each of the "
             f"{world_size} process(es) gets ({n_train} in total); use --batch-size {per_rank} or less"
         )
-    generator = torch.Generator().manual_seed(SPLIT_SEED)
-    train_split, val_split = random_split(range(len(plain)), [n_train, n_val], generator=generator)
-    train_set = Subset(augmented, list(train_split))
-    item_seconds, shape = measure_item(train_set)
+    train_set = Subset(augmented, train_positions)
     return TrainData(
         train_set=train_set,
-        val_set=Subset(plain, list(val_split)),
+        val_set=Subset(plain, val_positions),
         train_dataset=augmented,
         mask_values=list(plain.mask_values),
         n_channels=plain.channels,
-        item_seconds=item_seconds,
-        item_pixels=shape[-1] * shape[-2],
         train_class_pixels=plain.class_pixel_counts(train_set.indices),
         train_foreground=[position for position, index in enumerate(train_set.indices) if plain.has_foreground(index)],
+        split=make_record(plain.ids, config.split_rule(), train_positions, val_positions),
     )
+
+
+def split_data(ids: list[str], config: DataConfig) -> tuple[list[int], list[int]]:
+    """(train, validation) positions of the dataset's ids under the split flags; a ConfigError when a side is empty."""
+    rule = config.split_rule()
+    train, validation = split_positions(ids, rule)
+    if not train or not validation:
+        if rule.by == SPLIT_BY_IMAGE and not rule.folds:
+            raise ConfigError(
+                f"--validation {config.validation:g} leaves {len(train)} training and {len(validation)} validation "
+                f"images out of {len(ids)}; choose a percentage that leaves at least one of each, or add images to "
+                f"{config.imgs}"
+            )
+        raise ConfigError(
+            f"--split-by {rule.by}{f' --folds {rule.folds}' if rule.folds else ''} leaves {len(train)} training and "
+            f"{len(validation)} validation images out of {len(ids)}: the ids form too few groups; use --split-by "
+            f"image, fewer --folds, or add images to {config.imgs}"
+        )
+    if rule.by == SPLIT_BY_IMAGE and looks_grouped(ids):
+        spanning, n_groups = groups_across(ids, train, validation)
+        if spanning:
+            logger.warning(
+                "the image ids look grouped (%d ids share %d prefixes before their last '_', e.g. several views of "
+                "one car) and the random split puts %d of those groups on both sides, so validation sees near-copies "
+                "of training images; use --split-by prefix (docs/VALIDATION.md)",
+                len(ids),
+                n_groups,
+                spanning,
+            )
+    return train, validation
+
+
+def record_split(
+    split: SplitRecord | None, split_file: Path, *, saved_digest: str | None, resume_path: str | None, write: bool
+) -> None:
+    """Refuse resuming a checkpoint trained on another split; write ``split.json`` (the folder's writer only)."""
+    if split is None:
+        return
+    if resume_path is not None:
+        check_same_split(saved_digest, split, resume_path)
+    if write:
+        write_split_file(split_file, split)
 
 
 def measure_item(dataset: Dataset, samples: int = 2) -> tuple[float, torch.Size]:
@@ -120,12 +193,6 @@ def measure_item(dataset: Dataset, samples: int = 2) -> tuple[float, torch.Size]
         shape = dataset[index]["image"].shape
         timings.append(time.perf_counter() - started)
     return min(timings), shape
-
-
-def split_sizes(n_images: int, validation_percent: float) -> tuple[int, int]:
-    """(validation, training) image counts, rounded as milesial does."""
-    n_val = int(n_images * (validation_percent / 100))
-    return n_val, n_images - n_val
 
 
 def default_num_workers(
@@ -161,6 +228,7 @@ def build_train_loader(
         # augmentation.
         persistent_workers=False,
         worker_init_fn=_ignore_stop_signals if num_workers else None,
+        timeout=loader_timeout(num_workers),  # a batch lost in /dev/shm is an error, not a hang (shared_memory)
         # A private generator: creating an iterator draws a base seed, which must not consume the global RNG.
         generator=torch.Generator().manual_seed(config.seed),
     )
@@ -176,6 +244,7 @@ def build_val_loader(val_set: Dataset, config: DataConfig, *, num_workers: int, 
         pin_memory=pin,
         drop_last=False,
         worker_init_fn=_ignore_stop_signals if num_workers else None,
+        timeout=loader_timeout(num_workers),
         generator=torch.Generator().manual_seed(config.seed),
     )
 

@@ -3,7 +3,7 @@
 A field of ``TrainConfig`` is declared as ``epochs: int = flag(5, "--epochs", "-e", group=..., help=...,
 range=Range(1))``: its name, type (the annotation), default, spellings, help group, help text and allowed range are in
 that one line. ``add_flags`` makes the argparse arguments from the fields, ``check_ranges`` the range errors, and the
-README's flags table is tested against the same fields (``tests/test_readme_flags.py``).
+flags table of docs/TRAINING.md is tested against the same fields (``tests/test_readme_flags.py``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ the training loop never waits for it, and every rank still sees the same answer 
 together, rank 0 writes ``INTERRUPTED.pth`` and each process exits with ``128 + signal`` (130 for SIGINT, 143 for
 SIGTERM).
 
+Under SLURM the requeue signal (``--requeue-signal``, SIGUSR1 by default) is handled the same way when ``install`` is
+given it; after the stop, rank 0 requeues the job (``utils.training.requeue``).
+
 The same all-reduce carries rank 0's wish to save by wall time (--save-every-minutes): only rank 0 reads its clock,
 and every rank learns its decision at the same step boundary, so all of them save at the same step.
 """
@@ -14,6 +17,7 @@ and every rank learns its decision at the same step boundary, so all of them sav
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
@@ -29,14 +33,15 @@ HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class InterruptFlag:
-    """Records the first SIGINT/SIGTERM received while installed; later ones are ignored (the first one wins)."""
+    """Records the first handled signal received while installed; later ones are ignored (the first one wins)."""
 
     def __init__(self) -> None:
         self.signum = 0
         self._previous: dict[int, Any] = {}
 
-    def install(self) -> InterruptFlag:
-        for signum in HANDLED_SIGNALS:
+    def install(self, extra: Sequence[int] = ()) -> InterruptFlag:
+        """Handle SIGINT, SIGTERM and the ``extra`` signals (the requeue signal under SLURM)."""
+        for signum in (*HANDLED_SIGNALS, *extra):
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
 

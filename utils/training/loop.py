@@ -37,16 +37,29 @@ from utils.distributed import (
     sum_across_ranks,
 )
 from utils.errors import DatasetError, UserError, user_message
-from utils.evaluation import EvalResult, evaluate_segmentation, predict_classes
+from utils.evaluation import EvalResult, evaluate_segmentation, predict_classes, score_batches
+from utils.training.checkpoint_budget import CheckpointBudget, checkpoint_budget, epoch_files_written, log_budget
 from utils.training.curves import write_curves_if_possible
 from utils.training.data import TrainData
+from utils.training.early_stop import EarlyStopping
+from utils.training.ema import WeightAverage
 from utils.training.interrupts import InterruptFlag, StopAgreement
-from utils.training.reporting import RunReporter, weight_and_grad_histograms
+from utils.training.progress_log import ProgressLog, bars_wanted
+from utils.training.reporting import SAMPLE_IMAGES, RunReporter, weight_and_grad_histograms
 from utils.training.run_folder import RunFolder
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 from utils.training.save_timer import SaveTimer
-from utils.training.state import TrainPosition, build_payload, dataset_record, enter_ranking, inference_of_run
+from utils.training.state import (
+    TrainPosition,
+    build_payload,
+    dataset_record,
+    enter_ranking,
+    inference_of_run,
+    weights_only_payload,
+)
 from utils.training.step import TrainStep
+from utils.training.validation_stop import StoppedValidation, UntilStopped, ValidationStopped
+from utils.wording import count
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +85,12 @@ class LoopConfig:
     """Keep the K best states by validation Dice as best-1.pth .. best-K.pth (0 = off)."""
     plateau_scheduler: bool = False
     """The scheduler steps on validation Dice (ReduceLROnPlateau) instead of after every optimizer step."""
+    no_progress: bool = False
+    """No progress bars even on a terminal: log lines instead (``utils.training.progress_log``)."""
+    sharded_validation: bool = False
+    """--val-mode sharded: every rank scores its part of the validation set and the sums are all-reduced."""
+    early_stopping: EarlyStopping = EarlyStopping()
+    """--patience/--min-delta (off by default)."""
 
 
 @dataclass
@@ -95,6 +114,8 @@ class TrainParts:
     position: TrainPosition
     resume_images_in_epoch: int
     """Global images of epoch ``position.epoch`` already trained by the run this one resumes."""
+    ema: WeightAverage | None = None
+    """--ema: the average of the weights, updated after every applied step; it validates and is saved as the model."""
 
 
 @dataclass
@@ -106,6 +127,8 @@ class TrainOutcome:
     checkpoint: Path | None = None
     """The file holding the final state; None when it could not be saved (the latest step was skipped)."""
     reached_max_steps: bool = False
+    stopped_early: str | None = None
+    """--patience: why the run stopped early (its last line)."""
 
 
 class Trainer:
@@ -127,18 +150,33 @@ class Trainer:
         self.reporter = reporter
         self.position = parts.position
         self._stop = StopAgreement(ctx, interrupts)
+        self._interrupts = interrupts  # read during validation (utils.training.validation_stop)
         self._plan = parts.batch_plan
         self._images_seen = self.position.global_step * self._plan.images_per_step
         self._last_log = (time.perf_counter(), self._images_seen)
         self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
         # Read on global rank 0 only; the other ranks learn its decision through the stop agreement.
         self._save_timer = SaveTimer(config.save_every_minutes)
+        self._bars = bars_wanted(is_main=ctx.is_main, no_progress=config.no_progress)
+        self._progress_log = ProgressLog(
+            enabled=ctx.is_main and not self._bars,
+            last_epoch=config.last_epoch,
+            steps_per_epoch=self._plan.steps_per_epoch,
+            max_steps=config.max_steps,
+        )
+        # Losses of an epoch's last steps, read at its end for the epoch line and counted into the next log window.
+        self._loss_carry = [0.0, 0.0]
+        self._last_validation: tuple[float, float] | None = None
 
     # ---------------------------------------------------------------------------------------------------- public
 
     def train(self) -> TrainOutcome:
         outcome = None
         self.parts.raw_model.train()
+        self._progress_log.start(self.position.global_step)
+        self.reporter.mark("loop_start")  # the benchmark's epoch section: start-up ends here
+        if self.ctx.is_main:
+            log_budget(self._checkpoint_budget())
         # Log lines are written above the progress bars instead of being glued onto them.
         with logging_redirect_tqdm():
             while outcome is None and self.position.epoch < self.config.last_epoch:
@@ -147,14 +185,29 @@ class Trainer:
                     break
                 outcome = self._run_epoch(self.position.epoch)
                 if outcome is None:
-                    self._end_epoch(self.position.epoch)
+                    outcome = self._end_epoch(self.position.epoch)
         self._check_skipped_steps()
         self._stop.finish()
-        if self.reporter.enabled and write_curves_if_possible(self.reporter.metrics_path, self.reporter.curves_path):
+        with self.reporter.phase("curves"):
+            drawn = self.reporter.enabled and write_curves_if_possible(
+                self.reporter.metrics_path, self.reporter.curves_path
+            )
+        if drawn:
             logger.info("Curves written to %s", self.reporter.curves_path)
         # Nobody leaves before rank 0 has written its files: a launcher may kill the others' siblings on exit.
         barrier(self.ctx)
         return outcome or TrainOutcome(self.position)
+
+    def _checkpoint_budget(self) -> CheckpointBudget:
+        epoch_files = epoch_files_written(
+            epochs_done=self.position.epoch,
+            last_epoch=self.config.last_epoch,
+            save_every=self.config.save_every,
+            keep_last=self.config.keep_last,
+        )
+        return checkpoint_budget(
+            self.parts.raw_model, self.step.optimizer, epoch_files=epoch_files, keep_best=self.config.keep_best
+        )
 
     def close(self) -> None:
         """Close metrics.jsonl and the wandb run, and release the run folder's lock."""
@@ -171,6 +224,7 @@ class Trainer:
         images_done = self._images_done_in_epoch()
         self.parts.sampler.set_epoch(epoch, consumed=images_done)
         self.parts.data.train_dataset.set_epoch(epoch)
+        self.step.set_epoch(epoch)  # --freeze-encoder-epochs
         batches_done = plan.batches_done(images_done)
         batches_in_epoch = plan.batches_in_epoch(images_done)
         # The bar counts global images (all ranks), the unit users reason in: exactly those this epoch trains (with
@@ -180,7 +234,7 @@ class Trainer:
             initial=images_done,
             desc=f"Epoch {epoch + 1}/{self.config.last_epoch}",
             unit="img",
-            disable=not self.ctx.is_main,
+            disable=not self._bars,
             dynamic_ncols=True,
         )
         try:
@@ -197,6 +251,8 @@ class Trainer:
                 if not closes_group:
                     continue
                 self.step.update()
+                if self.parts.ema is not None:
+                    self.parts.ema.update()
                 self.position.global_step += 1
                 self.position.step_in_epoch = index + 1
                 outcome = self._after_step(epoch, progress)
@@ -232,23 +288,42 @@ class Trainer:
         done, self.parts.resume_images_in_epoch = self.parts.resume_images_in_epoch, 0
         return done
 
-    def _end_epoch(self, epoch: int) -> None:
+    def _end_epoch(self, epoch: int) -> TrainOutcome | None:
+        """Validate, save, and stop early (--patience) when the validations stopped improving."""
         epoch_number = epoch + 1
+        trained_steps = self.position.step_in_epoch  # kept for a stop during validation
         self.position.epoch = epoch_number
         self.position.step_in_epoch = 0
         improved, place = False, None
         previous_ranking = self.position.best_ranking
+        # Every rank reads the epoch's remaining losses here (a collective), whether or not it logs.
+        remainder = sum_across_ranks(self.ctx, self.step.take_losses()).tolist()
+        self._progress_log.add_losses(*remainder)
+        self._loss_carry = [carried + value for carried, value in zip(self._loss_carry, remainder, strict=True)]
+        self._last_validation = None
         if self._should_validate(epoch_number):
-            dice = self._validate(epoch_number)
+            try:
+                with self.reporter.phase("validation"):
+                    dice = self._validate(epoch_number)
+            except ValidationStopped as stop:
+                # Saved as "every batch trained, not validated": the resumed run repeats the validation.
+                self.position.epoch, self.position.step_in_epoch = epoch, trained_steps
+                return self._stop_for_signal(stop.signum)
             if self.config.plateau_scheduler:
                 self.parts.scheduler.step(dice)
+            self.position.validations_without_improvement = self.config.early_stopping.validations_without_improvement(
+                dice, self.position.best_dice, self.position.validations_without_improvement
+            )
             improved = dice > self.position.best_dice
             if improved:
-                self.position.best_dice = dice
+                self.position.best_dice, self.position.best_epoch = dice, epoch_number
             if self.config.keep_best:
                 ranking = [list(entry) for entry in previous_ranking]
                 place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.keep_best)
                 self.position.best_ranking = ranking
+        self._progress_log.epoch_line(
+            epoch_number=epoch_number, global_step=self.position.global_step, validation=self._last_validation
+        )
         targets = [self.run_folder.last]
         if self.config.save_every and epoch_number % self.config.save_every == 0:
             targets.append(self.run_folder.epoch_checkpoint(epoch_number))
@@ -263,6 +338,11 @@ class Trainer:
         if self.ctx.is_main and self.config.keep_last:
             for path in self.run_folder.prune_epoch_checkpoints(self.config.keep_last):
                 logger.info("Removed %s (--keep-last %d)", path.name, self.config.keep_last)
+        stale = self.position.validations_without_improvement
+        if self.config.early_stopping.should_stop(stale) and epoch_number < self.config.last_epoch:
+            reason = self.config.early_stopping.reason(self.position.best_dice, self.position.best_epoch)
+            return TrainOutcome(self.position, checkpoint=self.run_folder.last, stopped_early=reason)
+        return None
 
     def _should_validate(self, epoch_number: int) -> bool:
         return epoch_number % self.config.val_every == 0 or epoch_number == self.config.last_epoch
@@ -350,30 +430,68 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------- validation
 
+    @property
+    def _evaluated_model(self) -> nn.Module:
+        """What validates: the average of the weights with --ema, else the unwrapped model."""
+        return self.parts.ema.module if self.parts.ema is not None else self.parts.raw_model
+
     def _validate(self, epoch_number: int) -> float:
         """Validation Dice of the unwrapped model, computed on rank 0 and broadcast to every rank."""
-        dice: float | str | None = None
+        if self.config.sharded_validation and self.ctx.is_distributed:
+            return self._validate_sharded(epoch_number)
+        dice: float | str | StoppedValidation | None = None
         if self.ctx.is_main:
+            batches = UntilStopped(self.parts.val_loader, self._interrupts)
             try:
                 result = evaluate_segmentation(
-                    self.parts.raw_model,
-                    self.parts.val_loader,
+                    self._evaluated_model,
+                    batches,
                     self.ctx.device,
                     n_classes=self.config.n_classes,
                     precision=self.parts.precision,
-                    progress=True,
+                    progress=self._bars,
                 )
             except DatasetError as error:
                 error.__traceback__ = None  # it holds the loader's iterator: see _run_epoch
                 dice = user_message(error)  # every rank learns of it from the broadcast and stops with it
             else:
-                self._report_validation(epoch_number, result)
-                dice = result.dice
+                if batches.stopped_by:
+                    dice = StoppedValidation(batches.stopped_by)  # a partial score is no score: not reported
+                else:
+                    self._report_validation(epoch_number, result)
+                    dice = result.dice
         # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
         dice = broadcast_from_main(self.ctx, dice)
         if isinstance(dice, str):
             self._stop_for_bad_data(dice)
+        if isinstance(dice, StoppedValidation):
+            raise ValidationStopped(dice.signum)
         return float(dice)
+
+    def _validate_sharded(self, epoch_number: int) -> float:
+        """Every rank scores its part (``utils.evaluation.shard_range``); the sums are all-reduced, so every rank
+        gets the scores of the whole set. A file that fails on any rank stops every rank with its message."""
+        try:
+            # Agreed before the all-reduce: a rank whose file failed would never reach it, and the others would wait.
+            metrics = agree_on_errors(
+                self.ctx,
+                lambda: score_batches(
+                    self._evaluated_model,  # unwrapped and in eval mode: no DDP collective, BatchNorm untouched
+                    self.parts.val_loader,
+                    self.ctx.device,
+                    n_classes=self.config.n_classes,
+                    precision=self.parts.precision,
+                    progress=self._bars,
+                ),
+            )
+        except DatasetError as error:
+            error.__traceback__ = None  # it holds the loader's iterator: see _run_epoch
+            self._stop_for_bad_data(user_message(error))
+        metrics.reduce(lambda sums: sum_across_ranks(self.ctx, sums.to(self.ctx.device)))
+        result = metrics.compute()
+        if self.ctx.is_main:
+            self._report_validation(epoch_number, result)
+        return result.dice
 
     def _report_validation(self, epoch_number: int, result: EvalResult) -> None:
         per_class = ", ".join(
@@ -381,12 +499,13 @@ class Trainer:
             for k, (d, i) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True))
         )
         micro = result.reductions()["micro"]
+        self._last_validation = (result.dice, result.iou)
         logger.info(
-            "Validation after epoch %d (step %d, %d images): Dice %.4f, IoU %.4f [%s] (macro: per-image means; "
+            "Validation after epoch %d (step %d, %s): Dice %.4f, IoU %.4f [%s] (macro: per-image means; "
             "the means average classes 1+); micro (dataset-level) Dice %.4f, IoU %.4f",
             epoch_number,
             self.position.global_step,
-            result.n_images,
+            count(result.n_images, "image"),
             result.dice,
             result.iou,
             per_class,
@@ -396,22 +515,23 @@ class Trainer:
         samples = self._wandb_samples() if self.reporter.wants_samples() else None
         self.reporter.log_val(epoch=epoch_number, global_step=self.position.global_step, result=result, samples=samples)
         # Redrawn after every validation, so a long run's curves.png is always current.
-        write_curves_if_possible(self.reporter.metrics_path, self.reporter.curves_path)
+        with self.reporter.phase("curves"):
+            write_curves_if_possible(self.reporter.metrics_path, self.reporter.curves_path)
 
     @torch.inference_mode()
     def _wandb_samples(self) -> dict[str, Any]:
-        """One validation image with its true and predicted masks, plus weight/gradient histograms."""
+        """A few validation images with their true and predicted masks, plus weight/gradient histograms."""
         batch = next(iter(self.parts.val_loader))
-        model = self.parts.raw_model
+        model = self._evaluated_model
         model.eval()
         try:
-            logits = model(batch["image"][:1].to(self.ctx.device))
+            logits = model(batch["image"][:SAMPLE_IMAGES].to(self.ctx.device))
         finally:
             model.train()
         return {
-            "image": batch["image"][0],
-            "true": batch["mask"][0],
-            "pred": predict_classes(logits)[0],
+            "image": batch["image"][:SAMPLE_IMAGES],
+            "true": batch["mask"][:SAMPLE_IMAGES],
+            "pred": predict_classes(logits),
             "histograms": weight_and_grad_histograms(model),
         }
 
@@ -419,7 +539,10 @@ class Trainer:
 
     def _log_train(self, epoch: int, progress: tqdm) -> None:
         # The only host synchronisation of the loop: one small all-reduce and read every --log-every steps.
-        loss_sum, count = sum_across_ranks(self.ctx, self.step.take_losses()).tolist()
+        window = sum_across_ranks(self.ctx, self.step.take_losses()).tolist()
+        self._progress_log.add_losses(*window)
+        loss_sum, count = (value + carried for value, carried in zip(window, self._loss_carry, strict=True))
+        self._loss_carry = [0.0, 0.0]
         self._check_skipped_steps()
         now = time.perf_counter()
         last_time, last_images = self._last_log
@@ -428,6 +551,14 @@ class Trainer:
         loss = loss_sum / count if count else float("nan")
         lr = self.step.optimizer.param_groups[0]["lr"]
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+        self._progress_log.step_line(
+            epoch=epoch,
+            global_step=self.position.global_step,
+            step_in_epoch=self.position.step_in_epoch,
+            loss=loss,
+            lr=lr,
+            images_per_s=images_per_s,
+        )
         self.reporter.log_train(
             epoch=epoch + 1,
             global_step=self.position.global_step,
@@ -485,24 +616,35 @@ class Trainer:
             args=parts.run_args,
             world_size=self.ctx.world_size,
             dataset=dataset_record(parts.data.train_dataset.ids),
+            split_digest=parts.data.split.digest if parts.data.split is not None else None,
+            ema=parts.ema.state_dict() if parts.ema is not None else None,
         )
 
     def _write_checkpoint(self, targets: list[Path], before_write: Callable[[], None] | None = None) -> None:
         if before_write is not None:
             before_write()
-        payload = self.checkpoint_payload()
-        # Serialised once; the other names get copies of its bytes, each a file of its own (see utils.checkpoint).
-        first = targets[0]
-        save_checkpoint_atomic(payload, first)
-        for target in targets[1:]:
-            copy_checkpoint_atomic(first, target)
+        with self.reporter.phase("checkpoint"):
+            payload = self.checkpoint_payload()
+            # best.pth and best-K.pth are for sharing and inference: the weights only (utils.training.run_folder).
+            shared = [path for path in targets if self.run_folder.is_weights_only(path)]
+            _write_copies(payload, [path for path in targets if path not in shared])
+            _write_copies(weights_only_payload(payload), shared)
         logger.info(
-            "Saved %s at step %d (%d epochs and %d batches done)",
+            "Saved %s at step %d (%s and %s done)",
             ", ".join(path.name for path in targets),
             self.position.global_step,
-            self.position.epoch,
-            self.position.step_in_epoch,
+            count(self.position.epoch, "epoch"),
+            count(self.position.step_in_epoch, "batch", "batches"),
         )
+
+
+def _write_copies(payload: dict[str, Any], targets: list[Path]) -> None:
+    """Serialise ``payload`` once, to the first target; the others get copies of its bytes, each a file of its own."""
+    if not targets:
+        return
+    save_checkpoint_atomic(payload, targets[0])
+    for target in targets[1:]:
+        copy_checkpoint_atomic(targets[0], target)
 
 
 def _next_batch(iterator: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:

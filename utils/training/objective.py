@@ -12,7 +12,8 @@ the same way. Void pixels (``IGNORE_INDEX``, from --ignore-value) count in neith
 weight each pixel's cross-entropy by its true class, and each image's term is then the weighted mean
 ``sum(w[y] * ce) / sum(w[y])`` over its pixels, PyTorch's ``cross_entropy(weight=...)`` applied per image.
 
-Optimizer and schedule: AdamW + cosine (the default) or milesial's RMSprop + ReduceLROnPlateau.
+Optimizer and schedule: AdamW + cosine (the default) or milesial's RMSprop + ReduceLROnPlateau, or nnU-Net's poly
+schedule; any of them after a linear warmup (--warmup-steps).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from utils.datasets.mask_values import IGNORE_INDEX
 from utils.dice_score import dice_coeff, multiclass_dice_coeff
 
 OPTIMIZERS = ("adamw", "rmsprop")
-SCHEDULERS = ("cosine", "plateau")
+SCHEDULERS = ("cosine", "poly", "plateau")
+# nnU-Net: lr = base * (1 - t / T) ** 0.9.
+POLY_EXPONENT = 0.9
 # milesial/Pytorch-UNet: ReduceLROnPlateau('max', patience=5) on validation Dice.
 PLATEAU_PATIENCE = 5
 CLASS_WEIGHTS_AUTO = "auto"
@@ -48,6 +51,8 @@ class OptimizerConfig:
     momentum: float = 0.999
     """RMSprop only."""
     scheduler: str = "cosine"
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup before the schedule (0 = none)."""
 
 
 def segmentation_loss(logits: Tensor, masks: Tensor, n_classes: int, class_weights: Tensor | None = None) -> Tensor:
@@ -73,6 +78,34 @@ def segmentation_loss(logits: Tensor, masks: Tensor, n_classes: int, class_weigh
     probabilities = logits.softmax(dim=1) * keep
     one_hot = F.one_hot(labels, n_classes).permute(0, 3, 1, 2).to(probabilities.dtype) * keep
     return cross_entropy + 1 - multiclass_dice_coeff(probabilities, one_hot, reduce_batch_first=False)
+
+
+def deep_supervision_weights(levels: int) -> list[float]:
+    """nnU-Net's deep-supervision loss weights: halving per level (1, 0.5, 0.25, ...), normalised to sum to 1."""
+    raw = [0.5**level for level in range(levels)]
+    return [weight / sum(raw) for weight in raw]
+
+
+def supervised_loss(
+    outputs: Tensor | Sequence[Tensor], masks: Tensor, n_classes: int, class_weights: Tensor | None = None
+) -> Tensor:
+    """``segmentation_loss`` of a model's output: the logits, or with --deep-supervision the list ``[logits, logits at
+    1/2, logits at 1/4]`` (``unet.deep_supervision``), whose losses against the masks downsampled (nearest, so void
+    and class values stay whole) are summed with ``deep_supervision_weights``. Each level is a per-image mean, so the
+    sum still decomposes over data-parallel ranks."""
+    if isinstance(outputs, Tensor):
+        return segmentation_loss(outputs, masks, n_classes, class_weights)
+    total = torch.zeros((), device=masks.device)
+    for weight, logits in zip(deep_supervision_weights(len(outputs)), outputs, strict=True):
+        target = masks if logits.shape[-2:] == masks.shape[-2:] else downsample_masks(masks, logits.shape[-2:])
+        total = total + weight * segmentation_loss(logits, target, n_classes, class_weights)
+    return total
+
+
+def downsample_masks(masks: Tensor, size: Sequence[int]) -> Tensor:
+    """``[B, H, W]`` class indices at ``size`` by nearest-neighbour sampling (no value is averaged into another)."""
+    # float32 holds every class index and IGNORE_INDEX exactly; interpolate has no integer kernel.
+    return F.interpolate(masks[:, None].float(), size=tuple(size), mode="nearest")[:, 0].to(masks.dtype)
 
 
 def _per_image_mean(per_pixel: Tensor, labels: Tensor, valid: Tensor, class_weights: Tensor | None) -> Tensor:
@@ -108,6 +141,34 @@ def cosine_lr_factor(step: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def poly_lr_factor(step: int, total_steps: int, exponent: float = POLY_EXPONENT) -> float:
+    """nnU-Net's poly schedule: ``(1 - step / total) ** exponent``, 1 at step 0 and 0 at ``total_steps``."""
+    if total_steps <= 0:
+        return 1.0
+    return (1.0 - min(step, total_steps) / total_steps) ** exponent
+
+
+def warmup_lr_factor(step: int, warmup_steps: int) -> float:
+    """Linear warmup: ``(step + 1) / (warmup_steps + 1)`` for the first ``warmup_steps`` steps, then 1.
+
+    The first update already moves (never a learning rate of exactly 0), and the rise reaches the peak at step
+    ``warmup_steps``, where the schedule after it starts at its own 1.
+    """
+    if step >= warmup_steps:
+        return 1.0
+    return (step + 1) / (warmup_steps + 1)
+
+
+def planned_lr_factor(step: int, *, shape: str, total_steps: int, warmup_steps: int = 0) -> float:
+    """Multiplier of the peak learning rate for the update after ``step`` optimizer steps: the warmup, then the
+    cosine or poly ``shape`` over the remaining ``total_steps - warmup_steps`` steps."""
+    if step < warmup_steps:
+        return warmup_lr_factor(step, warmup_steps)
+    remaining = max(total_steps - warmup_steps, 0)
+    decay = poly_lr_factor if shape == "poly" else cosine_lr_factor
+    return decay(step - warmup_steps, remaining)
+
+
 def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter]) -> optim.Optimizer:
     if config.name == "rmsprop":
         return optim.RMSprop(
@@ -125,20 +186,63 @@ def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Param
 
 
 @dataclass
-class CosineSchedule:
-    """``cosine_lr_factor`` over a plan of ``total_steps``. LambdaLR keeps a callable object's attributes in its
-    ``state_dict``, so the plan travels in the checkpoint and a resumed run continues it exactly."""
+class StepSchedule:
+    """``planned_lr_factor`` over a plan made when the run started. LambdaLR keeps a callable object's attributes in
+    its ``state_dict``, so the plan (total and warmup steps, shape) travels in the checkpoint and a resumed run
+    continues the same curve whatever the flags of the resuming command say."""
 
     total_steps: int
+    warmup_steps: int = 0
+    shape: str = "cosine"
 
     def __call__(self, step: int) -> float:
-        return cosine_lr_factor(step, self.total_steps)
+        return planned_lr_factor(step, shape=self.shape, total_steps=self.total_steps, warmup_steps=self.warmup_steps)
+
+
+class PlateauAfterWarmup:
+    """--scheduler plateau with --warmup-steps: a linear warmup per optimizer step, then ReduceLROnPlateau.
+
+    ``step()`` (after every optimizer step) advances the warmup until it is over; ``step(dice)`` (after a
+    validation) steps the plateau schedule once the warmup is over: a validation inside the warmup does not count
+    towards its patience, and the warmup never overwrites a reduction.
+    """
+
+    def __init__(self, optimizer: optim.Optimizer, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+        self.warmup = optim.lr_scheduler.LambdaLR(optimizer, StepSchedule(0, warmup_steps))
+        self.plateau = optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=PLATEAU_PATIENCE)
+
+    @property
+    def warming_up(self) -> bool:
+        return self.warmup.last_epoch < self.warmup_steps
+
+    def step(self, metrics: float | None = None) -> None:
+        if metrics is None:
+            if self.warming_up:
+                self.warmup.step()
+        elif not self.warming_up:
+            self.plateau.step(metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"warmup": self.warmup.state_dict(), "plateau": self.plateau.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.warmup.load_state_dict(state["warmup"])
+        self.plateau.load_state_dict(state["plateau"])
 
 
 def build_scheduler(config: OptimizerConfig, optimizer: optim.Optimizer, total_steps: int) -> Any:
-    """Cosine: a pure function of the step count (stepped per optimizer step) over the steps planned when the run
-    started (``total_steps``; ``load_state_dict`` restores a checkpoint's). Plateau: stepped with the validation
-    Dice."""
+    """Cosine and poly: pure functions of the step count (stepped per optimizer step) over the steps planned when
+    the run started (``total_steps``, from ``BatchPlan``; ``load_state_dict`` restores a checkpoint's plan), after
+    ``warmup_steps`` of linear warmup. Plateau: stepped with the validation Dice (after the warmup, if any)."""
     if config.scheduler == "plateau":
+        if config.warmup_steps:
+            return PlateauAfterWarmup(optimizer, config.warmup_steps)
         return optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=PLATEAU_PATIENCE)
-    return optim.lr_scheduler.LambdaLR(optimizer, CosineSchedule(total_steps))
+    schedule = StepSchedule(total_steps, warmup_steps=config.warmup_steps, shape=config.scheduler)
+    return optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def steps_every_update(config: OptimizerConfig) -> bool:
+    """Whether the scheduler steps after every optimizer update (all but a plain plateau schedule do)."""
+    return config.scheduler != "plateau" or config.warmup_steps > 0

@@ -5,14 +5,22 @@ It holds (checkpoints all in the one format of ``utils/checkpoint.py``):
 * ``last.pth``: the newest state, written at every epoch end, every ``--save-every-steps`` optimizer steps and when
   ``--max-steps`` stops the run (mid-epoch states carry their position in ``step_in_epoch``);
 * ``checkpoint_epoch{N}.pth``: every ``--save_every`` epochs, the newest ``--keep-last`` kept;
-* ``best.pth``: the state with the best validation Dice;
-* ``best-1.pth`` .. ``best-K.pth``: with ``--keep-best K``, the K best states by validation Dice, best first;
+* ``best.pth``: the weights (and the model's spec) of the state with the best validation Dice: weights-only, the file
+  to share and predict with, about a third of a full-state file with AdamW; not resumable (``--load`` starts from it);
+* ``best-1.pth`` .. ``best-K.pth``: with ``--keep-best K``, the K best states by validation Dice, best first
+  (weights-only like ``best.pth``);
 * ``INTERRUPTED.pth``: written when SIGINT/SIGTERM stopped the run;
-* ``metrics.jsonl`` and ``curves.png``.
+* ``metrics.jsonl`` and ``curves.png``;
+* ``split.json``: the train and validation ids and the rule that chose them;
+* ``config.yaml``: the run's resolved flags (``utils.training.config_file``; ``--config`` reads it);
+* ``tensorboard/``: TensorBoard events, with ``--tensorboard``.
 
-``--resume auto`` takes the most recently written checkpoint that loads completely (and passes its digest check); a
-corrupt one is skipped with a warning, and a folder without checkpoints starts a new run (so one command serves the
-first start and every restart of a requeued job). Only global rank 0 writes here.
+``--resume auto`` takes the checkpoint with the furthest position recorded inside it (global step, then epoch, then
+step in the epoch; the most recently written breaks a tie) that loads completely (and passes its digest check). A
+file's modification time never ranks it ahead: a copy or a sync changes mtimes, and an older state must never be
+continued over newer checkpoints. A corrupt one is skipped with a warning, and a folder without checkpoints starts
+a new run (so one command serves the first start and every restart of a requeued job). Only global rank 0 writes
+here.
 
 Reruns: the folders of one ``--exp_name`` form a series, ``<exp_name>``, ``<exp_name>-2``, ``<exp_name>-3``, ... A start
 without ``--resume`` whose newest folder holds a run (checkpoints or metrics) or is in use begins the next one;
@@ -36,6 +44,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from utils.checkpoint import (
     KEY_EPOCH,
     KEY_GLOBAL_STEP,
@@ -54,8 +64,12 @@ BEST_NAME = "best.pth"
 INTERRUPTED_NAME = "INTERRUPTED.pth"
 METRICS_NAME = "metrics.jsonl"
 CURVES_NAME = "curves.png"
+SPLIT_NAME = "split.json"
+CONFIG_NAME = "config.yaml"
+TENSORBOARD_NAME = "tensorboard"
 LOCK_NAME = ".lock"
 _EPOCH_PATTERN = re.compile(r"^checkpoint_epoch(\d+)\.pth$")
+_RANKED_BEST_PATTERN = re.compile(r"^best-\d+\.pth$")
 
 
 def ranked_best_name(place: int) -> str:
@@ -65,6 +79,11 @@ def ranked_best_name(place: int) -> str:
 
 def epoch_checkpoint_name(epoch_number: int) -> str:
     return f"checkpoint_epoch{epoch_number}.pth"
+
+
+def series_name(exp_name: str, fold: int | None) -> str:
+    """The name of a run's folder series: ``<exp_name>``, or ``<exp_name>-fold<K>`` for fold K of --folds."""
+    return exp_name if fold is None else f"{exp_name}-fold{fold}"
 
 
 class RunFolder:
@@ -102,6 +121,21 @@ class RunFolder:
         return self.path / CURVES_NAME
 
     @property
+    def split(self) -> Path:
+        """``split.json``: the run's train and validation ids (``utils.datasets.splits``)."""
+        return self.path / SPLIT_NAME
+
+    @property
+    def config_file(self) -> Path:
+        """``config.yaml``: the run's resolved flags, for ``--config``."""
+        return self.path / CONFIG_NAME
+
+    @property
+    def tensorboard(self) -> Path:
+        """``tensorboard/``: the folder of ``--tensorboard``'s event files."""
+        return self.path / TENSORBOARD_NAME
+
+    @property
     def lock_file(self) -> Path:
         return self.path / LOCK_NAME
 
@@ -118,6 +152,11 @@ class RunFolder:
 
     def epoch_checkpoint(self, epoch_number: int) -> Path:
         return self.path / epoch_checkpoint_name(epoch_number)
+
+    @staticmethod
+    def is_weights_only(path: Path) -> bool:
+        """Whether the run writes ``path`` weights-only (``best.pth``, ``best-K.pth``) rather than the full state."""
+        return path.name == BEST_NAME or bool(_RANKED_BEST_PATTERN.match(path.name))
 
     # --------------------------------------------------------------------------------------------------- lock
 
@@ -190,7 +229,7 @@ class RunFolder:
 
     def holds_a_run(self) -> bool:
         """Whether an earlier or live run owns this folder: checkpoints, metrics, or its lock held."""
-        return bool(self.checkpoints()) or self.metrics.exists() or self.is_locked_by_another()
+        return bool(self.checkpoint_files()) or self.metrics.exists() or self.is_locked_by_another()
 
     def check_creatable(self) -> None:
         """A run folder that cannot exist (a file in its way) stops the run now rather than at its first save."""
@@ -203,16 +242,29 @@ class RunFolder:
                 f"--checkpoint-dir (or --exp_name)"
             )
 
-    def checkpoints(self) -> list[Path]:
-        """Checkpoints of the run folder, most recently written first."""
+    def checkpoint_files(self) -> list[Path]:
+        """Full-state checkpoints of the run folder (what a resume can take; best.pth is weights-only), unordered.
+
+        Cheap: no file is read.
+        """
         if not self.path.is_dir():
             return []
-        names = {LAST_NAME, BEST_NAME, INTERRUPTED_NAME}
-        files = [p for p in self.path.iterdir() if p.is_file() and (p.name in names or _EPOCH_PATTERN.match(p.name))]
-        return sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        names = {LAST_NAME, INTERRUPTED_NAME}
+        return [p for p in self.path.iterdir() if p.is_file() and (p.name in names or _EPOCH_PATTERN.match(p.name))]
+
+    def checkpoints(self) -> list[Path]:
+        """Checkpoints of the run folder, furthest recorded position first (``recorded_position``).
+
+        Files whose position cannot be read (corrupt, truncated, code-bearing) come first: the full read of
+        ``find_resume_checkpoint`` then names what is wrong with each before skipping it, so a damaged newest state is
+        never passed over in silence. A tie goes to the most recently written.
+        """
+        ranked = [(recorded_position(path), path.stat().st_mtime_ns, path) for path in self.checkpoint_files()]
+        ranked.sort(key=lambda entry: (entry[0] is None, entry[0] or (), entry[1]), reverse=True)
+        return [path for _, _, path in ranked]
 
     def find_resume_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
-        """The newest complete checkpoint and its contents, None when the folder holds no checkpoint.
+        """The complete checkpoint of the furthest recorded position and its contents, None when there is none.
 
         Corrupt or incomplete files are skipped with a warning; if there are only such files, that is an error rather
         than a fresh start that would overwrite them.
@@ -236,7 +288,7 @@ class RunFolder:
         Only when nothing newer would be overwritten: the folder holds no run, or ``path`` holds its newest state. The
         newest state is the one ``--resume auto`` takes (``find_resume_checkpoint``: the most recently written
         checkpoint that loads completely). ``path`` holds it when it is that file, or when both record the same
-        position (epoch, global step, step in the epoch) and the same tensor digests: the names one save writes
+        position (global step, epoch, step in the epoch) and the same tensor digests: the names one save writes
         (``last.pth``, ``checkpoint_epoch{N}.pth``, ``best.pth``) are copies of one file's bytes, and an
         ``INTERRUPTED.pth`` saved at the step ``last.pth`` holds has its tensors. Every doubt (no digests, only corrupt
         checkpoints, a run that saved nothing yet) answers False: the resume then writes to a new folder instead.
@@ -282,7 +334,7 @@ class RunFolder:
         return False
 
     def _listing(self) -> list[tuple[str, int]]:
-        return [(checkpoint.name, checkpoint.stat().st_mtime_ns) for checkpoint in self.checkpoints()]
+        return sorted((checkpoint.name, checkpoint.stat().st_mtime_ns) for checkpoint in self.checkpoint_files())
 
     def prune_epoch_checkpoints(self, keep_last: int) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoint_epoch files (by epoch number); returns those deleted."""
@@ -399,7 +451,25 @@ class RunSeries:
 
 
 def _position(payload: dict[str, Any]) -> tuple[Any, Any, Any]:
-    return payload.get(KEY_EPOCH), payload.get(KEY_GLOBAL_STEP), payload.get(KEY_STEP_IN_EPOCH)
+    return payload.get(KEY_GLOBAL_STEP), payload.get(KEY_EPOCH), payload.get(KEY_STEP_IN_EPOCH)
+
+
+def recorded_position(path: Path) -> tuple[int, int, int] | None:
+    """(global step, epoch, step in the epoch) recorded in checkpoint ``path``; None when it cannot be read.
+
+    Memory-mapped: only the small pickle is read, not the tensors, so ranking a folder costs little even with large
+    checkpoints. The full read (digests included) happens when the file is chosen.
+    """
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # any unreadable file ranks last; its full read names what is wrong with it
+        return None
+    if not isinstance(payload, dict):
+        return None
+    position = _position(payload)
+    if not all(isinstance(value, int) and not isinstance(value, bool) for value in position):
+        return None
+    return position
 
 
 def _read_pid(fd: int) -> int | None:

@@ -29,21 +29,27 @@ from utils.training.build_loaders import build_loaders, data_config
 from utils.training.build_model import build_model, wrap_for_training
 from utils.training.build_optimization import build_optimization, build_step
 from utils.training.config import TrainConfig
-from utils.training.data import TrainData, build_data
+from utils.training.config_file import write_config_file
+from utils.training.data import TrainData, build_data, record_split
+from utils.training.early_stop import EarlyStopping
+from utils.training.ema import build_weight_average
 from utils.training.interrupts import InterruptFlag
 from utils.training.loop import LoopConfig, Trainer, TrainParts
 from utils.training.reporting import RunReporter
 from utils.training.resume_choice import agree_on_run
-from utils.training.run_folder import RunFolder, RunSeries
+from utils.training.run_folder import RunFolder, RunSeries, series_name
 from utils.training.sampler import BatchPlan
 from utils.training.state import TrainingState, TrainPosition, load_resume_checkpoint, restore_rng_state
+from utils.wording import count
 
 logger = logging.getLogger(__name__)
 
 # Flags a resume must repeat: the optimizer restores its own learning rate, weight decay and momentum from the
-# checkpoint (a new value would be logged but not used), and the data flags decide which images are trained and
-# which validate (a larger --validation would move trained images into the validation set). Every other flag takes
-# its new value; the model's own arguments are checked by utils.model_spec. README, "What survives a crash".
+# checkpoint (a new value would be logged but not used), the data flags decide which images are trained and which
+# validate (a larger --validation would move trained images into the validation set), and the objective's flags
+# (class weights, void values, oversampling, augmentation) decide what the loss measures. A change either way counts,
+# unset -> set included. Every other flag takes its new value; the model's own arguments are checked by
+# utils.model_spec. docs/RELIABILITY.md, "Resume and stop".
 _MUST_MATCH_FLAGS = {
     "optimizer": "--optimizer",
     "scheduler": "--scheduler",
@@ -56,6 +62,8 @@ _MUST_MATCH_FLAGS = {
     "ignore_values": "--ignore-value",
     "oversample_foreground": "--oversample-foreground",
     "class_weights": "--class-weights",
+    "warmup_steps": "--warmup-steps",
+    "augment": "--augment",
 }
 
 
@@ -77,14 +85,15 @@ def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:
 
 
 def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: InterruptFlag) -> Trainer:
-    choice = agree_on_run(ctx, config.resume, RunSeries(config.checkpoint_dir, config.exp_name))
+    series = RunSeries(config.checkpoint_dir, series_name(config.exp_name, config.fold if config.folds else None))
+    choice = agree_on_run(ctx, config.resume, series)
     run_folder = choice.folder
     try:
         configure_reproducibility(config.seed, deterministic=config.deterministic)
         parts = agree_on_errors(
             ctx, lambda: build_parts(config, ctx, choice.resume_path, choice.payload, run_folder=run_folder)
         )
-        reporter = agree_on_errors(ctx, lambda: _open_reporter(config, ctx, run_folder))
+        reporter = agree_on_errors(ctx, lambda: _open_reporter(config, ctx, run_folder, parts, choice.resume_path))
     except BaseException:
         run_folder.unlock()
         raise
@@ -110,6 +119,9 @@ def loop_config(config: TrainConfig, *, last_epoch: int) -> LoopConfig:
         save_every_minutes=config.save_every_minutes,
         keep_best=config.keep_best,
         plateau_scheduler=config.scheduler == "plateau",
+        early_stopping=EarlyStopping(config.patience, config.min_delta),
+        no_progress=config.no_progress,
+        sharded_validation=config.val_mode == "sharded",
     )
 
 
@@ -151,10 +163,21 @@ def planned_run_args(config: TrainConfig, state: TrainingState | None) -> dict[s
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def _open_reporter(config: TrainConfig, ctx: DistributedContext, run_folder: RunFolder) -> RunReporter:
+def _open_reporter(
+    config: TrainConfig, ctx: DistributedContext, run_folder: RunFolder, parts: TrainParts, resume_path: str | None
+) -> RunReporter:
+    """The run's reporter, after its resolved flags (those its checkpoints store) are written to config.yaml."""
     try:
+        if ctx.is_main:
+            write_config_file(run_folder.config_file, parts.run_args)
         return RunReporter(
-            run_folder, enabled=ctx.is_main, wandb_mode=config.wandb, run_name=config.exp_name, config=config.as_dict()
+            run_folder,
+            enabled=ctx.is_main,
+            wandb_mode=config.wandb,
+            run_name=config.exp_name,
+            config=config.as_dict(),
+            tensorboard=config.tensorboard,
+            resumed_step=parts.position.global_step if resume_path is not None else None,
         )
     except OSError as error:
         raise ConfigError(
@@ -201,6 +224,9 @@ def build_parts(
     precision = resolve_precision(config.precision, config.amp, ctx.device.type)
     warn_if_emulated(ctx.device, precision)
     model, model_args = build_model(config, ctx, data, resume_path, state)
+    # After build_model, whose check of the dataset's files names the likelier cause of a changed split.
+    saved_digest = state.split_digest if state is not None else None
+    record_split(data.split, run_folder.split, saved_digest=saved_digest, resume_path=resume_path, write=ctx.is_main)
     plan = BatchPlan(
         n_train=len(data.train_set),
         batch_size=config.batch_size,
@@ -227,6 +253,10 @@ def build_parts(
         precision=precision,
         device=ctx.device,
     )
+    # After DDP's wrapping, which broadcasts rank 0's weights: every rank's average starts from the same ones.
+    ema = build_weight_average(
+        config.ema, model, optimization.optimizer, state.ema if state is not None else None, resumed=state is not None
+    )
     loaders = build_loaders(config, data_settings, ctx, data)
     _log_run_summary(config, ctx, data, plan, precision, loaders.num_workers, epoch_range(run_args), run_folder)
     return TrainParts(
@@ -243,6 +273,7 @@ def build_parts(
         run_args=run_args,
         position=position,
         resume_images_in_epoch=resume_images,
+        ema=ema,
     )
 
 
@@ -262,14 +293,42 @@ def _resume_position(plan: BatchPlan, state: TrainingState) -> tuple[TrainPositi
 
 
 def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
+    """Refuse a resume whose objective or data flags differ from the run's, set or unset alike.
+
+    A flag missing from the checkpoint's record (saved before the flag existed) counts as its default, the behaviour
+    that run had; a checkpoint recording no flags at all is not checked.
+    """
     saved_args = state.run_args
+    if not saved_args:
+        return
+    defaults = TrainConfig().as_dict()
     for key, flag in _MUST_MATCH_FLAGS.items():
-        saved = saved_args.get(key)
-        if saved is not None and saved != getattr(config, key):
+        saved = saved_args.get(key, defaults[key])
+        wanted = getattr(config, key)
+        if _as_recorded(saved) != _as_recorded(wanted):
             raise ConfigError(
-                f"{path} was trained with {flag} {saved} but this run asks for {flag} {getattr(config, key)}; resume "
-                f"with {flag} {saved}, or start a new run from its weights with --load {path}"
+                f"{path} was trained with {_describe_flag(flag, saved)} but this run asks for "
+                f"{_describe_flag(flag, wanted)}; resume with {_describe_flag(flag, saved)}, or start a new run from "
+                f"its weights with --load {path}"
             )
+
+
+def _as_recorded(value: Any) -> Any:
+    """A flag's value as a checkpoint records it (lists and tuples alike, in any order)."""
+    if isinstance(value, list | tuple):
+        return sorted(value)
+    return value
+
+
+def _describe_flag(flag: str, value: Any) -> str:
+    """``--seed 0``, ``--ignore-value 0 --ignore-value 255``, ``--augment``; an unset flag as ``no --class-weights``."""
+    if value is None or value is False or (isinstance(value, list | tuple) and not value):
+        return f"no {flag}"
+    if value is True:
+        return flag
+    if isinstance(value, list | tuple):
+        return " ".join(f"{flag} {one}" for one in value)
+    return f"{flag} {value}"
 
 
 def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:
@@ -314,12 +373,12 @@ def _log_run_summary(
     run_folder: RunFolder,
 ) -> None:
     logger.info(
-        "Starting training: epochs %d..%d, batch size %d per process x %d process(es) x %d accumulation = %d, "
+        "Starting training: epochs %d..%d, batch size %d per process x %s x %d accumulation = %d, "
         "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
-        "%d CPU threads and %d loader workers per process, run folder %s",
+        "%s and %s per process, run folder %s",
         *epochs,
         plan.batch_size,
-        plan.world_size,
+        count(plan.world_size, "process", "processes"),
         plan.grad_accum,
         plan.images_per_step,
         config.learning_rate,
@@ -328,7 +387,7 @@ def _log_run_summary(
         config.scale,
         precision,
         ctx.device,
-        torch.get_num_threads(),
-        num_workers,
+        count(torch.get_num_threads(), "CPU thread"),
+        count(num_workers, "loader worker"),
         run_folder,
     )

@@ -22,12 +22,14 @@ from utils.checkpoint import (
     FORMAT_VERSION,
     KEY_ARGS,
     KEY_BEST_DICE,
+    KEY_BEST_EPOCH,
     KEY_BEST_RANKING,
     KEY_DATASET,
     KEY_EPOCH,
     KEY_FORMAT_VERSION,
     KEY_GLOBAL_STEP,
     KEY_INFERENCE,
+    KEY_LIVE_MODEL,
     KEY_MASK_VALUES,
     KEY_MODEL,
     KEY_MODEL_ARGS,
@@ -35,15 +37,30 @@ from utils.checkpoint import (
     KEY_RNG,
     KEY_SCALER,
     KEY_SCHEDULER,
+    KEY_SPLIT_DIGEST,
     KEY_STEP_IN_EPOCH,
+    KEY_VALIDATIONS_WITHOUT_IMPROVEMENT,
     KEY_WORLD_SIZE,
     InferenceRecord,
     LoadedWeights,
     load_checkpoint_file,
     weights_of,
 )
+from utils.class_names import split_class_names
 from utils.errors import CheckpointError
 
+# What best.pth and best-K.pth hold: the weights, what inference rebuilds the model and prepares images from, and where
+# the run stood; no optimizer state (two more copies of the weights' size with AdamW), so they cannot be resumed.
+WEIGHTS_ONLY_KEYS = (
+    KEY_FORMAT_VERSION,
+    KEY_MODEL,
+    KEY_MODEL_ARGS,
+    KEY_MASK_VALUES,
+    KEY_INFERENCE,
+    KEY_EPOCH,
+    KEY_GLOBAL_STEP,
+    KEY_BEST_DICE,
+)
 RESUME_KEYS = (KEY_MODEL, KEY_OPTIMIZER, KEY_SCHEDULER, KEY_EPOCH, KEY_GLOBAL_STEP, KEY_STEP_IN_EPOCH)
 
 
@@ -57,6 +74,10 @@ class TrainPosition:
     best_dice: float = float("-inf")
     best_ranking: list[list[float]] = field(default_factory=list)
     """--keep-best: ``[dice, global_step]`` of the states in ``best-1.pth``, ``best-2.pth``, ... (best first)."""
+    best_epoch: int = 0
+    """The epoch whose validation gave ``best_dice`` (0: none yet)."""
+    validations_without_improvement: int = 0
+    """--patience: validations since the last one that improved on the best Dice by more than --min-delta."""
 
 
 def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, keep: int) -> int | None:
@@ -93,6 +114,10 @@ class TrainingState:
     world_size: int
     dataset: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
+    split_digest: str | None = None
+    """sha256 of the run's ``split.json``; None in files written before splits were recorded."""
+    ema: dict[str, torch.Tensor] | None = None
+    """--ema: the averaged weights (a state dict like ``model``); None when the run keeps no average."""
 
     @property
     def weights(self) -> LoadedWeights:
@@ -103,7 +128,8 @@ class TrainingState:
         """The checkpoint dictionary (DESIGN.md, format version 1), RNG state captured now when not set."""
         return {
             KEY_FORMAT_VERSION: FORMAT_VERSION,
-            KEY_MODEL: self.model,
+            # With an average, model_state is the average (what inference reads) and the live weights move aside.
+            KEY_MODEL: self.model if self.ema is None else self.ema,
             KEY_MODEL_ARGS: dict(self.model_args),
             KEY_MASK_VALUES: list(self.mask_values),
             KEY_INFERENCE: self.inference.as_dict(),
@@ -119,6 +145,10 @@ class TrainingState:
             KEY_BEST_RANKING: [list(entry) for entry in self.position.best_ranking],
             KEY_WORLD_SIZE: self.world_size,
             KEY_DATASET: self.dataset,
+            KEY_SPLIT_DIGEST: self.split_digest,
+            KEY_BEST_EPOCH: self.position.best_epoch,
+            KEY_VALIDATIONS_WITHOUT_IMPROVEMENT: self.position.validations_without_improvement,
+            **({} if self.ema is None else {KEY_LIVE_MODEL: self.model}),
         }
 
     @classmethod
@@ -131,10 +161,13 @@ class TrainingState:
                 f"--load)"
             )
         weights = weights_of(payload, path)
+        live, ema = weights.state_dict, None
+        if isinstance(payload.get(KEY_LIVE_MODEL), dict):  # an --ema run: model_state is the average
+            live, ema = payload[KEY_LIVE_MODEL], weights.state_dict
         run_args = payload.get(KEY_ARGS)
         dataset = payload.get(KEY_DATASET)
         return cls(
-            model=weights.state_dict,
+            model=live,
             model_args=weights.model_args,
             mask_values=weights.mask_values,
             inference=weights.inference,
@@ -146,6 +179,8 @@ class TrainingState:
             world_size=int(payload.get(KEY_WORLD_SIZE) or 1),
             dataset=dataset if isinstance(dataset, dict) else None,
             rng=payload.get(KEY_RNG),
+            split_digest=payload.get(KEY_SPLIT_DIGEST) if isinstance(payload.get(KEY_SPLIT_DIGEST), str) else None,
+            ema=ema,
         )
 
 
@@ -162,8 +197,11 @@ def build_payload(
     args: dict[str, Any],
     world_size: int,
     dataset: dict[str, Any] | None = None,
+    split_digest: str | None = None,
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint dictionary of a live run (``TrainingState.to_payload``); ``model`` is the unwrapped module."""
+    """The checkpoint dictionary of a live run (``TrainingState.to_payload``); ``model`` is the unwrapped module,
+    ``ema`` the state dict of its average (--ema)."""
     return TrainingState(
         model=model.state_dict(),
         model_args=model_args,
@@ -176,16 +214,28 @@ def build_payload(
         run_args=args,
         world_size=world_size,
         dataset=dataset,
+        split_digest=split_digest,
+        ema=ema,
     ).to_payload()
 
 
+def weights_only_payload(payload: dict[str, Any]) -> dict[str, Any]:
+    """The part of a full checkpoint ``payload`` that a file for sharing and inference keeps (``WEIGHTS_ONLY_KEYS``)."""
+    return {key: payload[key] for key in WEIGHTS_ONLY_KEYS if key in payload}
+
+
 def inference_of_run(run_args: dict[str, Any], n_channels: int) -> InferenceRecord:
-    """What a run's checkpoints record for inference: how its images were prepared (--scale, --ignore-value, channels).
+    """What a run's checkpoints record for inference: how its images were prepared (--scale, --ignore-value, channels)
+    and what its classes are called (--class-names).
 
     Read from the flags here, at save time, once: readers of the file never depend on what a flag is called.
     """
+    names = run_args.get("class_names")
     return InferenceRecord(
-        scale=float(run_args["scale"]), ignore_values=tuple(run_args.get("ignore_values") or ()), channels=n_channels
+        scale=float(run_args["scale"]),
+        ignore_values=tuple(run_args.get("ignore_values") or ()),
+        channels=n_channels,
+        class_names=split_class_names(names) if names else (),
     )
 
 
@@ -202,6 +252,8 @@ def position_of(payload: dict[str, Any]) -> TrainPosition:
         step_in_epoch=int(payload[KEY_STEP_IN_EPOCH]),
         best_dice=float(payload.get(KEY_BEST_DICE, float("-inf"))),
         best_ranking=[[float(dice), int(step)] for dice, step in payload.get(KEY_BEST_RANKING) or []],
+        best_epoch=int(payload.get(KEY_BEST_EPOCH) or 0),
+        validations_without_improvement=int(payload.get(KEY_VALIDATIONS_WITHOUT_IMPROVEMENT) or 0),
     )
 
 

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from utils.hardware import autocast
 from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
-from utils.training.objective import segmentation_loss
+from utils.training.objective import supervised_loss
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class StepConfig:
     channels_last: bool = False
     class_weights: tuple[float, ...] | None = None
     """Cross-entropy weight of each class (--class-weights, resolved); None = unweighted."""
+    freeze_encoder_before_epoch: int = 0
+    """The model's ``encoder`` is not updated in epochs (0-based indices) before this one (--freeze-encoder-epochs
+    counted from --start_from)."""
 
 
 class TrainStep:
@@ -68,6 +71,13 @@ class TrainStep:
         # Sum and count of the finite losses since the last read (a skipped step's NaN would hide the others').
         self._loss_sum = torch.zeros((), device=device)
         self._loss_count = torch.zeros((), device=device)
+        encoder = getattr(raw_model, "encoder", None) if config.freeze_encoder_before_epoch else None
+        self._encoder_parameters = list(encoder.parameters()) if encoder is not None else []
+        self._encoder_frozen = bool(self._encoder_parameters)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call before each epoch (numbered from 0): the encoder is frozen before ``freeze_encoder_before_epoch``."""
+        self._encoder_frozen = bool(self._encoder_parameters) and epoch < self.config.freeze_encoder_before_epoch
 
     def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> None:
         """One whole optimizer step over ``micro_batches`` (gradients all-reduced on the last one only)."""
@@ -90,7 +100,7 @@ class TrainStep:
         with no_sync:
             with autocast(self.device, self.config.precision):
                 logits = self.model(images)
-                loss = segmentation_loss(logits, masks, self.config.n_classes, self._class_weights)
+                loss = supervised_loss(logits, masks, self.config.n_classes, self._class_weights)
             scaled = loss / group_size
             if self.scaler is not None:
                 self.scaler.scale(scaled).backward()
@@ -103,6 +113,12 @@ class TrainStep:
 
     def update(self) -> None:
         """The optimizer update (skipped when the gradients are not finite), then the scheduler step."""
+        if self._encoder_frozen:
+            # Freezing by dropping the (already all-reduced) gradients, not by requires_grad: DDP's buckets stay as
+            # built, every rank drops the same ones, and the optimizer skips parameters without a gradient (no
+            # update, no weight decay, no moment), while the schedule of the other parameters is untouched.
+            for parameter in self._encoder_parameters:
+                parameter.grad = None
         if self.guard is not None:
             self.guard.step(self.config.grad_clip)
         else:

@@ -2,8 +2,9 @@
 
 A full-size Carvana item (1918x1280 JPEG + GIF mask, resized to 959x640) costs one loader worker 55-77 ms; read from
 this cache it costs a few milliseconds, so a few cores can feed a GPU. Files are ``.npy`` arrays named by a hash of
-what decides their pixels: the source file's absolute path, size and modification time, the scale, the model's input
-channels, the kind (image or mask) and ``PIXEL_CACHE_VERSION``. A changed source file therefore gets a new entry; old
+what decides their pixels: the source file's absolute path, size, modification and change times and inode, the scale,
+the model's input channels, the kind (image or mask) and ``PIXEL_CACHE_VERSION``. A changed source file therefore gets
+a new entry (even when its modification time was put back: its change time moved); old
 entries are never read again (delete the folder to reclaim the space).
 
 Images are stored as the uint8 ``[H, W, C]`` array the network input is made from (16-bit and float images are not
@@ -39,7 +40,7 @@ from utils.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # Part of every entry's name: bump it whenever decoding, resizing or the stored layout changes.
-PIXEL_CACHE_VERSION = 1
+PIXEL_CACHE_VERSION = 2  # 2: EXIF orientation applied
 IMAGE, MASK = "image", "mask"
 _FULL_MARKER = ".writes-failed-{pid}"
 
@@ -71,8 +72,8 @@ class PixelCache:
 
     def entry_path(self, info: FileInfo, kind: str) -> str:
         key = "\0".join(
-            [str(PIXEL_CACHE_VERSION), kind, info.path, str(info.size), str(info.mtime_ns), repr(self.scale)]
-            + [str(self.channels)]
+            [str(PIXEL_CACHE_VERSION), kind, info.path, str(info.size), str(info.mtime_ns)]
+            + [str(info.inode), str(info.ctime_ns), repr(self.scale), str(self.channels)]
         )
         return os.path.join(self.directory, hashlib.sha256(key.encode()).hexdigest() + ".npy")
 

@@ -1,0 +1,136 @@
+"""Tests for ``python -m utils.datasets.check`` on real Carvana-style folders (several views per car)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.conftest import REPO_ROOT, child_env
+from utils.datasets import mask_values
+from utils.datasets.check import CheckSettings, check_dataset, main
+from utils.datasets.synthetic import generate_carvana_like
+
+SIZE = (48, 32)
+
+
+def make_cars(root: Path, cars: int = 6, views: int = 4) -> list[str]:
+    return generate_carvana_like(root, cars * views, size=SIZE, seed=3, views=views)
+
+
+def copy_pair(root: Path, source: str, target: str) -> None:
+    shutil.copyfile(root / "imgs" / f"{source}.jpg", root / "imgs" / f"{target}.jpg")
+    shutil.copyfile(root / "masks" / f"{source}_mask.gif", root / "masks" / f"{target}_mask.gif")
+
+
+def run_check(root: Path, tmp_path: Path, *extra: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    args = ["--imgs", str(root / "imgs"), "--masks", str(root / "masks"), "--cache-dir", str(tmp_path / "cache")]
+    code = main([*args, *extra])
+    return code, capsys.readouterr().out.splitlines()
+
+
+def test_clean_data_passes_and_the_second_check_reads_the_mask_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "data"
+    ids = make_cars(root)
+    assert len({image_id.rpartition("_")[0] for image_id in ids}) == 6 and ids[3].endswith("_04")  # 4 views per car
+    code, lines = run_check(root, tmp_path, "--classes", "1", "--workers", "1", capsys=capsys)
+    assert code == 0, lines
+    assert lines[0].startswith("24 images in") and lines[-1] == "OK: training would start on this data"
+    assert any(line.startswith("mask values [0, 1]; pixels per class: 0: ") for line in lines)
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+
+    def no_decoding(pair: object) -> object:
+        raise AssertionError("the second check decoded a mask")
+
+    monkeypatch.setattr(mask_values, "_scan_pair", no_decoding)
+    report = check_dataset(
+        CheckSettings(root / "imgs", root / "masks", classes=1, workers=1, cache_dir=tmp_path / "cache")
+    )
+    assert report.trainable and report.mask_values == [0, 1]
+    assert sum(share for _, share in report.class_shares) == pytest.approx(1.0)
+    assert 0 < report.class_shares[1][1] < 0.6
+
+
+def test_every_kind_of_problem_gets_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "data"
+    ids = make_cars(root)
+    (root / "masks" / f"{ids[0]}_mask.gif").unlink()  # an image without a mask
+    shutil.copyfile(root / "masks" / f"{ids[1]}_mask.gif", root / "masks" / "orphan_01_mask.gif")
+    (root / "imgs" / f"{ids[2]}.jpg").write_bytes(b"not a photo")  # unreadable
+    Image.new("P", (SIZE[0] + 2, SIZE[1])).save(root / "masks" / f"{ids[3]}_mask.gif")  # wrong size
+    exif = Image.Exif()
+    exif[0x0112] = 3  # "rotate 180 degrees to display": upright it keeps its size, so only the warning
+    Image.open(root / "imgs" / f"{ids[4]}.jpg").convert("RGB").save(root / "imgs" / f"{ids[4]}.jpg", exif=exif)
+
+    code, lines = run_check(root, tmp_path, "--classes", "1", capsys=capsys)
+
+    assert code == 1
+    problems = [line for line in lines if line.startswith("problem: ")]
+    assert [line.split(":")[1].strip() for line in problems] == ["pairing", "unreadable files", "size mismatches"]
+    assert f"{ids[0]}.jpg" in problems[0] and f"{ids[2]}.jpg" in problems[1] and f"{ids[3]}_mask.gif" in problems[2]
+    assert any(line.startswith("warning: pairing: 1 mask(s) without an image") for line in lines)
+    assert any(line.startswith("warning: EXIF rotation: 1 photo") and f"{ids[4]}.jpg" in line for line in lines)
+    assert not any(line.startswith("OK") for line in lines)
+
+
+def test_too_many_mask_values_for_classes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "data"
+    ids = make_cars(root, cars=2, views=2)
+    mask = Image.open(root / "masks" / f"{ids[0]}_mask.gif")
+    mask.putpixel((0, 0), 2)  # a third palette index (GIF renumbers unused high indices)
+    mask.save(root / "masks" / f"{ids[0]}_mask.gif")
+    code, lines = run_check(root, tmp_path, "--classes", "1", capsys=capsys)
+    assert code == 1
+    assert any(line.startswith("problem: mask values: 3 distinct mask values but --classes 1") for line in lines)
+    code, lines = run_check(root, tmp_path, "--classes", "1", "--ignore-value", "2", capsys=capsys)
+    assert code == 0 and any(line.startswith("void (--ignore-value): ") for line in lines)
+
+
+def test_duplicates_and_the_ones_that_cross_the_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "data"
+    ids = make_cars(root, cars=6, views=2)
+    # Copies named as more views of the same car: --split-by prefix keeps each copy beside its original.
+    for view, source in enumerate(ids[:6]):
+        copy_pair(root, source, f"{source.rpartition('_')[0]}_{90 + view}")
+
+    code, lines = run_check(root, tmp_path, "--split-by", "image", "--validation", "50", capsys=capsys)
+    assert code == 0  # duplicates do not stop training
+    assert any(line.startswith("warning: duplicates: 12 photos are exact copies") for line in lines)
+    crossing = [line for line in lines if line.startswith("warning: duplicates across the split")]
+    assert len(crossing) == 1 and "under --split-by image" in crossing[0]
+
+    code, lines = run_check(root, tmp_path, "--split-by", "prefix", "--validation", "50", capsys=capsys)
+    assert code == 0 and not any("across the split" in line for line in lines)
+
+    code, lines = run_check(root, tmp_path, "--split-by", "image", "--validation", "50", "--strict", capsys=capsys)
+    assert code == 1 and any(line.startswith("problem: duplicates across the split") for line in lines)
+
+
+def test_bad_flags_and_missing_folders_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--imgs", str(tmp_path / "nowhere"), "--masks", str(tmp_path / "nowhere")]
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith("Error: image folder")
+    root = tmp_path / "data"
+    make_cars(root, cars=2, views=2)
+    code, _ = run_check(root, tmp_path, "--split-by", "image", "--folds", "3", "--fold", "3", capsys=capsys)
+    assert code == 2
+
+
+@pytest.mark.slow
+def test_command_line_with_a_process_pool(tmp_path: Path) -> None:
+    """As users run it: a real process, enough files for the reader pool, and the second run from the cache."""
+    root = tmp_path / "data"
+    make_cars(root, cars=10, views=4)
+    folders = ["--imgs", str(root / "imgs"), "--masks", str(root / "masks"), "--cache-dir", str(tmp_path / "cache")]
+    command = [sys.executable, "-m", "utils.datasets.check", *folders, "--workers", "2", "--split-by", "prefix"]
+    for _ in range(2):
+        done = subprocess.run(command, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[-1] == "OK: training would start on this data"
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1

@@ -1,0 +1,153 @@
+"""Tests for utils.datasets.splits: the split rules and folds on hand-made id lists, and the split file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import random_split
+
+from utils.datasets.splits import (
+    SplitRule,
+    assign_folds,
+    check_same_split,
+    check_split_flags,
+    choose_validation,
+    group_of,
+    groups_across,
+    looks_grouped,
+    make_record,
+    positions_of,
+    prefix_of,
+    read_split_file,
+    split_positions,
+    validation_positions,
+    write_split_file,
+)
+from utils.errors import ConfigError, DatasetError
+
+
+def carvana_ids(cars: int, views: int) -> list[str]:
+    return sorted(f"car{car:03d}_{view + 1:02d}" for car in range(cars) for view in range(views))
+
+
+def sides(ids: list[str], positions: list[int]) -> set[str]:
+    return {prefix_of(ids[p]) for p in positions}
+
+
+def test_prefix_and_pattern_groups() -> None:
+    assert prefix_of("0cdf5b5d0ce1_01") == "0cdf5b5d0ce1"
+    assert prefix_of("a_b_c") == "a_b"
+    assert prefix_of("plain") == "plain"
+    pattern = re.compile(r"^patient(\d+)-")
+    assert group_of("patient12-slice003", pattern) == "12"
+    with pytest.raises(DatasetError, match=r"'other' does not match --group-pattern"):
+        group_of("other", pattern)
+
+
+def test_image_rule_is_the_old_random_split_bit_for_bit() -> None:
+    ids = [f"img{index:03d}" for index in range(37)]
+    train, validation = split_positions(ids, SplitRule(validation=20.0))
+    old_train, old_val = random_split(range(37), [30, 7], generator=torch.Generator().manual_seed(0))
+    assert train == list(old_train) and validation == list(old_val)
+
+
+def test_prefix_rule_keeps_each_group_on_one_side_near_the_share() -> None:
+    ids = carvana_ids(12, 4)
+    train, validation = split_positions(ids, SplitRule(by="prefix", validation=25.0))
+    assert sides(ids, train).isdisjoint(sides(ids, validation))
+    assert sorted(train + validation) == list(range(48))
+    assert len(validation) == 12  # 25 % of 48 is exactly three cars
+    assert split_positions(ids, SplitRule(by="prefix", validation=25.0)) == (train, validation)  # deterministic
+    other_seed = split_positions(ids, SplitRule(by="prefix", validation=25.0, seed=1))
+    assert other_seed[1] != validation and len(other_seed[1]) == 12
+
+
+def test_image_rule_on_grouped_ids_crosses_groups_and_is_detected() -> None:
+    ids = carvana_ids(12, 4)
+    train, validation = split_positions(ids, SplitRule(validation=25.0))
+    spanning, n_groups = groups_across(ids, train, validation)
+    assert n_groups == 12 and spanning > 0
+    assert looks_grouped(ids)
+    assert not looks_grouped([f"img{index}" for index in range(10)])  # one id per prefix
+    assert not looks_grouped([f"car_{index:02d}" for index in range(16)])  # a single group: nothing to choose
+
+
+def test_greedy_choice_with_uneven_groups() -> None:
+    assert choose_validation([5, 1, 1, 3], target=2.0) == [1, 2]
+    assert choose_validation([10, 10], target=1.0) == [0]  # at least one group
+    assert choose_validation([1, 1], target=5.0) == [0]  # never every group
+    ids = [f"big_{i}" for i in range(6)] + [f"s{k}_1" for k in range(4)]
+    train, validation = split_positions(sorted(ids), SplitRule(by="prefix", validation=40.0))
+    assert len(validation) in (4, 6) and sides(sorted(ids), train).isdisjoint(sides(sorted(ids), validation))
+
+
+@pytest.mark.parametrize("by", ["image", "prefix"])
+def test_folds_are_disjoint_and_cover_the_data(by: str) -> None:
+    ids = carvana_ids(10, 3)
+    folds = [split_positions(ids, SplitRule(by=by, folds=4, fold=k)) for k in range(4)]
+    validations = [set(validation) for _, validation in folds]
+    assert set().union(*validations) == set(range(30))
+    assert sum(len(v) for v in validations) == 30  # disjoint
+    for train, validation in folds:
+        assert set(train) == set(range(30)) - set(validation)
+        if by == "prefix":
+            assert sides(ids, train).isdisjoint(sides(ids, validation))
+    sizes = sorted(len(v) for v in validations)
+    assert sizes[-1] - sizes[0] <= (3 if by == "prefix" else 1)
+
+
+def test_assign_folds_balances_by_images() -> None:
+    assert assign_folds([1, 1, 1, 1], 2) == [0, 1, 0, 1]
+    assert assign_folds([4, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1]
+
+
+def test_flag_checks_name_the_flag() -> None:
+    check_split_flags("prefix", r"^(\w+)-", 5, 4)
+    with pytest.raises(ConfigError, match="--fold 5 with --folds 5"):
+        check_split_flags("image", None, 5, 5)
+    with pytest.raises(ConfigError, match="--folds 1"):
+        check_split_flags("image", None, 1, 0)
+    with pytest.raises(ConfigError, match="--fold 2 needs --folds"):
+        check_split_flags("image", None, 0, 2)
+    with pytest.raises(ConfigError, match="add --split-by prefix"):
+        check_split_flags("image", "(x)", 0, 0)
+    with pytest.raises(ConfigError, match="has no group"):
+        check_split_flags("prefix", "abc", 0, 0)
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        check_split_flags("prefix", "(", 0, 0)
+
+
+def test_split_file_round_trip_digest_and_evaluate_positions(tmp_path: Path) -> None:
+    ids = carvana_ids(6, 2)
+    rule = SplitRule(by="prefix", validation=30.0)
+    record = make_record(ids, rule, *split_positions(ids, rule))
+    path = tmp_path / "split.json"
+    write_split_file(path, record)
+    assert [p.name for p in tmp_path.iterdir()] == ["split.json"]  # no temporary file left
+    raw = json.loads(path.read_text())
+    assert raw["rule"] == "prefix" and raw["seed"] == 0 and raw["validation"] == list(record.validation)
+    loaded = read_split_file(path)
+    assert loaded == record and loaded.digest == record.digest
+    other = make_record(ids, SplitRule(validation=30.0), *split_positions(ids, SplitRule(validation=30.0)))
+    assert other.digest != record.digest
+    check_same_split(record.digest, loaded, "last.pth")
+    check_same_split(None, other, "old.pth")  # files from before splits were recorded
+    with pytest.raises(ConfigError, match="last.pth was trained on another train/validation split"):
+        check_same_split(record.digest, other, "last.pth")
+    shuffled = list(reversed(ids)) + ["extra_01"]
+    assert [shuffled[p] for p in validation_positions(shuffled, path)] == sorted(record.validation, reverse=True)
+    with pytest.raises(DatasetError, match=r"2 of the 2 validation images of here are not in the folders"):
+        positions_of(["x"], ["a", "b"], "here")
+
+
+def test_unreadable_split_file_names_the_flag(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="--split .*bad.json is not JSON"):
+        read_split_file(bad)
+    with pytest.raises(ConfigError, match="cannot read it"):
+        read_split_file(tmp_path / "missing.json")

@@ -1,0 +1,76 @@
+"""Bounds from the machine (utils/machine_bounds.py): one Error: line before anything is created or built."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, SyntheticData, TrainRunner, child_env
+from tests.helpers import one_error_line, save_checkpoint, tiny_unet
+from utils.hardware import available_cpus
+from utils.machine_bounds import MIN_WORKERS_BOUND, WORKERS_PER_CPU, model_parameters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--threads", "100000"], "--threads 100000 is more than 4 per CPU"),
+        (["--base-channels", "100000"], "--base-channels 100000 makes a UNet of 7.57e+13 weights"),
+        (["--num-workers", "100000"], "--num-workers 100000 would start 100000 loader processes"),
+    ],
+)
+def test_train_refuses_what_the_machine_cannot_run_before_creating_the_run_folder(
+    runner: TrainRunner, extra: list[str], expected: str
+) -> None:
+    # A real process: on the code before these bounds --threads 100000 crashed the interpreter (SIGSEGV). The
+    # runner's own --threads 1 comes first: argparse keeps the last value.
+    done = subprocess.run(
+        [sys.executable, "train.py", *runner.args("bounds", *extra), "-e", "1"],
+        cwd=REPO_ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert expected in one_error_line(done.stderr)
+    assert not runner.checkpoint_dir.exists()
+
+
+def test_the_bound_allows_what_trains(runner: TrainRunner) -> None:
+    """Control: the bounds stop only the absurd; a run at the bound itself is accepted."""
+    cpus = available_cpus()
+    assert runner.main("ok", "-e", "1", "--max-steps", "1", "--threads", str(4 * cpus), "--num-workers", "0") == 0
+    assert (runner.run_dir("ok") / "last.pth").is_file()
+
+
+def test_the_parameter_count_is_the_models() -> None:
+    model = tiny_unet()
+    assert model_parameters(3, 2, bilinear=False, base_channels=8) == sum(
+        tensor.numel() for tensor in [*model.parameters(), *model.buffers()]
+    )
+
+
+@pytest.mark.parametrize("script", ["predict", "evaluate"])
+def test_inference_refuses_absurd_workers(
+    script: str, carvana_data: SyntheticData, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    checkpoint = save_checkpoint(tmp_path / "model.pth", tiny_unet(), (0, 1))
+    too_many = str(max(MIN_WORKERS_BOUND, WORKERS_PER_CPU * available_cpus()) + 1)
+    if script == "predict":
+        import predict
+
+        code = predict.main(["-m", str(checkpoint), "-i", str(carvana_data.imgs), "--output-dir",
+                             str(tmp_path / "out"), "-j", too_many])  # fmt: skip
+    else:
+        import evaluate
+
+        code = evaluate.main(["-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks",
+                              str(carvana_data.masks), "-j", too_many])  # fmt: skip
+    assert code == 2
+    assert f"--workers {too_many} would start" in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()

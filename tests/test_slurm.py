@@ -1,0 +1,92 @@
+"""SLURM's notations (host lists, tasks per node, the derived port) and ``srun`` tasks as a launcher (pure plans)."""
+
+from __future__ import annotations
+
+import pytest
+
+from utils.distributed import launcher_rank, plan_launch
+from utils.errors import ConfigError
+from utils.slurm import derived_port, expand_hostlist, first_host, tasks_on_first_node
+
+
+@pytest.mark.parametrize(
+    ("hostlist", "hosts"),
+    [
+        ("gpu[01-03,07],cpu5", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]),
+        ("localhost", ["localhost"]),
+        ("node7", ["node7"]),
+        ("a,b,c", ["a", "b", "c"]),
+        ("gpu[8-11]", ["gpu8", "gpu9", "gpu10", "gpu11"]),
+        ("gpu[008-010]", ["gpu008", "gpu009", "gpu010"]),
+        ("rack[1-2]-gpu[1-2]", ["rack1-gpu1", "rack1-gpu2", "rack2-gpu1", "rack2-gpu2"]),
+        ("n[1,3]-ib", ["n1-ib", "n3-ib"]),
+        ("x[5]", ["x5"]),
+    ],
+)
+def test_expand_hostlist(hostlist: str, hosts: list[str]) -> None:
+    assert expand_hostlist(hostlist) == hosts
+    assert first_host(hostlist) == hosts[0]
+
+
+@pytest.mark.parametrize(
+    ("hostlist", "reason"),
+    [("gpu[01-03", "not closed"), ("gpu01]", "closes no"), ("gpu[3-1]", "backwards"), ("gpu[a-b]", "not a number"),
+     ("", "no host")],
+)  # fmt: skip
+def test_bad_hostlists_name_the_variable_and_the_fix(hostlist: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=f"SLURM_JOB_NODELIST.*{reason}.*MASTER_ADDR"):
+        expand_hostlist(hostlist)
+
+
+def test_derived_port_is_in_range_and_stable() -> None:
+    assert derived_port("123456") == 15000 + 123456 % 15000 == derived_port("123456")
+    assert derived_port("1234_7") == derived_port("1234")  # array task ids
+    assert all(15000 <= derived_port(str(job)) < 30000 for job in range(0, 100000, 997))
+    with pytest.raises(ConfigError, match="SLURM_JOB_ID.*MASTER_PORT"):
+        derived_port("abc")
+
+
+def test_tasks_on_first_node() -> None:
+    assert tasks_on_first_node("4(x2),3") == 4
+    assert tasks_on_first_node("8") == 8
+    assert tasks_on_first_node("") is None
+
+
+SRUN_TASK = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x4)",
+}
+
+
+def test_srun_tasks_are_a_launcher() -> None:
+    plan = plan_launch(ddp_mode=True, environ=SRUN_TASK)
+    assert plan.distributed
+    assert (plan.rank, plan.world_size, plan.local_rank, plan.local_world_size) == (3, 8, 1, 2)
+    assert plan.init_method == f"tcp://gpu07:{derived_port('4242')}"
+    assert plan.slurm_job_id == "4242"
+    assert launcher_rank(SRUN_TASK) == 3
+
+
+def test_master_addr_and_port_override_the_derived_ones() -> None:
+    plan = plan_launch(ddp_mode=True, environ={**SRUN_TASK, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"})
+    assert plan.init_method == "tcp://10.0.0.1:29400"
+
+
+def test_torchrun_variables_win_over_slurm() -> None:
+    environ = {**SRUN_TASK, "RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
+               "MASTER_ADDR": "h", "MASTER_PORT": "1"}  # fmt: skip
+    plan = plan_launch(ddp_mode=True, environ=environ)
+    assert (plan.rank, plan.world_size, plan.local_rank, plan.init_method) == (5, 16, 5, "env://")
+    assert plan.slurm_job_id == "4242"  # a requeue still names the job
+    assert launcher_rank(environ) == 5
+
+
+def test_without_ddp_mode_a_batch_script_is_one_process() -> None:
+    # sbatch --ntasks=8 runs the script once with SLURM_NTASKS=8: it must not wait for seven ranks that never come.
+    plan = plan_launch(ddp_mode=False, environ=SRUN_TASK)
+    assert not plan.distributed
+    assert plan.slurm_job_id == "4242"

@@ -1,0 +1,68 @@
+"""Ctrl-C while an entry script is still importing torch: exit 130 and one line, not a traceback through torch's
+imports; once the imports are over, predict.py and evaluate.py give SIGINT back to Python (utils.runner reports it)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, child_env
+from utils.startup_interrupt import startup_done, stop_quietly_while_starting
+
+
+def _importing_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _command(script: str, tmp_path: Path) -> list[str]:
+    """Flags that would write into tmp_path/out, had the script got that far."""
+    out = tmp_path / "out"
+    if script == "train.py":
+        return [script, "--checkpoint-dir", str(out)]
+    if script == "predict.py":
+        return [script, "-m", str(tmp_path / "model.pth"), "-i", str(tmp_path / "a.png"), "--output-dir", str(out)]
+    return [script, "-m", str(tmp_path / "model.pth"), "--imgs", str(tmp_path), "--masks", str(tmp_path),
+            "--json", str(out / "scores.json")]  # fmt: skip
+
+
+@pytest.mark.parametrize("script", ["train.py", "predict.py", "evaluate.py"])
+def test_ctrl_c_during_startup_exits_130_with_one_line(tmp_path: Path, script: str) -> None:
+    process = subprocess.Popen(
+        [sys.executable, *_command(script, tmp_path)],
+        cwd=REPO_ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not _importing_torch(process.pid) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)  # torch's libraries are being loaded: the imports are under way
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, (process.returncode, err[-3000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: stopped by SIGINT (Ctrl-C)"), err[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_startup_done_gives_sigint_back_to_python() -> None:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        stop_quietly_while_starting()
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # the start-up handler
+        startup_done()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a handler someone else chose is left alone
+        startup_done()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,82 @@
+"""``<run>/config.yaml`` records a run's flags and ``--config FILE`` reads them, under the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import train
+from tests.conftest import load_checkpoint
+from tests.helpers import one_error_line
+from utils.checkpoint import KEY_ARGS
+from utils.errors import USER_ERROR_EXIT_CODE, ConfigError
+from utils.training.config import TrainConfig, parse_config
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_file_values_apply_and_the_command_line_overrides_them(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "c.yaml",
+        "epochs: 7\nbatch-size: 3\nlearning_rate: 1e-4\nignore_values: [255]\namp: true\nexp_name: from-file\n",
+    )
+    config = parse_config(["--config", str(path), "--epochs", "2", "--ignore-value", "0"])
+    assert config.epochs == 2  # the command line wins
+    assert config.batch_size == 3 and config.amp is True and config.exp_name == "from-file"
+    assert config.learning_rate == pytest.approx(1e-4)  # YAML reads 1e-4 as text: still the number meant
+    assert config.ignore_values == [0]  # a repeatable flag replaces the file's list, it does not add to it
+    # Without the flags, the file's values; without the file, the defaults.
+    assert parse_config(["--config", str(path)]).ignore_values == [255]
+    assert parse_config([]).epochs == TrainConfig().epochs
+
+
+def test_unknown_keys_and_wrong_types_are_refused_naming_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path / "c.yaml", "epochs: 2\nbatch_sise: 4\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: unknown key 'batch_sise'; did you mean batch_size\?"):
+        parse_config(["--config", str(path)])
+    for text, message in [
+        ("epochs: two\n", r"epochs must be a whole number, got 'two'"),
+        ("amp: 1\n", r"amp must be true or false"),
+        ("optimizer: sgd\n", r"optimizer must be one of adamw, rmsprop"),
+        ("scale: null\n", r"scale may not be empty"),
+        ("- epochs\n", r"must map flag names to values"),
+        ("epochs: [\n", r"is not valid YAML"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config(["--config", str(_write(tmp_path / "bad.yaml", text))])
+    with pytest.raises(ConfigError, match=r"--config .*missing\.yaml: cannot read it"):
+        parse_config(["--config", str(tmp_path / "missing.yaml")])
+    # Ranges are the flags' own, whichever way the value came.
+    with pytest.raises(ConfigError, match=r"--scale must be"):
+        parse_config(["--config", str(_write(tmp_path / "range.yaml", "scale: 2\n"))])
+
+
+def test_a_bad_config_file_is_one_error_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    path = _write(tmp_path / "c.yaml", "epoch: 2\n")
+    assert train.main(["--config", str(path)]) == USER_ERROR_EXIT_CODE
+    assert "did you mean epochs?" in one_error_line(capsys.readouterr().err)
+
+
+def test_a_run_writes_config_yaml_and_rerunning_it_reproduces_the_run(runner, tmp_path: Path) -> None:
+    assert runner.main("first", "--epochs", "1", "--ignore-value", "255", "--class-weights", "1,2") == 0
+    config_file = runner.run_dir("first") / "config.yaml"
+    recorded = yaml.safe_load(config_file.read_text())
+    first = load_checkpoint(runner.run_dir("first") / "last.pth")
+    assert recorded == first[KEY_ARGS]
+
+    # The file alone (it names the data and the checkpoint folder) and a new name: the same run again.
+    try:
+        assert train.main(["--config", str(config_file), "--exp_name", "again"]) == 0
+    finally:
+        torch.use_deterministic_algorithms(False)
+    again = load_checkpoint(runner.run_dir("again") / "last.pth")
+    assert again[KEY_ARGS] == {**first[KEY_ARGS], "exp_name": "again"}
+    # --deterministic on CPU: the rerun trains to the very same weights.
+    for key, tensor in first["model_state"].items():
+        assert torch.equal(tensor, again["model_state"][key]), key

@@ -1,0 +1,113 @@
+"""``--tensorboard``: TensorBoard's own reader finds the metrics.jsonl values; a resumed run continues them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import finish, torchrun_prefix
+from tests.helpers import read_metrics
+
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+
+def _read(run_dir: Path):
+    """What TensorBoard shows of the run: its reader, which applies the writers' purge records."""
+    reader = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    reader.Reload()
+    return reader
+
+
+def _scalars(reader, tag: str) -> list[tuple[int, float]]:
+    return [(event.step, event.value) for event in reader.Scalars(tag)]
+
+
+def _raw_steps(run_dir: Path, tag: str) -> list[int]:
+    """Every step written for ``tag`` in the event files, purged or not (the raw record)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    steps = []
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            steps += [event.step for value in event.summary.value if value.tag == tag]
+    return steps
+
+
+def test_the_scalars_and_images_are_those_of_metrics_jsonl(runner) -> None:
+    assert runner.main("tb", "--epochs", "2", "--log-every", "1", "--tensorboard", "--batch-size", "4") == 0
+    run_dir = runner.run_dir("tb")
+    reader = _read(run_dir)
+    trained = read_metrics(run_dir, event="train")
+    assert _scalars(reader, "train/loss") == [
+        (event["global_step"], pytest.approx(event["loss"], rel=1e-6)) for event in trained
+    ]
+    assert _scalars(reader, "train/learning_rate") == [
+        (event["global_step"], pytest.approx(event["lr"], rel=1e-6)) for event in trained
+    ]
+    assert [step for step, _ in _scalars(reader, "train/images_per_s")] == [event["global_step"] for event in trained]
+    validated = read_metrics(run_dir, event="val")
+    assert len(validated) == 2
+    for tag, key in [("val/dice", "dice"), ("val/iou", "iou")]:
+        assert _scalars(reader, tag) == [
+            (event["global_step"], pytest.approx(event[key], rel=1e-6)) for event in validated
+        ]
+    for index in range(2):
+        expected = [
+            (event["global_step"], pytest.approx(event["per_class_dice"][index], rel=1e-6)) for event in validated
+        ]
+        assert _scalars(reader, f"val/dice/class_{index}") == expected
+    # A few validation images, with their true and predicted masks, at each validation.
+    for tag in ("val/image", "val/truth", "val/prediction"):
+        images = reader.Images(tag)
+        assert [image.step for image in images] == [event["global_step"] for event in validated]
+        assert images[0].width == 48 and images[0].height == 32
+
+
+def test_a_resumed_run_continues_the_step_axis_and_shows_each_step_once(runner) -> None:
+    try:
+        assert runner.main("tb", "--epochs", "2", "--log-every", "1", "--tensorboard") == 0
+        run_dir = runner.run_dir("tb")
+        total = read_metrics(run_dir, event="train")[-1]["global_step"]
+        # As if the run had died after logging epoch 2 but before saving it: the newest state left is epoch 1's.
+        (run_dir / "last.pth").unlink()
+        (run_dir / "best.pth").unlink()
+        (run_dir / "checkpoint_epoch2.pth").unlink()
+        resumed_from = torch.load(run_dir / "checkpoint_epoch1.pth", weights_only=True)["global_step"]
+        assert 0 < resumed_from < total
+        # The resumed run logs every 2nd step only: a step of the first run past the resume point that still showed
+        # would be an odd step there.
+        assert runner.main("tb", "--epochs", "2", "--log-every", "2", "--tensorboard", "--resume", "auto") == 0
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    reader = _read(run_dir)
+    shown = _scalars(reader, "train/loss")
+    trained = read_metrics(run_dir, event="train")  # appended to: the first run's events, then the resumed run's
+    first_run, resumed_run = trained[:total], trained[total:]
+    assert [event["global_step"] for event in first_run] == list(range(1, total + 1))
+    resumed_steps = [event["global_step"] for event in resumed_run]
+    assert 0 < len(resumed_steps) < total - resumed_from  # some steps past the resume point are not logged again
+    # Each step once, in order: the first run's up to the resume point, then the resumed run's, with its values.
+    assert [step for step, _ in shown] == list(range(1, resumed_from + 1)) + resumed_steps
+    assert [value for step, value in shown if step > resumed_from] == [
+        pytest.approx(event["loss"], rel=1e-6) for event in resumed_run
+    ]
+    assert [step for step, _ in _scalars(reader, "val/dice")][-1] == total
+    # The control: the first run's steps past the resume point are still in its file; TensorBoard hides them.
+    assert resumed_from + 1 in _raw_steps(run_dir, "train/loss")
+
+
+@pytest.mark.slow
+def test_under_ddp_only_global_rank_0_writes_events(runner) -> None:
+    launcher = runner.popen(
+        torchrun_prefix(2), "ddp", "--ddp_mode", "--epochs", "1", "--log-every", "1", "--tensorboard"
+    )
+    out, err = finish(launcher)
+    assert launcher.returncode == 0, err
+    run_dir = runner.run_dir("ddp")
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    trained = read_metrics(run_dir, event="train")
+    assert [step for step, _ in _scalars(_read(run_dir), "train/loss")] == [event["global_step"] for event in trained]
+    assert len(trained) > 1 and len({event["global_step"] for event in trained}) == len(trained)

@@ -1,0 +1,173 @@
+"""A UNet whose encoder is a torchvision ResNet (``--encoder resnet18|resnet34|resnet50``).
+
+The encoder is ``torchvision.models.resnetXX(weights=None)`` without its pooling and classifier, kept under the
+attribute ``encoder`` with torchvision's own parameter names (``encoder.conv1.weight``, ``encoder.layer1.0...``), so a
+torchvision state dict (the file torchvision caches, e.g. ``resnet34-b627a593.pth``) loads into it as is. Nothing is
+ever downloaded: the weights come from a local file (``utils.training.encoder_weights``) or from a checkpoint.
+
+The decoder is segmentation_models.pytorch's UNet decoder: five stages of (2x nearest upsampling, concatenation of the
+encoder feature of that resolution, two 3x3 convolution + BatchNorm + ReLU), widths ``4, 2, 1, 1/2, 1/4`` times
+``base_channels`` (64 gives SMP's 256, 128, 64, 32, 16).
+
+The model normalises its own input with ImageNet's mean and standard deviation (registered buffers, not in the
+state dict): images enter in [0, 1] as for the plain UNet, so predict.py, evaluate.py, export and torch.hub prepare
+images exactly as training did with no record beyond the architecture (``encoder`` in the model arguments). The same
+normalisation applies to an encoder trained from scratch, so a checkpoint's input convention never depends on where
+its first weights came from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision import models
+
+from .deep_supervision import AuxiliaryHeads
+
+RESNET_ENCODERS = ("resnet18", "resnet34", "resnet50")
+# Channels of the stem (conv1 at 1/2) and of layer1..layer4 (1/4 .. 1/32) of each encoder.
+_FEATURE_CHANNELS = {
+    "resnet18": (64, 64, 128, 256, 512),
+    "resnet34": (64, 64, 128, 256, 512),
+    "resnet50": (64, 256, 512, 1024, 2048),
+}
+# The encoder halves the resolution five times; inputs are padded to a multiple of this and the logits cropped back.
+SIZE_MULTIPLE = 32
+# torchvision's ImageNet preprocessing (the statistics its pretrained ResNets were trained with).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def input_statistics(n_channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std the model normalises with: ImageNet's for 3 channels, else their average per channel
+    (a grey or multi-band image has no RGB order to follow)."""
+    if n_channels == 3:
+        return IMAGENET_MEAN, IMAGENET_STD
+    mean, std = sum(IMAGENET_MEAN) / 3, sum(IMAGENET_STD) / 3
+    return (mean,) * n_channels, (std,) * n_channels
+
+
+class ResNetEncoder(nn.Module):
+    """torchvision's ResNet without ``avgpool`` and ``fc``; returns the features at 1/2, 1/4, 1/8, 1/16 and 1/32."""
+
+    def __init__(self, name: str, n_channels: int) -> None:
+        super().__init__()
+        resnet = getattr(models, name)(weights=None)
+        if n_channels != 3:
+            resnet.conv1 = nn.Conv2d(n_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        # The same attribute names as torchvision's ResNet, so its state dict (less fc) loads unchanged.
+        self.conv1, self.bn1, self.relu, self.maxpool = resnet.conv1, resnet.bn1, resnet.relu, resnet.maxpool
+        self.layer1, self.layer2, self.layer3, self.layer4 = resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        stem = self.relu(self.bn1(self.conv1(x)))
+        f1 = self.layer1(self.maxpool(stem))
+        f2 = self.layer2(f1)
+        f3 = self.layer3(f2)
+        return [stem, f1, f2, f3, self.layer4(f3)]
+
+
+class DecoderBlock(nn.Module):
+    """2x nearest upsampling, concatenation of the skip feature (if any), then (3x3 conv, BatchNorm, ReLU) twice."""
+
+    def __init__(self, in_channels: int, skip_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv2d(in_channels + skip_channels, out_channels, kernel_size=3, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(inplace=True),
+        )
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
+        x = F.interpolate(x, scale_factor=2, mode="nearest")
+        if skip is not None:
+            x = torch.cat([x, skip], dim=1)
+        return self.conv(x)
+
+
+class ResNetUNet(nn.Module):
+    """A torchvision ResNet encoder under a UNet decoder; ``n_classes`` logit maps of the input's height and width.
+
+    With ``deep_supervision``, training-mode forward passes return ``[logits, logits at 1/2, logits at 1/4]`` (see
+    ``unet.deep_supervision``); evaluation-mode passes return the logits alone.
+    """
+
+    def __init__(
+        self,
+        n_channels: int,
+        n_classes: int,
+        encoder: str = "resnet34",
+        base_channels: int = 64,
+        deep_supervision: bool = False,
+    ) -> None:
+        super().__init__()
+        if encoder not in RESNET_ENCODERS:
+            raise ValueError(f"unknown encoder {encoder!r}; choose one of {', '.join(RESNET_ENCODERS)}")
+        if n_channels < 1 or n_classes < 1 or base_channels < 1:
+            raise ValueError(
+                f"ResNetUNet needs positive sizes, got n_channels={n_channels}, n_classes={n_classes}, "
+                f"base_channels={base_channels}"
+            )
+        self.n_channels = n_channels
+        self.n_classes = n_classes
+        self.encoder_name = encoder
+        self.base_channels = base_channels
+        self.deep_supervision = deep_supervision
+        mean, std = input_statistics(n_channels)
+        # Not persistent: the values follow from the architecture, so the state dict holds only learnt tensors.
+        self.register_buffer("input_mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("input_std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
+
+        self.encoder = ResNetEncoder(encoder, n_channels)
+        stem, c1, c2, c3, c4 = _FEATURE_CHANNELS[encoder]
+        widths = [max(1, base_channels * m // 4) for m in (16, 8, 4, 2, 1)]
+        skips = [c3, c2, c1, stem, 0]
+        blocks, previous = [], c4
+        for skip, width in zip(skips, widths, strict=True):
+            blocks.append(DecoderBlock(previous, skip, width))
+            previous = width
+        self.decoder = nn.ModuleList(blocks)
+        self.head = nn.Conv2d(widths[-1], n_classes, kernel_size=1)
+        # Auxiliary logits after the decoder stages at 1/2 and 1/4 of the input resolution.
+        self.aux_heads = AuxiliaryHeads((widths[3], widths[2]), n_classes) if deep_supervision else None
+
+    def constructor_args(self) -> dict[str, Any]:
+        """The arguments that rebuild this model (``unet.UNetArgs`` names); stored in checkpoints."""
+        from .unet_model import UNetArgs  # unet_model imports nothing from here; this keeps the import one-way
+
+        return UNetArgs(
+            n_channels=self.n_channels,
+            n_classes=self.n_classes,
+            base_channels=self.base_channels,
+            encoder=self.encoder_name,
+            deep_supervision=self.deep_supervision,
+        ).as_dict()
+
+    def use_checkpointing(self, enabled: bool = True) -> None:
+        """Activation checkpointing is implemented for the plain UNet only."""
+        if enabled:
+            raise ValueError("--checkpointing is supported with --encoder unet only")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        height, width = x.shape[-2:]
+        x = (x - self.input_mean) / self.input_std
+        # Zeros after normalisation: the padding looks like an average ImageNet pixel, not like black.
+        pad_bottom, pad_right = (-height) % SIZE_MULTIPLE, (-width) % SIZE_MULTIPLE
+        x = F.pad(x, [0, pad_right, 0, pad_bottom])
+        features = self.encoder(x)
+        skips = [features[3], features[2], features[1], features[0], None]
+        x = features[4]
+        levels = []
+        for block, skip in zip(self.decoder, skips, strict=True):
+            x = block(x, skip)
+            levels.append(x)
+        logits = self.head(x)[..., :height, :width]
+        if self.aux_heads is None or not self.training:
+            return logits
+        return [logits, *self.aux_heads([levels[3], levels[2]], height, width)]

@@ -1,0 +1,318 @@
+"""Which images train and which validate: the split rules, k folds, and the split on record (``split.json``).
+
+Rules (``--split-by``):
+
+* ``image``: milesial's seeded random split over images (``random_split`` with a fixed seed), unchanged bit for bit;
+* ``prefix``: every id whose group (the part before the last ``_``, Carvana's car id, or the first group of
+  ``--group-pattern``) is the same lands on the same side, the validation share as close to ``--validation`` as whole
+  groups allow.
+
+``--folds N --fold K`` deals the groups (single images with ``image``) into N folds of near-equal image counts; fold K
+validates, the others train. The N validation sets are disjoint and together hold every image.
+
+Everything here is a pure function of the sorted ids and the rule, so every rank computes the same split without
+talking to the others. ``SplitRecord`` is what a run writes to ``<run>/split.json`` and, as its sha256, into its
+checkpoints; ``evaluate.py --split`` reads it back.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import random
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from utils.errors import ConfigError, DatasetError
+
+SPLIT_BY_IMAGE = "image"
+SPLIT_BY_PREFIX = "prefix"
+SPLIT_RULES = (SPLIT_BY_IMAGE, SPLIT_BY_PREFIX)
+SPLIT_FILE_VERSION = 1
+# milesial/Pytorch-UNet splits with random_split(..., generator=torch.Generator().manual_seed(0)); the same fixed seed
+# keeps its validation set, and makes the split identical on every rank whatever --seed is.
+SPLIT_SEED = 0
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """How to split (from --split-by, --group-pattern, --validation, --folds, --fold)."""
+
+    by: str = SPLIT_BY_IMAGE
+    group_pattern: str | None = None
+    """A regular expression whose first group is an id's group (``prefix`` only); None: the part before the last _."""
+    validation: float = 10.0
+    """Percent of the images that validate (without folds)."""
+    folds: int = 0
+    """0: one split by ``validation``; N >= 2: fold ``fold`` of N validates."""
+    fold: int = 0
+    seed: int = SPLIT_SEED
+
+
+@dataclass(frozen=True)
+class SplitRecord:
+    """One run's split as written to ``split.json``: the ids of each side and the rule that made them."""
+
+    rule: str
+    seed: int
+    validation_percent: float | None
+    """--validation; None with folds (each fold validates about 1/N of the images)."""
+    group_pattern: str | None
+    folds: int
+    fold: int | None
+    train: tuple[str, ...]
+    validation: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": SPLIT_FILE_VERSION,
+            "rule": self.rule,
+            "seed": self.seed,
+            "validation_percent": self.validation_percent,
+            "group_pattern": self.group_pattern,
+            "folds": self.folds,
+            "fold": self.fold,
+            "train": list(self.train),
+            "validation": list(self.validation),
+        }
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 of the canonical JSON: equal digests mean the same images on the same sides, made the same way.
+
+        Computed once per record (every checkpoint stores it).
+        """
+        canonical = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def check_split_flags(by: str, group_pattern: str | None, folds: int, fold: int) -> None:
+    """Reject impossible split flags up front; every message names the flag to change."""
+    if by not in SPLIT_RULES:
+        raise ConfigError(f"--split-by {by!r}: use one of {', '.join(SPLIT_RULES)}")
+    if group_pattern is not None:
+        if by != SPLIT_BY_PREFIX:
+            raise ConfigError("--group-pattern names the groups of --split-by prefix; add --split-by prefix")
+        compile_group_pattern(group_pattern)
+    if folds == 1 or folds < 0:
+        raise ConfigError(f"--folds {folds}: use 2 or more (or 0, no folds)")
+    if folds and not 0 <= fold < folds:
+        raise ConfigError(f"--fold {fold} with --folds {folds}: use a fold in 0..{folds - 1}")
+    if not folds and fold:
+        raise ConfigError(f"--fold {fold} needs --folds N (the number of folds)")
+
+
+def compile_group_pattern(pattern: str) -> re.Pattern[str]:
+    try:
+        compiled = re.compile(pattern)
+    except re.error as error:
+        raise ConfigError(f"--group-pattern {pattern!r} is not a regular expression ({error})") from None
+    if compiled.groups < 1:
+        raise ConfigError(f"--group-pattern {pattern!r} has no group: put the group id in parentheses, e.g. '^(.+)_'")
+    return compiled
+
+
+def prefix_of(image_id: str) -> str:
+    """The part of an id before its last ``_`` (Carvana's car id); the whole id when it has none."""
+    return image_id.rpartition("_")[0] or image_id
+
+
+def group_of(image_id: str, pattern: re.Pattern[str] | None) -> str:
+    """The group of an id: the first group of ``pattern`` where it matches (``re.search``), else its prefix."""
+    if pattern is None:
+        return prefix_of(image_id)
+    found = pattern.search(image_id)
+    if found is None or found.group(1) is None:
+        raise DatasetError(
+            f"image id {image_id!r} does not match --group-pattern {pattern.pattern!r}; fix the pattern so every id "
+            f"in --imgs matches it"
+        )
+    return found.group(1)
+
+
+def groups_of(ids: Sequence[str], pattern: re.Pattern[str] | None = None) -> dict[str, list[int]]:
+    """Group name -> positions in ``ids``, groups in sorted order (independent of how the ids were listed)."""
+    groups: dict[str, list[int]] = {}
+    for position, image_id in enumerate(ids):
+        groups.setdefault(group_of(image_id, pattern), []).append(position)
+    return {name: groups[name] for name in sorted(groups)}
+
+
+def split_sizes(n_images: int, validation_percent: float) -> tuple[int, int]:
+    """(validation, training) image counts of the ``image`` rule, rounded as milesial does."""
+    n_val = int(n_images * (validation_percent / 100))
+    return n_val, n_images - n_val
+
+
+def split_positions(ids: Sequence[str], rule: SplitRule) -> tuple[list[int], list[int]]:
+    """(train, validation) positions in ``ids`` (the dataset's sorted ids) under ``rule``.
+
+    Either side may come back empty (too few images or groups); the caller names the flag to change.
+    """
+    if rule.by == SPLIT_BY_IMAGE and not rule.folds:
+        return _random_image_split(len(ids), rule.validation, rule.seed)
+    if rule.by == SPLIT_BY_IMAGE:
+        groups = [[position] for position in range(len(ids))]
+    else:
+        pattern = compile_group_pattern(rule.group_pattern) if rule.group_pattern else None
+        groups = list(groups_of(ids, pattern).values())
+    shuffled = list(groups)
+    random.Random(rule.seed).shuffle(shuffled)
+    if rule.folds:
+        fold_of = assign_folds([len(group) for group in shuffled], rule.folds)
+        chosen = [group for group, fold in zip(shuffled, fold_of, strict=True) if fold == rule.fold]
+    else:
+        target = len(ids) * rule.validation / 100
+        chosen = [shuffled[k] for k in choose_validation([len(group) for group in shuffled], target)]
+    validation = sorted(position for group in chosen for position in group)
+    taken = set(validation)
+    return [position for position in range(len(ids)) if position not in taken], validation
+
+
+def _random_image_split(n_images: int, validation_percent: float, seed: int) -> tuple[list[int], list[int]]:
+    # Imported here: the dataset check's worker processes import this module and must not pay for importing torch.
+    import torch
+    from torch.utils.data import random_split
+
+    n_val, n_train = split_sizes(n_images, validation_percent)
+    if n_val == 0 or n_train == 0:
+        return (list(range(n_images)), []) if n_val == 0 else ([], list(range(n_images)))
+    generator = torch.Generator().manual_seed(seed)
+    train_split, val_split = random_split(range(n_images), [n_train, n_val], generator=generator)
+    return list(train_split), list(val_split)
+
+
+def choose_validation(sizes: Sequence[int], target: float) -> list[int]:
+    """Indices of the groups (in the given, shuffled order) that validate: a greedy pass that takes a group when it
+    brings the validation count closer to ``target``; at least one group, never all of them when there are two."""
+    chosen, count = [], 0
+    for index, size in enumerate(sizes):
+        if abs(count + size - target) < abs(count - target):
+            chosen.append(index)
+            count += size
+    if not chosen and sizes:
+        chosen = [0]
+    if len(chosen) == len(sizes) > 1:
+        chosen.pop()
+    return chosen
+
+
+def assign_folds(sizes: Sequence[int], folds: int) -> list[int]:
+    """The fold of each group (in the given, shuffled order): largest groups first, each to the fold with the fewest
+    images so far (the lowest-numbered on a tie), so the folds' image counts differ by at most the largest group."""
+    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])  # stable: ties keep the shuffled order
+    totals = [0] * folds
+    fold_of = [0] * len(sizes)
+    for index in order:
+        fold = min(range(folds), key=lambda k: (totals[k], k))
+        fold_of[index] = fold
+        totals[fold] += sizes[index]
+    return fold_of
+
+
+def groups_across(ids: Sequence[str], train: Sequence[int], validation: Sequence[int]) -> tuple[int, int]:
+    """(prefix groups with ids on both sides, prefix groups in all) of a split."""
+    side = {position: "train" for position in train} | {position: "validation" for position in validation}
+    groups = groups_of(ids)
+    spanning = sum(1 for positions in groups.values() if len({side.get(p) for p in positions}) > 1)
+    return spanning, len(groups)
+
+
+def looks_grouped(ids: Sequence[str]) -> bool:
+    """Whether the ids look like several views of each thing: two or more prefixes, on average two ids or more each."""
+    n_groups = len(groups_of(ids))
+    return n_groups >= 2 and len(ids) >= 2 * n_groups
+
+
+def make_record(ids: Sequence[str], rule: SplitRule, train: Sequence[int], validation: Sequence[int]) -> SplitRecord:
+    return SplitRecord(
+        rule=rule.by,
+        seed=rule.seed,
+        validation_percent=None if rule.folds else rule.validation,
+        group_pattern=rule.group_pattern,
+        folds=rule.folds,
+        fold=rule.fold if rule.folds else None,
+        train=tuple(ids[p] for p in train),
+        validation=tuple(ids[p] for p in validation),
+    )
+
+
+def check_same_split(saved_digest: str | None, record: SplitRecord, path: str) -> None:
+    """Refuse to resume ``path`` on another split: its trained images would start to validate, or the reverse."""
+    if saved_digest is not None and saved_digest != record.digest:
+        raise ConfigError(
+            f"{path} was trained on another train/validation split than these flags make (--split-by, "
+            f"--group-pattern, --validation, --folds, --fold, or other image ids); resume with the run's split flags "
+            f"(its split.json records them), or start a new run from its weights with --load {path}"
+        )
+
+
+def write_split_file(path: Path, record: SplitRecord) -> None:
+    """Write ``record`` as JSON to ``path`` atomically (temp file, fsync, replace); an OSError names the file."""
+    text = json.dumps(record.as_dict(), indent=1) + "\n"
+    try:
+        handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as file:
+                file.write(text)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp_name, path)
+        except BaseException:
+            if os.path.exists(tmp_name):
+                os.unlink(tmp_name)
+            raise
+    except OSError as error:
+        raise ConfigError(
+            f"could not write the split to {path}: {error.strerror or error}; choose a writable --checkpoint-dir"
+        ) from error
+
+
+def read_split_file(path: Path, flag: str = "--split") -> SplitRecord:
+    """The split a run wrote to ``path``; a ConfigError naming ``flag`` when it is missing or not a split file."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"{flag} {path}: cannot read it ({error.strerror or error})") from error
+    except ValueError as error:
+        raise ConfigError(f"{flag} {path} is not JSON ({error}); pass the split.json of a run folder") from error
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(key), list) for key in ("train", "validation")):
+        raise ConfigError(
+            f"{flag} {path} has no 'train' and 'validation' id lists; pass the split.json of a run folder"
+        )
+    if raw.get("version") != SPLIT_FILE_VERSION:
+        raise ConfigError(f"{flag} {path} has format version {raw.get('version')!r}; this version reads version 1")
+    return SplitRecord(
+        rule=str(raw.get("rule")),
+        seed=int(raw.get("seed") or 0),
+        validation_percent=raw.get("validation_percent"),
+        group_pattern=raw.get("group_pattern"),
+        folds=int(raw.get("folds") or 0),
+        fold=raw.get("fold"),
+        train=tuple(str(i) for i in raw["train"]),
+        validation=tuple(str(i) for i in raw["validation"]),
+    )
+
+
+def validation_positions(ids: Sequence[str], split_file: Path) -> list[int]:
+    """Positions in ``ids`` of the validation images of the run that wrote ``split_file`` (evaluate.py --split)."""
+    return positions_of(ids, read_split_file(split_file).validation, f"--split {split_file}")
+
+
+def positions_of(ids: Sequence[str], wanted: Sequence[str], source: str) -> list[int]:
+    """Positions in ``ids`` of the ``wanted`` ids; a DatasetError naming ``source`` when some are missing."""
+    position = {image_id: index for index, image_id in enumerate(ids)}
+    missing = [image_id for image_id in wanted if image_id not in position]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f", ... ({len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise DatasetError(
+            f"{len(missing)} of the {len(wanted)} validation images of {source} are not in the folders given: {shown}; "
+            f"pass the --imgs and --masks the run was trained on"
+        )
+    return sorted(position[image_id] for image_id in wanted)

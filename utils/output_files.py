@@ -1,0 +1,225 @@
+"""The one writer of every file a user reads: predicted masks and overlays, evaluate's JSON, exports, curves.png.
+
+Two promises, kept here and nowhere else:
+
+* **Nothing a run reads or must keep is replaced** (``check_outputs``). Outputs are compared with the inputs, the
+  true masks and the checkpoint by *file identity* (device and inode, as ``os.path.samefile``), never by path string,
+  so a hard link or a symbolic link to an input is caught. An existing file at an output path that is a PyTorch
+  checkpoint (a ``torch.save`` archive, whatever its name) or an image inside one of the run's input folders is
+  refused too, as is an existing ``.pth`` file.
+* **A write is all or nothing** (``replacing``, ``write_file``). Each file is written to a temporary file in its own
+  folder, flushed to disk, then renamed over the output path with ``os.replace``: a link at the output path is
+  replaced, never written through, and a write that fails (a full disk) leaves the previous file whole and no
+  temporary file behind.
+
+``metrics.jsonl`` is appended to, not replaced: ``open_for_append`` starts a new line after a torn last line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import pickle
+import secrets
+import zipfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import IO
+
+from utils.datasets.image_files import IMAGE_EXTENSIONS, OUTPUT_SUFFIX, VIZ_SUFFIX
+from utils.errors import ConfigError, UserError
+
+logger = logging.getLogger(__name__)
+
+# Errors of the output location rather than of one file: every later write would fail the same way.
+LOCATION_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+# torch.save's legacy (non-zip) format starts with this pickled magic number.
+_LEGACY_TORCH_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[:-1]
+
+FileKey = tuple[int, int]
+
+
+class OutputError(UserError):
+    """An output could not be written; ``location_failure`` when the folder or disk refuses every write."""
+
+    def __init__(self, message: str, *, location_failure: bool) -> None:
+        super().__init__(message)
+        self.location_failure = location_failure
+
+
+def file_key(path: Path) -> FileKey | None:
+    """The identity (device, inode) of the file ``path`` names, through links; ``None`` when there is none."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def torch_archive_kind(path: Path) -> str | None:
+    """``"checkpoint"`` for a ``torch.save`` file, ``"torchscript"`` for a TorchScript archive, else ``None``."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(len(_LEGACY_TORCH_MAGIC))
+    except OSError:
+        return None
+    if head == _LEGACY_TORCH_MAGIC:
+        return "checkpoint"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
+        return None
+    # TorchScript archives carry the model's code; torch.save archives carry only pickled data.
+    return "torchscript" if any("/code/" in name for name in names) else "checkpoint"
+
+
+def check_outputs(
+    outputs: Iterable[tuple[Path, str]],
+    protected: Mapping[Path, str],
+    input_folders: Iterable[Path] = (),
+    *,
+    writes_images: bool = True,
+    replaces_torchscript: bool = False,
+) -> None:
+    """Raise ``ConfigError`` naming both files when an output would replace something a run must keep.
+
+    ``outputs`` pairs each output path with what it is (``"the mask of in/a.png"``, ``"--json"``); ``protected``
+    maps each file the run reads (inputs, true masks, the checkpoint) to its role. Refused: an output that is a
+    protected file (same device and inode, through hard or symbolic links); two outputs that are one file; an existing
+    ``.pth`` or ``torch.save`` file (a checkpoint under any name); an existing TorchScript archive unless
+    ``replaces_torchscript`` (an export replacing an earlier export); an existing image inside one of
+    ``input_folders`` other than an earlier output (``*_OUT``/``*_VIZ``); any existing image when the outputs are not
+    images (``writes_images=False``: JSON, exports).
+    """
+    kept: dict[FileKey, tuple[Path, str]] = {}
+    for path, role in protected.items():
+        key = file_key(path)
+        if key is not None:
+            kept[key] = (path, role)
+    folders = {key for key in map(file_key, input_folders) if key is not None}
+    written: dict[object, tuple[Path, str]] = {}
+    for path, role in outputs:
+        key = file_key(path)
+        if key is not None and key in kept:
+            other, other_role = kept[key]
+            raise ConfigError(
+                f"{role} would be written to {path}, which is {other_role} {other}; choose another output name"
+            )
+        if key is not None:
+            _check_existing(path, role, folders, writes_images, replaces_torchscript)
+        slot = key if key is not None else _future_key(path)
+        if slot in written:
+            other, other_role = written[slot]
+            raise ConfigError(f"{other_role} and {role} would both be written to {path}; rename one or use --output")
+        written[slot] = (path, role)
+
+
+def _check_existing(
+    path: Path, role: str, input_folders: set[FileKey], writes_images: bool, replaces_torchscript: bool
+) -> None:
+    kind = torch_archive_kind(path)
+    if path.suffix.lower() == ".pth" or kind == "checkpoint":
+        raise ConfigError(f"{role} would be written to {path}, an existing checkpoint; choose another name")
+    if kind == "torchscript":
+        if replaces_torchscript:
+            return  # an earlier export (a .pt TorchScript file is no dataset tensor)
+        raise ConfigError(f"{role} would be written to {path}, an existing TorchScript model; choose another name")
+    if path.suffix.lower() not in IMAGE_EXTENSIONS:
+        return
+    if not writes_images:
+        raise ConfigError(f"{role} would be written to {path}, an existing image; choose another name")
+    if not path.stem.endswith((OUTPUT_SUFFIX, VIZ_SUFFIX)):
+        folders = {file_key(path.parent), file_key(path.resolve().parent)}
+        if folders & input_folders:
+            raise ConfigError(
+                f"{role} would be written to {path}, an existing image in an input folder; choose another name"
+            )
+
+
+def _future_key(path: Path) -> object:
+    """Where a file not yet written will be: its folder's identity and its name (the folder may not exist yet)."""
+    folder = file_key(path.parent)
+    return (folder, path.name) if folder is not None else str(path.resolve())
+
+
+@contextlib.contextmanager
+def replacing(path: Path, role: str | None = None) -> Iterator[Path]:
+    """A temporary path next to ``path`` to write into; on leaving the block it is flushed and renamed onto ``path``.
+
+    If the block raises, the temporary file is removed and ``path`` is left as it was. The temporary name keeps the
+    suffix (PIL and exporters choose the format by it) and starts with a dot (folder inputs skip hidden files).
+    OS errors become ``OutputError`` naming ``role`` (or the path) and the fix.
+    """
+    path = Path(path)
+    temporary = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp{path.suffix}")
+    try:
+        # O_EXCL: never reuse a name; mode 0o666 lets the umask give the file the permissions of any new file.
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as error:
+        raise _output_error(path, role, error) from error
+    try:
+        yield temporary
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise _output_error(path, role, error) from error
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+
+
+def write_file(path: Path, write: Callable[[Path], object], role: str | None = None) -> None:
+    """Write ``path`` all or nothing: ``write`` receives a temporary path in the same folder (see ``replacing``)."""
+    with replacing(path, role) as temporary:
+        write(temporary)
+
+
+def write_text(path: Path, text: str, role: str | None = None) -> None:
+    """``path.write_text(text)``, all or nothing."""
+    write_file(path, lambda temporary: temporary.write_text(text, encoding="utf-8"), role)
+
+
+def open_for_append(path: Path) -> IO[str]:
+    """``path`` opened to append lines; a torn last line (a crash mid-write) is ended first, so the next record
+    starts on a line of its own and readers skip only the torn one."""
+    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - the caller closes it
+    size = handle.seek(0, os.SEEK_END)
+    if size:
+        with open(path, "rb") as raw:
+            raw.seek(size - 1)
+            torn = raw.read(1) != b"\n"
+        if torn:
+            logger.warning("%s ended in a torn line (a crash while writing); it is kept and skipped", path)
+            handle.write("\n")
+            handle.flush()
+    return handle
+
+
+def _output_error(path: Path, role: str | None, error: OSError) -> OutputError:
+    what = f"{role} to {path}" if role else str(path)
+    location = error.errno in LOCATION_ERRNOS
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        fix = "free some space there or write the outputs elsewhere"
+    elif location:
+        fix = "choose a folder you can write to"
+    else:
+        fix = "check the output path"
+    return OutputError(f"cannot write {what}: {error.strerror or error}; {fix}", location_failure=location)
+
+
+def _fsync_folder(folder: Path) -> None:
+    # The rename is durable once the folder's entry is on disk; some filesystems cannot fsync a folder.
+    with contextlib.suppress(OSError):
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)

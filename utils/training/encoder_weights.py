@@ -1,0 +1,76 @@
+"""--encoder-weights: a torchvision ResNet state dict from a local file, loaded into a ResNet-encoder UNet.
+
+The file is what torchvision itself downloads and caches (``~/.cache/torch/hub/checkpoints/resnet34-b627a593.pth``):
+a plain state dict with keys ``conv1.weight``, ``bn1.*``, ``layer1.*`` ... ``fc.*``. The classifier (``fc.*``) is
+dropped; every other key must match the encoder exactly, so a resnet50 file given to ``--encoder resnet34`` (or a
+file that is not a ResNet's) is refused with one message naming the file. Nothing is downloaded here or anywhere
+else: the file is read with ``torch.load(weights_only=True)``, which never unpickles code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# The classifier of torchvision's ResNets: no counterpart in a segmentation encoder.
+DROPPED_PREFIXES = ("fc.",)
+HOW_TO_GET = (
+    "torchvision's files are made once on a machine with internet, e.g. python -c \"import torchvision; "
+    "torchvision.models.resnet34(weights='IMAGENET1K_V1')\", then found in ~/.cache/torch/hub/checkpoints/"
+)
+
+
+def read_encoder_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The encoder tensors of the torchvision state dict in ``path`` (``fc.*`` dropped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--encoder-weights {path}: no such file; {HOW_TO_GET}")
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load raises many types for foreign or damaged files
+        raise ConfigError(
+            f"--encoder-weights {path} is not a readable torch state dict ({type(error).__name__}); {HOW_TO_GET}"
+        ) from None
+    if isinstance(raw, Mapping) and isinstance(raw.get("state_dict"), Mapping):
+        raw = raw["state_dict"]  # the wrapper some training scripts save a torchvision model's weights in
+    if not isinstance(raw, Mapping) or not all(isinstance(value, torch.Tensor) for value in raw.values()):
+        raise ConfigError(f"--encoder-weights {path} does not hold a state dict of tensors; {HOW_TO_GET}")
+    return {
+        key.removeprefix("module."): value
+        for key, value in raw.items()
+        if not key.removeprefix("module.").startswith(DROPPED_PREFIXES)
+    }
+
+
+def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str) -> None:
+    """Copy the file's weights into ``encoder`` (a ``unet.resnet_unet.ResNetEncoder``), refusing any mismatch."""
+    weights = read_encoder_weights(path)
+    own = encoder.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    mismatched = [key for key in own if key in weights and own[key].shape != weights[key].shape]
+    if missing or unexpected or mismatched:
+        if mismatched:
+            key = mismatched[0]
+            detail = f"{key} is {tuple(weights[key].shape)} in the file but {tuple(own[key].shape)} in the model"
+        elif missing:
+            detail = f"{len(missing)} encoder keys are missing, e.g. {missing[0]}"
+        else:
+            detail = f"{len(unexpected)} keys are not the encoder's, e.g. {unexpected[0]}"
+        hint = ""
+        if mismatched and mismatched[0] == "conv1.weight":
+            hint = " (ImageNet weights are for 3-channel images)"
+        raise ConfigError(
+            f"--encoder-weights {path} does not fit --encoder {encoder_name}: {detail}{hint}; pass the weights of "
+            f"a torchvision {encoder_name}, or the --encoder the file was made for"
+        )
+    encoder.load_state_dict(weights)
+    logger.info("Encoder weights (%s) loaded from %s", encoder_name, path)
