@@ -20,10 +20,8 @@ if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gi
 
     stop_quietly_while_starting()
 
-import json  # noqa: E402 - after the start-up handler above, as every import below
-import sys
+import sys  # noqa: E402 - after the start-up handler above, as every import below
 from collections.abc import Sequence
-from pathlib import Path
 
 from torch.utils.data import DataLoader, Subset
 
@@ -31,14 +29,13 @@ from utils import model_spec
 from utils.cli import setup_logging
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import validation_positions
-from utils.errors import ConfigError, DatasetError
+from utils.errors import DatasetError
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.hardware import pick_device, warn_if_emulated
 from utils.inference.cli import parse_evaluate_config
 from utils.inference.config import EvaluateConfig
-from utils.inference.file_plan import files_in
+from utils.inference.score_file import check_json_path, write_json
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, format_table, keep_items
-from utils.output_files import check_outputs, write_text
 from utils.runner import run_main
 from utils.shared_memory import SharedMemoryGuard, check_room, loader_timeout
 from utils.startup_interrupt import startup_done
@@ -48,16 +45,6 @@ __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", 
 
 OOM_FIX = "lower --batch-size or --scale"
 WORKERS_FIX = "--workers 0 (-j 0)"  # the flag that keeps loading in the main process (utils.shared_memory)
-
-
-def check_json_path(config: EvaluateConfig) -> None:
-    """``--json`` must not replace an image, a mask or a checkpoint (checked before anything runs)."""
-    if config.json_path is None:
-        return
-    protected = files_in([config.images_dir], "an image in --imgs")
-    protected.update(files_in([config.masks_dir], "a mask in --masks"))
-    protected[config.model] = "the checkpoint"
-    check_outputs([(config.json_path, "--json")], protected, [config.images_dir, config.masks_dir], writes_images=False)
 
 
 def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...]]:
@@ -112,31 +99,6 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
         description="Evaluating",
     )
     return result, mask_values, scale, spec.class_names
-
-
-def write_json(
-    path: Path,
-    result: EvalResult,
-    mask_values: list,
-    scale: float,
-    config: EvaluateConfig,
-    class_names: tuple[str, ...] = (),
-) -> None:
-    payload = {
-        "checkpoint": str(config.model),
-        "images": str(config.images_dir),
-        "masks": str(config.masks_dir),
-        **({"split": str(config.split_path)} if config.split_path is not None else {}),
-        "scale": scale,
-        "mask_values": mask_values,
-        **({"class_names": list(class_names)} if class_names else {}),
-        **result.as_dict(),
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--json {path}: cannot create its folder ({error.strerror or error})") from error
-    write_text(path, json.dumps(payload, indent=2) + "\n", role="--json")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

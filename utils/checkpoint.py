@@ -60,8 +60,8 @@ KEY_DATASET = "dataset"
 KEY_TENSOR_DIGESTS = "tensor_sha256"
 KEY_INFERENCE = "inference"
 # --ema runs: ``model_state`` holds the averaged weights (what validation, best.pth and inference use) and this key the
-# weights being trained (what a resume continues), in every file of the run, so best.pth stays a copy of last.pth's
-# bytes and a resume from any of them is exact (utils.training.ema).
+# weights being trained (what a resume continues), in every full-state file of the run, so a resume from any of them is
+# exact and every reader of ``model_state`` gets the average unchanged (utils.training.ema).
 KEY_LIVE_MODEL = "live_model_state"
 # --patience: the epoch of best_dice and the validations since the last improvement (utils.training.early_stop).
 KEY_BEST_EPOCH = "best_epoch"
