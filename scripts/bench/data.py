@@ -211,12 +211,15 @@ def load_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Per-item load times, decoder comparisons, a pre-resized uint8 cache, and DataLoader throughput."""
     from torch.utils.data import DataLoader
 
+    from utils.allocator import reuse_large_buffers
     from utils.datasets.dataset import BasicDataset, CarvanaDataset
     from utils.datasets.pairing import detect_mask_suffix
 
     result: dict[str, Any] = {}
-    # Loader worker processes run one thread each (PyTorch sets that); the per-item figures do the same.
+    # Loader worker processes run one thread each (PyTorch sets that) and reuse their buffers (train.py's worker
+    # initialisation); the per-item figures do the same.
     torch.set_num_threads(1)
+    result["reuse_large_buffers"] = reuse_large_buffers()
     demo = BasicDataset(
         spec["demo_imgs"], spec["demo_masks"], spec["scale"], detect_mask_suffix(spec["demo_imgs"], spec["demo_masks"])
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from utils.allocator import reuse_large_buffers
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import (
     SPLIT_BY_IMAGE,
@@ -227,7 +228,7 @@ def build_train_loader(
         # Workers copy the dataset when an epoch's iterator starts; persistent ones would keep an old epoch's
         # augmentation.
         persistent_workers=False,
-        worker_init_fn=_ignore_stop_signals if num_workers else None,
+        worker_init_fn=_init_loader_worker if num_workers else None,
         timeout=loader_timeout(num_workers),  # a batch lost in /dev/shm is an error, not a hang (shared_memory)
         # A private generator: creating an iterator draws a base seed, which must not consume the global RNG.
         generator=torch.Generator().manual_seed(config.seed),
@@ -243,10 +244,16 @@ def build_val_loader(val_set: Dataset, config: DataConfig, *, num_workers: int, 
         num_workers=num_workers,
         pin_memory=pin,
         drop_last=False,
-        worker_init_fn=_ignore_stop_signals if num_workers else None,
+        worker_init_fn=_init_loader_worker if num_workers else None,
         timeout=loader_timeout(num_workers),
         generator=torch.Generator().manual_seed(config.seed),
     )
+
+
+def _init_loader_worker(worker_id: int) -> None:
+    _ignore_stop_signals(worker_id)
+    # The same megabyte-sized tensors are made for every item: reuse their memory (utils.allocator).
+    reuse_large_buffers()
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
