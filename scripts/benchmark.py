@@ -21,6 +21,8 @@ Sections (``--sections``, default all):
   ratio to the compute bound (the epoch's FLOPs at the measured matmul peak of its precision);
 * ``ddp``: ``torchrun`` with 2 processes of half the threads each against 1 process with all threads, same global
   batch, images/s ratio;
+* ``validation``: one validation pass of 64 images (quick: 5) at 2 processes, ``--val-mode rank0`` against
+  ``sharded``: rank 0's seconds for each and their ratio (each rank builds train.py's trainer and its loaders);
 * ``data``: dataset construction over ``--n-masks`` full-size masks, first (scan) and second (cache) time, each in a
   fresh process; per-item load time; decoders (PIL, torchvision.io); loader items/s per worker (one thread, with
   augmentation) decoding full-size files and reading the pixel cache, against the images/s the model consumes;
@@ -72,6 +74,8 @@ from scripts.bench.prediction import run_predict  # noqa: E402
 from scripts.bench.processes import MeasurementError, worker_main  # noqa: E402
 from scripts.bench.report import new_document, run_memory, update_document  # noqa: E402
 from scripts.bench.training import memory_with_checkpointing, run_compute_and_e2e  # noqa: E402
+from scripts.bench.validation import SECTION as VALIDATION_SECTION  # noqa: E402
+from scripts.bench.validation import run_validation  # noqa: E402
 from utils.cli import parse_size, print_error  # noqa: E402
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError  # noqa: E402
 from utils.hardware import PRECISIONS, available_cpus, cpu_has_native  # noqa: E402
@@ -333,6 +337,7 @@ def section_runners(checkpoint: CheckpointBenchConfig) -> list[tuple[tuple[str, 
         (("compute", "e2e"), run_compute_and_e2e),
         ((EPOCH_SECTION,), _store(EPOCH_SECTION, run_epoch)),
         (("ddp",), _store("ddp", run_ddp)),
+        ((VALIDATION_SECTION,), _store(VALIDATION_SECTION, run_validation)),
         (("data",), _store("data", run_data)),
         (("startup",), _store("startup", run_startup)),
         (("predict",), _store("predict", run_predict)),

@@ -10,6 +10,7 @@ import logging
 import re
 import sys
 import warnings
+from typing import TextIO
 
 from utils.errors import ConfigError, user_message
 from utils.hardware import DEVICES
@@ -65,3 +66,13 @@ def device_flag(text: str) -> str:
     if text in DEVICES or re.fullmatch(r"(cuda|cpu|mps):\d+", text):
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is not a device; use {', '.join(DEVICES)} or cuda:N")
+
+
+def stderr_is_terminal(stream: TextIO | None = None) -> bool:
+    """Whether progress bars can redraw in place: on a terminal. In a file (a cluster job's log, a pipe) their carriage
+    returns leave thousands of fragments, so the scripts log lines instead."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False

@@ -1,17 +1,29 @@
-"""The epoch section's pure parts: the wall-time split from phase records, the run-log check, forward FLOPs.
+"""The epoch section: the wall-time split from phase records, the run-log check, forward FLOPs, the milesial stand-in's
+metric and mask mapping, and a real quick section (train.py and the stand-in alternating, two pairs).
 
-The section itself runs (a real train.py epoch) in tests/bench/test_benchmark.py's quick run.
+The section also runs in tests/bench/test_benchmark.py's quick run.
 """
 
 from __future__ import annotations
 
+import statistics
+from pathlib import Path
+
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 from torch import nn
 
-from scripts.bench.epoch import split_wall_time
+from scripts import benchmark
+from scripts.bench.context import Context
+from scripts.bench.epoch import run_epoch, split_wall_time
 from scripts.bench.flops import inference_flops_per_image
+from scripts.bench.milesial_baseline import dice_coefficient, multiclass_dice_coefficient, preprocess
 from scripts.bench.processes import MeasurementError
 from scripts.bench.run_log import check_precision, run_summary
+from tests.helpers import positive
+from unet import UNet
 
 LOG = (
     "20:52:21 INFO Starting training: epochs 1..1, batch size 4 per process x 1 process x 1 accumulation = 4, "
@@ -63,3 +75,56 @@ def test_forward_flops_of_a_convolution() -> None:
     # 3 -> 8 channels, 3x3, on 10x6 with padding: 2 FLOPs per multiply-add, per output pixel.
     flops = inference_flops_per_image(lambda: nn.Conv2d(3, 8, 3, padding=1), channels=3, height=6, width=10)
     assert flops == 2 * 3 * 8 * 9 * 6 * 10
+
+
+def test_the_stand_ins_dice_has_known_answers() -> None:
+    full = torch.ones(2, 4, 4)
+    empty = torch.zeros(2, 4, 4)
+    half = torch.zeros(2, 4, 4)
+    half[:, :2] = 1
+    assert dice_coefficient(full, full).item() == pytest.approx(1.0)
+    assert dice_coefficient(empty, empty).item() == pytest.approx(1.0), "nothing predicted of nothing: perfect"
+    assert dice_coefficient(full, empty).item() == pytest.approx(0.0, abs=1e-6)
+    assert dice_coefficient(half, full).item() == pytest.approx(2 * 8 / (8 + 16))
+    # Two classes as (N, C, H, W): class 0 perfect, class 1 disjoint -> the mean over the N * C maps.
+    prediction = torch.stack([full, empty], dim=1)
+    target = torch.stack([full, full], dim=1)
+    assert multiclass_dice_coefficient(prediction, target).item() == pytest.approx(0.5)
+
+
+def test_the_stand_in_maps_mask_values_to_classes_and_scales_images() -> None:
+    mask = Image.fromarray(np.array([[0, 255, 255, 0], [255, 0, 0, 255]], dtype=np.uint8))
+    classes = preprocess([0, 255], mask, 1.0, is_mask=True)
+    assert classes.dtype == np.int64 and classes.tolist() == [[0, 1, 1, 0], [1, 0, 0, 1]]
+    image = Image.fromarray(np.full((4, 6, 3), 255, dtype=np.uint8))
+    pixels = preprocess([0, 255], image, 0.5, is_mask=False)
+    assert pixels.shape == (3, 2, 3) and np.allclose(pixels, 1.0)
+    with pytest.raises(ValueError, match="--scale 0.1 leaves no pixels"):
+        preprocess([0, 255], image, 0.1, is_mask=False)
+
+
+@pytest.mark.slow
+def test_the_section_alternates_train_py_with_the_milesial_stand_in(tmp_path: Path) -> None:
+    argv = ["--quick", "--sections", "epoch", "--repeat", "2", "--work-dir", str(tmp_path)]
+    config = benchmark.config_from_args(benchmark.build_parser().parse_args(argv))
+    threads = torch.get_num_threads()
+    try:
+        result = run_epoch(Context(config=config, work_dir=tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+
+    ours, stand_in = result["wall_s_runs"], result["milesial_baseline"]["wall_s_runs"]
+    assert len(ours) == len(stand_in) == 2 and all(map(positive, ours + stand_in))
+    ratios = [theirs / mine for mine, theirs in zip(ours, stand_in, strict=True)]
+    assert result["milesial_ratios"] == pytest.approx(ratios)
+    assert result["milesial_ratio"] == pytest.approx(statistics.median(ratios))
+    # The stand-in really trained an epoch in train.py's precision and saved milesial's checkpoint.
+    baseline = result["milesial_baseline"]
+    assert baseline["precision"] == result["run"]["precision"] == "bf16"
+    assert (baseline["train_images"], baseline["val_images"]) == (result["train_images"], result["val_images"])
+    saved = torch.load(baseline["checkpoint"], map_location="cpu", weights_only=True)
+    assert saved.pop("mask_values") == [0, 1]
+    assert saved.keys() == UNet(n_channels=3, n_classes=2, base_channels=8).state_dict().keys()
+    assert Path(baseline["checkpoint"]).parent == tmp_path / "runs" / "milesial-baseline"
+    assert (tmp_path / "runs" / "epoch-bf16" / "best.pth").is_file(), "train.py's epoch ran too"
+    assert (tmp_path / "logs" / "milesial-baseline-1.log").is_file(), "two pairs"

@@ -54,13 +54,16 @@ def test_the_summary_names_a_few_folders_and_counts_the_rest():
     )
 
 
-def test_evaluate_names_its_json_and_its_bar_says_evaluating(self_labelled_masks, carvana_data, tmp_path, capsys):
+def test_evaluate_names_its_json_and_its_bar_says_evaluating(
+    self_labelled_masks, carvana_data, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr("utils.inference.cli.stderr_is_terminal", lambda: True)  # bars are drawn on a terminal only
     checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 255])
     masks = self_labelled_masks(checkpoint)
     capsys.readouterr()
     report = tmp_path / "scores" / "test.json"
     argv = ["-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(masks), "-s", "1", "-j", "0"]
-    # With the bar on (tqdm writes it to stderr, terminal or not).
+    # With the bar on, as on a terminal.
     assert evaluate.main([*argv, "--json", str(report)]) == 0
     captured = capsys.readouterr()
     assert last_line(captured.out) == f"Scores written to {report}" and json.loads(report.read_text())["dice"] == 1.0
@@ -115,3 +118,14 @@ def test_training_messages_count_in_the_singular(runner, capsys):
     assert "x 1 process x" in out and "1 CPU thread and" in out
     assert re.search(r"Saved last\.pth.* \(1 epoch and 0 batches done\)", out), out
     assert not re.search(r"\b1 (epochs|CPU threads|processes)\b", out)
+
+
+def test_evaluate_off_a_terminal_draws_no_bar(self_labelled_masks, carvana_data, tmp_path, capsys):
+    checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 255])
+    masks = self_labelled_masks(checkpoint)
+    capsys.readouterr()
+    argv = ["-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(masks), "-s", "1", "-j", "0"]
+    assert evaluate.main(argv) == 0  # capsys's stderr is no terminal, as a job's log file is not
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "Evaluating" not in captured.err
+    assert f"on 16 images of {carvana_data.imgs}" in captured.out

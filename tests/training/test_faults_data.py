@@ -17,7 +17,9 @@ from tests.conftest import SyntheticData, TrainRunner, finish, load_checkpoint, 
 from tests.helpers import one_error_line
 from utils.datasets.dataset import BasicDataset
 from utils.errors import DatasetError
-from utils.training.data import DataConfig, build_data
+from utils.training.build_loaders import data_config
+from utils.training.config import parse_config
+from utils.training.data import build_data
 from utils.training.sampler import ResumableDistributedSampler
 
 ARGS = ["-v", "25", "-e", "2"]
@@ -31,7 +33,8 @@ def _copy_with_a_truncated_image(
     copy = SyntheticData(root / "imgs", root / "masks", data.n_images)
     shutil.copytree(data.imgs, copy.imgs)
     shutil.copytree(data.masks, copy.masks)
-    built = build_data(DataConfig(str(copy.imgs), str(copy.masks), scale=1, validation=25), world_size=1)
+    settings = data_config(parse_config(["--imgs", str(copy.imgs), "--masks", str(copy.masks), "-s", "1", "-v", "25"]))
+    built = build_data(settings, world_size=1)
     subset = built.val_set if split == "validation" else built.train_set
     position = -1  # not the first training item: set-up loads that one to time the loaders
     if trained_by_rank_of_two is not None:

@@ -14,9 +14,10 @@ import train
 from tests.conftest import TrainRunner, load_checkpoint
 from tests.helpers import one_error_line, read_metrics
 from unet import UNet
+from utils.training.build_optimization import optimizer_config
 from utils.training.config import parse_config
 from utils.training.nonfinite import NonFiniteStepGuard
-from utils.training.objective import OptimizerConfig, build_optimizer, segmentation_loss
+from utils.training.objective import build_optimizer, segmentation_loss
 
 
 def _floating_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -32,7 +33,8 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def test_a_step_with_nan_gradients_changes_neither_weights_nor_statistics(optimizer: str, grad_clip: float) -> None:
     torch.manual_seed(0)
     model = UNet(3, 1, base_channels=8)
-    sgd = build_optimizer(OptimizerConfig(name=optimizer, learning_rate=1e-3), model.parameters())
+    settings = optimizer_config(parse_config(["--optimizer", optimizer, "-l", "1e-3"]))
+    sgd = build_optimizer(settings, model.parameters())
     guard = NonFiniteStepGuard(model, sgd, torch.device("cpu"))
     images = torch.rand(2, 3, 32, 48)
     masks = torch.randint(0, 2, (2, 32, 48))

@@ -7,6 +7,8 @@ import torch
 
 from tests.conftest import TrainRunner, assert_same_training_state, load_checkpoint
 from tests.helpers import read_metrics
+from utils.training.build_optimization import optimizer_config
+from utils.training.config import parse_config
 from utils.training.objective import (
     OptimizerConfig,
     PlateauAfterWarmup,
@@ -62,7 +64,7 @@ def lrs_of(scheduler_config: OptimizerConfig, steps: int, total_steps: int = 20)
 
 
 def test_the_torch_schedulers_follow_the_pure_functions() -> None:
-    config = OptimizerConfig(learning_rate=0.1, scheduler="poly", warmup_steps=4)
+    config = optimizer_config(parse_config(["-l", "0.1", "--scheduler", "poly", "--warmup-steps", "4"]))
     expected = [0.1 * planned_lr_factor(k, shape="poly", total_steps=20, warmup_steps=4) for k in range(21)]
     assert lrs_of(config, 21) == pytest.approx(expected)
     assert expected[:5] == pytest.approx([0.02, 0.04, 0.06, 0.08, 0.1]) and expected[20] == 0.0
@@ -71,7 +73,8 @@ def test_the_torch_schedulers_follow_the_pure_functions() -> None:
 def test_plateau_after_warmup_warms_up_then_reduces_only_after_it() -> None:
     parameter = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([parameter], lr=0.1)
-    scheduler = build_scheduler(OptimizerConfig(learning_rate=0.1, scheduler="plateau", warmup_steps=4), optimizer, 0)
+    settings = optimizer_config(parse_config(["-l", "0.1", "--scheduler", "plateau", "--warmup-steps", "4"]))
+    scheduler = build_scheduler(settings, optimizer, 0)
     assert isinstance(scheduler, PlateauAfterWarmup)
     seen = []
     for _ in range(6):

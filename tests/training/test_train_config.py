@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 
 from utils.errors import ConfigError
-from utils.training.config import parse_config
+from utils.training.config import TrainConfig, parse_config
 
 
 def test_documented_flags_and_short_forms() -> None:
@@ -135,24 +138,74 @@ def test_help_is_grouped() -> None:
     assert "options:" in text and "--help" in text.split("\ndata:\n")[0]
 
 
-def test_component_configs_default_to_the_flags_defaults() -> None:
-    # The components' configs repeat some defaults of TrainConfig (for callers that build them directly, as tests do);
-    # they must never disagree with the flags', which are the run's.
-    import dataclasses
+# Component configs and the builders that fill them from the flags. A field named like a flag (or renamed here) mirrors
+# it; any other field is derived from flags by its builder and checked by hand below.
+COMPONENT_RENAMES = {"name": "optimizer", "n_classes": "classes"}
+# Named like their flags but resolved before the builder sees them (--precision follows --amp and the device;
+# --class-weights auto needs the training masks): derived too.
+RESOLVED_FIELDS = {"precision", "class_weights"}
+# Every mirrored flag away from its default, valid together (a resnet encoder for --freeze-encoder-epochs).
+NON_DEFAULT_ARGV = [
+    "--imgs", "i", "--masks", "m", "-s", "0.25", "-v", "20", "-c", "3", "--augment", "--seed", "7", "-b", "3",
+    "--pixel-cache", "px", "--ignore-value", "255", "--ignore-value", "254", "--split-by", "prefix",
+    "--group-pattern", "^(.+)_", "--folds", "4", "--fold", "2",
+    "--optimizer", "rmsprop", "-l", "3e-3", "--weight-decay", "0.01", "--momentum", "0.5", "--scheduler", "poly",
+    "--warmup-steps", "3", "--grad-clip", "0.5", "--channels-last", "--encoder", "resnet18",
+    "--freeze-encoder-epochs", "2", "--start_from", "4",
+    "--val-every", "2", "--save_every", "3", "--keep-last", "4", "--save-every-steps", "5", "--log-every", "6",
+    "--max-steps", "7", "--max-nonfinite-steps", "8", "--save-every-minutes", "1.5", "--keep-best", "2",
+    "--no-progress", "--val-mode", "sharded", "--patience", "3", "--min-delta", "0.1",
+]  # fmt: skip
 
-    from utils.training.config import TrainConfig
+
+def _built_components(argv: list[str]) -> dict[type, Any]:
+    from utils.training.build_loaders import data_config
+    from utils.training.build_optimization import optimizer_config, step_config
+    from utils.training.setup import loop_config
+
+    config = parse_config(argv)
+    built = [
+        data_config(config),
+        optimizer_config(config),
+        step_config(config, "bf16", (1.0, 2.0, 3.0)),
+        loop_config(config, last_epoch=9),
+    ]
+    return {type(component): component for component in built}
+
+
+def test_component_configs_repeat_no_flag_default_and_their_builders_pass_the_flags() -> None:
+    # A component's config has no defaults of its own: the flag's is the one default, so they can never disagree.
+    config = parse_config(NON_DEFAULT_ARGV)
+    defaults = TrainConfig()
+    mirrored = 0
+    for component_type, component in _built_components(NON_DEFAULT_ARGV).items():
+        for field in dataclasses.fields(component_type):
+            assert field.default is dataclasses.MISSING, (component_type.__name__, field.name)
+            assert field.default_factory is dataclasses.MISSING, (component_type.__name__, field.name)
+            source = COMPONENT_RENAMES.get(field.name, field.name)
+            if not hasattr(defaults, source) or field.name in RESOLVED_FIELDS:
+                continue  # derived from flags: checked below
+            flag_value = getattr(config, source)
+            assert flag_value != getattr(defaults, source), f"NON_DEFAULT_ARGV leaves {source} at its default"
+            expected = tuple(flag_value) if isinstance(flag_value, list) else flag_value
+            assert getattr(component, field.name) == expected, (component_type.__name__, field.name)
+            mirrored += 1
+    assert mirrored == 14 + 6 + 3 + 11  # data, optimizer, step, loop
+
+
+def test_component_configs_derive_their_other_fields_from_the_flags() -> None:
     from utils.training.data import DataConfig
-    from utils.training.objective import OptimizerConfig
+    from utils.training.early_stop import EarlyStopping
+    from utils.training.loop import LoopConfig
     from utils.training.step import StepConfig
 
-    run = TrainConfig()
-    checked = 0
-    for component, renames in [(OptimizerConfig, {"name": "optimizer"}), (DataConfig, {}), (StepConfig, {})]:
-        for field in dataclasses.fields(component):
-            source = renames.get(field.name, field.name)
-            if field.default is dataclasses.MISSING or getattr(run, source, None) is None:
-                continue  # no default, or a flag resolved later (--precision None follows --amp)
-            value = getattr(run, source)
-            assert field.default == (tuple(value) if isinstance(value, list) else value), (component, field.name)
-            checked += 1
-    assert checked >= 10
+    components = _built_components(NON_DEFAULT_ARGV)
+    step, loop = components[StepConfig], components[LoopConfig]
+    assert (step.precision, step.class_weights) == ("bf16", (1.0, 2.0, 3.0))  # resolved by the caller
+    assert step.freeze_encoder_before_epoch == 4 - 1 + 2  # --start_from 4 --freeze-encoder-epochs 2
+    assert (loop.last_epoch, loop.sharded_validation, loop.plateau_scheduler) == (9, True, False)
+    assert loop.early_stopping == EarlyStopping(patience=3, min_delta=0.1)
+    assert _built_components(["--scheduler", "plateau"])[LoopConfig].plateau_scheduler
+    defaults = _built_components([])
+    assert defaults[StepConfig].freeze_encoder_before_epoch == 0 and not defaults[LoopConfig].early_stopping.enabled
+    assert defaults[DataConfig].ignore_values == ()

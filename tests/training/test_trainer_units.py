@@ -8,6 +8,7 @@ Dice scores. Each expected value below follows from the rules by hand (7 batches
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +23,11 @@ from utils.distributed import DistributedContext
 from utils.training.config import parse_config
 from utils.training.data import TrainData
 from utils.training.interrupts import InterruptFlag
-from utils.training.loop import LoopConfig, Trainer, TrainParts
+from utils.training.loop import Trainer, TrainParts
 from utils.training.reporting import RunReporter
 from utils.training.run_folder import RunFolder
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
+from utils.training.setup import loop_config
 from utils.training.state import TrainPosition
 
 
@@ -151,7 +153,7 @@ def make_run(
     )
     interrupts = InterruptFlag()  # never installed: the tests set its signal as the handler would
     reporter = RunReporter(folder, enabled=False, wandb_mode="disabled", run_name="test", config={})
-    config = LoopConfig(last_epoch=epochs, n_classes=2, **{"log_every": 1000, **loop})
+    config = dataclasses.replace(loop_config(parse_config(["--log-every", "1000"]), last_epoch=epochs), **loop)
     trainer = Trainer(config, ctx, parts, run_folder=folder, reporter=reporter, interrupts=interrupts)
     trainer._validate = lambda epoch_number: dice[epoch_number - 1]  # type: ignore[method-assign]
     saves: list[tuple[list[str], int]] = []

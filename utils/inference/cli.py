@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from utils.cli import parse_size
+from utils.cli import parse_size, stderr_is_terminal
 from utils.errors import ConfigError
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, EvaluateConfig, PredictConfig
 from utils.inference.export import EXPORT_FORMATS
@@ -103,7 +103,7 @@ def parse_predict_config(argv: Sequence[str] | None, doc: str) -> PredictConfig:
         export_format=export_format,
         export_path=export_path,
         export_size=(height, width),
-        progress=not args.no_progress,
+        progress=not args.no_progress and stderr_is_terminal(),
     )
     config.validate()
     return config
@@ -142,7 +142,7 @@ def parse_evaluate_config(argv: Sequence[str] | None, doc: str) -> EvaluateConfi
         split_path=Path(args.split) if args.split else None,
         bilinear=args.bilinear,
         classes=args.classes,
-        progress=not args.no_progress,
+        progress=not args.no_progress and stderr_is_terminal(),
     )
     config.validate()
     return config

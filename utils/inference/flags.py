@@ -41,7 +41,9 @@ def add_compute_flags(parser: argparse.ArgumentParser, *, workers_help: str) -> 
 
 
 def add_progress_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
+    )
 
 
 def check_compute_flags(scale: float | None, batch_size: int, workers: int, *, workers_job: str) -> None:

@@ -41,28 +41,31 @@ GPU_PIXELS_PER_SECOND = 1.2e8
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where the images are and how they are prepared and split (from --imgs, --masks, -s, -v, -c, --augment)."""
+    """Where the images are and how they are prepared and split (from --imgs, --masks, -s, -v, -c, --augment).
+
+    No field has a default: ``build_loaders.data_config`` fills every one from the flags, whose defaults are the only
+    ones."""
 
     imgs: str
     masks: str
-    scale: float = 0.5
-    validation: float = 10.0
+    scale: float
+    validation: float
     """Percent of the images held out for validation."""
-    classes: int = 2
-    augment: bool = False
-    seed: int = 0
+    classes: int
+    augment: bool
+    seed: int
     """Seed of the augmentation (the split has its own fixed seed, SPLIT_SEED)."""
-    batch_size: int = 1
+    batch_size: int
     """Images per process per batch, for the loaders and the check that every rank gets a batch."""
-    pixel_cache: str | None = None
+    pixel_cache: str | None
     """Folder of decoded, resized pixels (--pixel-cache), filled by the loaders of the first epoch; None: no cache."""
-    ignore_values: tuple[int, ...] = ()
+    ignore_values: tuple[int, ...]
     """Void mask values (--ignore-value): not classes, their pixels are ``IGNORE_INDEX`` in the masks."""
-    split_by: str = SPLIT_BY_IMAGE
+    split_by: str
     """--split-by: ``image`` (seeded random over images) or ``prefix`` (groups stay on one side)."""
-    group_pattern: str | None = None
-    folds: int = 0
-    fold: int = 0
+    group_pattern: str | None
+    folds: int
+    fold: int
 
     def split_rule(self) -> SplitRule:
         return SplitRule(

@@ -66,31 +66,33 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """When the loop validates, saves, logs and stops (from the epoch, checkpoint and logging flags)."""
+    """When the loop validates, saves, logs and stops (from the epoch, checkpoint and logging flags).
+
+    No field has a default: ``setup.loop_config`` fills every one from the flags, whose defaults are the only ones."""
 
     last_epoch: int
     """Number of the last epoch to train (epochs are numbered from 1)."""
     n_classes: int
-    val_every: int = 1
-    save_every: int = 1
+    val_every: int
+    save_every: int
     """checkpoint_epoch{N}.pth every this many epochs (0 = never)."""
-    keep_last: int = 0
-    save_every_steps: int = 0
-    log_every: int = 10
-    max_steps: int = 0
-    max_nonfinite_steps: int = 5
-    save_every_minutes: float = 0.0
+    keep_last: int
+    save_every_steps: int
+    log_every: int
+    max_steps: int
+    max_nonfinite_steps: int
+    save_every_minutes: float
     """Also save last.pth when this many minutes have passed since the last save (0 = off)."""
-    keep_best: int = 0
+    keep_best: int
     """Keep the K best states by validation Dice as best-1.pth .. best-K.pth (0 = off)."""
-    plateau_scheduler: bool = False
+    plateau_scheduler: bool
     """The scheduler steps on validation Dice (ReduceLROnPlateau) instead of after every optimizer step."""
-    no_progress: bool = False
+    no_progress: bool
     """No progress bars even on a terminal: log lines instead (``utils.training.progress_log``)."""
-    sharded_validation: bool = False
+    sharded_validation: bool
     """--val-mode sharded: every rank scores its part of the validation set and the sums are all-reduced."""
-    early_stopping: EarlyStopping = EarlyStopping()
-    """--patience/--min-delta (off by default)."""
+    early_stopping: EarlyStopping
+    """--patience/--min-delta."""
 
 
 @dataclass

@@ -43,15 +43,18 @@ MAX_CLASS_WEIGHT_RATIO = 10.0
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """The optimizer and schedule of a run (from --optimizer, -l, --weight-decay, --momentum, --scheduler)."""
+    """The optimizer and schedule of a run (from --optimizer, -l, --weight-decay, --momentum, --scheduler).
 
-    name: str = "adamw"
-    learning_rate: float = 1e-5
-    weight_decay: float = 1e-8
-    momentum: float = 0.999
+    No field has a default: ``build_optimization.optimizer_config`` fills every one from the flags, whose defaults
+    are the only ones."""
+
+    name: str
+    learning_rate: float
+    weight_decay: float
+    momentum: float
     """RMSprop only."""
-    scheduler: str = "cosine"
-    warmup_steps: int = 0
+    scheduler: str
+    warmup_steps: int
     """Optimizer steps of linear warmup before the schedule (0 = none)."""
 
 

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from utils.cli import stderr_is_terminal
+
 logger = logging.getLogger(__name__)
 
 
@@ -96,7 +98,4 @@ class ProgressLog:
 
 
 def _is_terminal(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # a closed or replaced stream
-        return False
+    return stderr_is_terminal(stream)

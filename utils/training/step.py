@@ -24,16 +24,19 @@ from utils.training.objective import supervised_loss
 
 @dataclass(frozen=True)
 class StepConfig:
-    """How each step runs (from --classes, --precision/--amp, --grad-clip, --channels-last)."""
+    """How each step runs (from --classes, --precision/--amp, --grad-clip, --channels-last).
+
+    No field has a default: ``build_optimization.step_config`` fills every one from the flags (resolved), whose
+    defaults are the only ones."""
 
     n_classes: int
-    precision: str = "fp32"
-    grad_clip: float = 1.0
+    precision: str
+    grad_clip: float
     """Clip the global gradient norm to this value (0 = off)."""
-    channels_last: bool = False
-    class_weights: tuple[float, ...] | None = None
+    channels_last: bool
+    class_weights: tuple[float, ...] | None
     """Cross-entropy weight of each class (--class-weights, resolved); None = unweighted."""
-    freeze_encoder_before_epoch: int = 0
+    freeze_encoder_before_epoch: int
     """The model's ``encoder`` is not updated in epochs (0-based indices) before this one (--freeze-encoder-epochs
     counted from --start_from)."""
 
