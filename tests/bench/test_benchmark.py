@@ -16,29 +16,16 @@ from scripts import benchmark
 from scripts.bench.demo_data import demo_image_count, write_linked_dataset
 from scripts.bench.flops import count_flops, matmul_flops, measure_matmul_peak, training_flops_per_image
 from scripts.bench.training import median_run, steady_state
+from tests.bench.conftest import RunBenchmark
 from tests.helpers import positive
 from unet import UNet
-from utils.distributed import LAUNCHER_ENV_VARIABLES
 from utils.training.objective import segmentation_loss
 
 
 @pytest.mark.slow
-def test_quick_run_measures_every_section(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # In this process (saves an interpreter start); train.py and torchrun still run as real child processes.
-    for name in LAUNCHER_ENV_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    out = tmp_path / "bench.json"
-    threads = torch.get_num_threads()
-    try:
-        argv = ["--quick", "--pixel-cache", "both", "--json", str(out), "--work-dir", str(tmp_path / "w")]
-        status = benchmark.main(argv)
-    finally:
-        torch.set_num_threads(threads)
-    stdout = capsys.readouterr().out
-    assert status == 0, stdout
-    doc = json.loads(out.read_text())
+def test_quick_run_measures_every_section(run_benchmark: RunBenchmark) -> None:
+    run = run_benchmark(["--quick", "--pixel-cache", "both"])
+    doc, stdout, tmp_path = run.doc, run.stdout, run.work_dir.parent
 
     assert doc["schema"] == 1 and doc["machine"]["device"] == "cpu" and positive(doc["machine"]["cpus_available"])
     assert doc["settings"]["size"] == "64x48" and doc["settings"]["precisions"] == ["fp32"]

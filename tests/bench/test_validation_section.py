@@ -6,18 +6,14 @@ are labelled with (rank0: every image on rank 0; sharded: disjoint shards), with
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 
 import pytest
-import torch
 
-from scripts import benchmark
 from scripts.bench.validation import QUICK, validation_percent
+from tests.bench.conftest import RunBenchmark
 from tests.helpers import positive
 from utils.datasets.splits import split_sizes
-from utils.distributed import LAUNCHER_ENV_VARIABLES
 
 
 @pytest.mark.parametrize(("val_images", "train_images"), [(5, 2), (64, 4), (64, 2), (1, 1), (999, 2), (7, 93)])
@@ -28,21 +24,9 @@ def test_the_percentage_holds_out_exactly_the_validation_images(val_images: int,
 
 
 @pytest.mark.slow
-def test_quick_section_times_both_modes_from_runs_that_used_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    for name in LAUNCHER_ENV_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    out = tmp_path / "bench.json"
-    threads = torch.get_num_threads()
-    try:
-        argv = ["--quick", "--sections", "validation", "--repeat", "2", "--json", str(out)]
-        status = benchmark.main([*argv, "--work-dir", str(tmp_path / "w")])
-    finally:
-        torch.set_num_threads(threads)
-    stdout = capsys.readouterr().out
-    assert status == 0, stdout
-    section = json.loads(out.read_text())["validation"]
+def test_quick_section_times_both_modes_from_runs_that_used_them(run_benchmark: RunBenchmark) -> None:
+    run = run_benchmark(["--quick", "--sections", "validation", "--repeat", "2"])
+    section, stdout = run.doc["validation"], run.stdout
 
     assert positive(section["rank0_s"]) and positive(section["sharded_s"])
     rank0_runs, sharded_runs = section["runs"]["rank0"], section["runs"]["sharded"]
