@@ -370,7 +370,7 @@ def compute_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def _time_train_step(step: TrainStep, loader: Any, model_args: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     """Images/s of ``step`` over the loader's first batches, its FLOPs and the matmul peak of its precision."""
     from scripts.bench.flops import measure_matmul_peak, training_flops_per_image
-    from unet import UNet
+    from unet import build_model
     from utils.training.objective import segmentation_loss
 
     device, precision, n_classes = step.device, step.config.precision, step.config.n_classes
@@ -381,7 +381,7 @@ def _time_train_step(step: TrainStep, loader: Any, model_args: dict[str, Any], s
         return segmentation_loss(logits, masks, n_classes)
 
     flops = training_flops_per_image(
-        lambda: UNet(**model_args), loss_fn, channels=model_args["n_channels"], height=height, width=width
+        lambda: build_model(model_args), loss_fn, channels=model_args["n_channels"], height=height, width=width
     )
     want_peak = spec.get("peak", True)
     peaks = [measure_matmul_peak(precision, device, max_size=spec["peak_max_size"] or None)] if want_peak else []
