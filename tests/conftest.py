@@ -22,6 +22,12 @@ from utils.distributed import LAUNCHER_ENV_VARIABLES
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests run first (in collection order otherwise): with several workers (``scripts/test.sh``) the long
+    ones start early and the short ones fill the workers' last minutes, instead of one long test running alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @dataclass(frozen=True)
 class SyntheticData:
     imgs: Path

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from scripts import benchmark
+from scripts.bench.context import SECTIONS
 from scripts.bench.demo_data import demo_image_count, write_linked_dataset
 from scripts.bench.flops import count_flops, matmul_flops, measure_matmul_peak, training_flops_per_image
 from scripts.bench.training import median_run, steady_state
@@ -23,8 +24,10 @@ from utils.training.objective import segmentation_loss
 
 
 @pytest.mark.slow
-def test_quick_run_measures_every_section(run_benchmark: RunBenchmark) -> None:
-    run = run_benchmark(["--quick", "--pixel-cache", "both"])
+def test_quick_run_measures_every_other_section(run_benchmark: RunBenchmark) -> None:
+    # The epoch and validation sections start train.py runs of their own: their files test them.
+    others = [section for section in SECTIONS if section not in ("epoch", "validation")]
+    run = run_benchmark(["--quick", "--pixel-cache", "both", "--sections", ",".join(others)])
     doc, stdout, tmp_path = run.doc, run.stdout, run.work_dir.parent
 
     assert doc["schema"] == 1 and doc["machine"]["device"] == "cpu" and positive(doc["machine"]["cpus_available"])
@@ -52,16 +55,6 @@ def test_quick_run_measures_every_section(run_benchmark: RunBenchmark) -> None:
     # Every e2e run trained in the precision its row names, as its own log says.
     assert e2e["run"]["precision"] == "fp32" and e2e["run"]["threads"] == 1 and e2e["run"]["loader_workers"] == 0
     assert len(e2e["interval_images_per_s"]) == e2e["steps_timed"] and all(map(positive, e2e["interval_images_per_s"]))
-
-    epoch = doc["epoch"]
-    assert epoch["run"]["precision"] == "bf16" and (epoch["train_images"], epoch["val_images"]) == (9, 1)
-    split = epoch["split_s"]
-    assert set(split) == {"startup", "steps", "validation", "checkpoint", "curves", "rest"}
-    assert all(positive(split[k]) for k in ("startup", "steps", "validation", "checkpoint", "curves"))
-    assert sum(split.values()) == pytest.approx(epoch["wall_s"])
-    assert epoch["fraction_of_bound"] == pytest.approx(epoch["bound_s"] / epoch["wall_s"])
-    assert positive(epoch["flops"]) and epoch["flops"] > epoch["train_flops"] > 0 and positive(epoch["milesial_ratio"])
-    assert (tmp_path / "w" / "runs" / "epoch-bf16" / "best.pth").is_file(), "a whole epoch: validated and saved"
 
     ddp = doc["ddp"]
     assert ddp["multi"]["processes"] == 2 and ddp["multi"]["threads_per_process"] >= 1
@@ -99,7 +92,7 @@ def test_quick_run_measures_every_section(run_benchmark: RunBenchmark) -> None:
     assert checkpointing["measure"] == "max_rss_mib" and positive(checkpointing["with_mib"])
     assert checkpointing["ratio"] == pytest.approx(checkpointing["with_mib"] / checkpointing["without_mib"])
 
-    for section in ("compute", "e2e", "epoch", "ddp", "data", "startup", "predict", "memory"):
+    for section in ("compute", "e2e", "ddp", "data", "startup", "predict", "memory"):
         assert f"\n{section} " in stdout, section
     assert "FAILED" not in stdout
 

@@ -1,7 +1,6 @@
 """The epoch section: the wall-time split from phase records, the run-log check, forward FLOPs, the milesial stand-in's
-metric and mask mapping, and a real quick section (train.py and the stand-in alternating, two pairs).
-
-The section also runs in tests/bench/test_benchmark.py's quick run.
+metric and mask mapping, and a real quick section through the benchmark's command line (train.py and the stand-in
+alternating, two pairs); tests/bench/test_benchmark.py's quick run leaves this section to this file.
 """
 
 from __future__ import annotations
@@ -15,13 +14,12 @@ import torch
 from PIL import Image
 from torch import nn
 
-from scripts import benchmark
-from scripts.bench.context import Context
-from scripts.bench.epoch import run_epoch, split_wall_time
+from scripts.bench.epoch import split_wall_time
 from scripts.bench.flops import inference_flops_per_image
 from scripts.bench.milesial_baseline import dice_coefficient, multiclass_dice_coefficient, preprocess
 from scripts.bench.processes import MeasurementError
 from scripts.bench.run_log import check_precision, run_summary
+from tests.bench.conftest import RunBenchmark
 from tests.helpers import positive
 from unet import UNet
 
@@ -104,14 +102,9 @@ def test_the_stand_in_maps_mask_values_to_classes_and_scales_images() -> None:
 
 
 @pytest.mark.slow
-def test_the_section_alternates_train_py_with_the_milesial_stand_in(tmp_path: Path) -> None:
-    argv = ["--quick", "--sections", "epoch", "--repeat", "2", "--work-dir", str(tmp_path)]
-    config = benchmark.config_from_args(benchmark.build_parser().parse_args(argv))
-    threads = torch.get_num_threads()
-    try:
-        result = run_epoch(Context(config=config, work_dir=tmp_path))
-    finally:
-        torch.set_num_threads(threads)
+def test_the_section_alternates_train_py_with_the_milesial_stand_in(run_benchmark: RunBenchmark) -> None:
+    run = run_benchmark(["--quick", "--sections", "epoch", "--repeat", "2"])
+    result, work_dir = run.doc["epoch"], run.work_dir
 
     ours, stand_in = result["wall_s_runs"], result["milesial_baseline"]["wall_s_runs"]
     assert len(ours) == len(stand_in) == 2 and all(map(positive, ours + stand_in))
@@ -121,10 +114,20 @@ def test_the_section_alternates_train_py_with_the_milesial_stand_in(tmp_path: Pa
     # The stand-in really trained an epoch in train.py's precision and saved milesial's checkpoint.
     baseline = result["milesial_baseline"]
     assert baseline["precision"] == result["run"]["precision"] == "bf16"
-    assert (baseline["train_images"], baseline["val_images"]) == (result["train_images"], result["val_images"])
+    images = (result["train_images"], result["val_images"])
+    assert (baseline["train_images"], baseline["val_images"]) == images == (9, 1)
     saved = torch.load(baseline["checkpoint"], map_location="cpu", weights_only=True)
     assert saved.pop("mask_values") == [0, 1]
     assert saved.keys() == UNet(n_channels=3, n_classes=2, base_channels=8).state_dict().keys()
-    assert Path(baseline["checkpoint"]).parent == tmp_path / "runs" / "milesial-baseline"
-    assert (tmp_path / "runs" / "epoch-bf16" / "best.pth").is_file(), "train.py's epoch ran too"
-    assert (tmp_path / "logs" / "milesial-baseline-1.log").is_file(), "two pairs"
+    assert Path(baseline["checkpoint"]).parent == work_dir / "runs" / "milesial-baseline"
+    assert (work_dir / "logs" / "milesial-baseline-1.log").is_file(), "two pairs"
+
+    # train.py's epoch: its split from the run's own phase records, and its fraction of the compute bound.
+    split = result["split_s"]
+    assert set(split) == {"startup", "steps", "validation", "checkpoint", "curves", "rest"}
+    assert all(positive(split[k]) for k in ("startup", "steps", "validation", "checkpoint", "curves"))
+    assert sum(split.values()) == pytest.approx(result["wall_s"])
+    assert result["fraction_of_bound"] == pytest.approx(result["bound_s"] / result["wall_s"])
+    assert positive(result["flops"]) and result["flops"] > result["train_flops"] > 0
+    assert (work_dir / "runs" / "epoch-bf16" / "best.pth").is_file(), "a whole epoch: validated and saved"
+    assert "\nepoch " in run.stdout and "FAILED" not in run.stdout

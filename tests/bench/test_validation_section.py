@@ -25,12 +25,13 @@ def test_the_percentage_holds_out_exactly_the_validation_images(val_images: int,
 
 @pytest.mark.slow
 def test_quick_section_times_both_modes_from_runs_that_used_them(run_benchmark: RunBenchmark) -> None:
-    run = run_benchmark(["--quick", "--sections", "validation", "--repeat", "2"])
+    # One pair of runs: each is two torchrun processes, and the median and ratio code is the same for one pair or more.
+    run = run_benchmark(["--quick", "--sections", "validation", "--repeat", "1"])
     section, stdout = run.doc["validation"], run.stdout
 
     assert positive(section["rank0_s"]) and positive(section["sharded_s"])
     rank0_runs, sharded_runs = section["runs"]["rank0"], section["runs"]["sharded"]
-    assert len(rank0_runs) == len(sharded_runs) == 2
+    assert len(rank0_runs) == len(sharded_runs) == 1
     assert section["rank0_s"] == statistics.median(run["seconds"] for run in rank0_runs)
     assert section["sharded_s"] == statistics.median(run["seconds"] for run in sharded_runs)
     assert section["ratios"] == [r["seconds"] / s["seconds"] for r, s in zip(rank0_runs, sharded_runs, strict=True)]

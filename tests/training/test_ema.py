@@ -16,7 +16,7 @@ from torch import nn
 
 from tests.conftest import TrainRunner, assert_same_training_state, finish, load_checkpoint, torchrun_prefix
 from tests.helpers import tiny_unet
-from utils.evaluation import evaluate_segmentation
+from utils.evaluation import score_batches
 from utils.training.ema import WeightAverage
 from utils.training.nonfinite import NonFiniteStepGuard
 
@@ -129,9 +129,9 @@ def test_an_ema_run_validates_and_saves_the_average_and_resumes_bit_exactly(
 
     def spy(model: nn.Module, *args, **kwargs):
         validated.append({key: value.clone() for key, value in model.state_dict().items()})
-        return evaluate_segmentation(model, *args, **kwargs)
+        return score_batches(model, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "evaluate_segmentation", spy)
+    monkeypatch.setattr(loop, "score_batches", spy)
     flags = ["-e", "2", "--ema", "0.8", "--log-every", "4"]
     assert runner.main("straight", *flags) == 0
     straight = runner.run_dir("straight")

@@ -29,6 +29,7 @@ from utils.training.run_folder import RunFolder
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 from utils.training.setup import loop_config
 from utils.training.state import TrainPosition
+from utils.training.validation_stop import ValidationStopped
 
 
 class RecordingStep:
@@ -287,3 +288,31 @@ def test_every_epoch_selects_its_order_and_augmentation(tmp_path: Path, epochs: 
         sampler.set_epoch(epoch)
         expected += list(sampler)
     assert images == expected
+
+
+class ImagesOfOnes:
+    """Two 1-channel 4x4 images and empty masks: enough for the real validation to score them."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"image": torch.ones(1, 4, 4), "mask": torch.zeros(4, 4, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("signalled", [False, True])
+def test_a_signal_before_the_first_validation_batch_is_a_stop_not_an_empty_validation_set(
+    tmp_path: Path, signalled: bool
+) -> None:
+    run = make_run(tmp_path, n_train=2)
+    del run.trainer._validate  # the real validation, not make_run's hand-picked scores
+    run.trainer.parts.raw_model = nn.Conv2d(1, 2, kernel_size=1)
+    run.trainer.parts.val_loader = DataLoader(ImagesOfOnes(), batch_size=1)  # type: ignore[arg-type]
+    if not signalled:
+        # The control: the same validation without a signal scores both images.
+        assert 0.0 <= run.trainer._validate(1) <= 1.0
+        return
+    run.interrupts.signum = signal.SIGTERM  # as the handler records it, before validation's first batch
+    with pytest.raises(ValidationStopped) as stopped:
+        run.trainer._validate(1)
+    assert stopped.value.signum == signal.SIGTERM

@@ -37,7 +37,7 @@ from utils.distributed import (
     sum_across_ranks,
 )
 from utils.errors import DatasetError, UserError, user_message
-from utils.evaluation import EvalResult, evaluate_segmentation, predict_classes, score_batches
+from utils.evaluation import EvalResult, predict_classes, score_batches
 from utils.training.checkpoint_budget import CheckpointBudget, checkpoint_budget, epoch_files_written, log_budget
 from utils.training.curves import write_curves_if_possible
 from utils.training.data import TrainData
@@ -445,7 +445,7 @@ class Trainer:
         if self.ctx.is_main:
             batches = UntilStopped(self.parts.val_loader, self._interrupts)
             try:
-                result = evaluate_segmentation(
+                metrics = score_batches(
                     self._evaluated_model,
                     batches,
                     self.ctx.device,
@@ -457,9 +457,12 @@ class Trainer:
                 error.__traceback__ = None  # it holds the loader's iterator: see _run_epoch
                 dice = user_message(error)  # every rank learns of it from the broadcast and stops with it
             else:
+                # Asked before computing: a signal before the first batch leaves no image scored, which is a stop,
+                # not an empty validation set.
                 if batches.stopped_by:
                     dice = StoppedValidation(batches.stopped_by)  # a partial score is no score: not reported
                 else:
+                    result = metrics.compute()
                     self._report_validation(epoch_number, result)
                     dice = result.dice
         # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
