@@ -1,12 +1,11 @@
 """scripts/quickstart.sh reruns: more epochs continue from the last weights, other images train a new model.
 
 The plan (``scripts/quickstart_plan.py``) is tested case by case on real training runs in this process; the script
-itself runs end to end at a tiny size (its environment settings) through the two reruns a user makes.
+itself runs end to end at a tiny size (its environment settings), then reruns with more epochs.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -106,7 +105,9 @@ def quickstart(root: Path, epochs: int) -> str:
 
 
 @pytest.mark.slow
-def test_the_script_reruns_with_more_epochs_and_with_the_users_own_images(tmp_path):
+def test_the_script_reruns_with_more_epochs(tmp_path):
+    # The other rerun, the user's own images, is the plan's case above (a first run's flags, in a new folder); the
+    # script passes the plan's flags the same way in every case, so one rerun through it shows the wiring.
     quickstart(tmp_path, 1)
     checkpoints = tmp_path / "checkpoints"
     assert epochs_done(checkpoints / "demo" / "last.pth") == 1
@@ -116,17 +117,3 @@ def test_the_script_reruns_with_more_epochs_and_with_the_users_own_images(tmp_pa
     assert epochs_done(checkpoints / "demo-2" / "last.pth") == 2
     assert f"Checkpoints, metrics.jsonl, curves.png:          {checkpoints / 'demo-2'}/" in out
     assert (tmp_path / "outputs" / "demo-2" / "test_evaluation.json").is_file()
-
-    # The user's own images replace the demo's (here: other synthetic cars).
-    for folder in ("imgs", "masks"):
-        shutil.rmtree(tmp_path / "data" / folder)
-    subprocess.run(
-        [REPO_ROOT / ".venv/bin/python", "-m", "utils.datasets.synthetic", tmp_path / "data", "--n", "10",
-         "--size", "64x48", "--seed", "7"],
-        cwd=REPO_ROOT, env=child_env(), check=True, capture_output=True,
-    )  # fmt: skip
-    out = quickstart(tmp_path, 2)
-    assert f"holds other images than {checkpoints / 'demo-2'} was trained on: training a new model in " in out
-    assert epochs_done(checkpoints / "demo-3" / "last.pth") == 2  # from scratch: epochs 1..2
-    assert f"{checkpoints / 'demo-3'}/" in out.splitlines()[-3]
-    assert os.path.getsize(tmp_path / "outputs" / "demo-3" / "test_evaluation.json") > 0
