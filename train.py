@@ -61,8 +61,8 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
         setup_logging(plan.rank, plan.world_size)
         # Installed before the process group exists, so that a signal during set-up is not lost either.
         interrupts.install(extra=signals_to_handle(config.requeue_signal, plan.slurm_job_id))
-        if plan.supervised:
-            stop_when_orphaned()  # a worker whose torchrun is killed stops like one sent SIGTERM
+        # A worker whose torchrun is killed stops like one sent SIGTERM.
+        launcher = stop_when_orphaned() if plan.supervised else None
         stage.joining = True
         stage.ctx = join(config, plan)
         stage.joining = False
@@ -71,6 +71,8 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
             outcome = trainer.train()
         finally:
             trainer.close()
+        if launcher is not None and outcome.interrupted_by:
+            launcher.report_if_gone(outcome.interrupted_by)
     finally:
         interrupts.restore()
     return _report(config, stage.ctx, outcome)

@@ -22,6 +22,13 @@ from utils.distributed import LAUNCHER_ENV_VARIABLES
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist every worker computes with one thread: the workers already share the cores, and two threads
+    per worker on as many cores as workers wait for each other at OpenMP's barriers."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The slow tests run first (in collection order otherwise): with several workers (``scripts/test.sh``) the long
     ones start early and the short ones fill the workers' last minutes, instead of one long test running alone."""

@@ -24,19 +24,42 @@ _PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 1.0
 
 
-def stop_when_orphaned(signum: int = signal.SIGTERM, poll_interval_s: float = POLL_INTERVAL_S) -> None:
+class LauncherWatch:
+    """The launcher this worker started under; says once, from whichever path sees it first, that it is gone."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self._told = threading.Lock()  # held by the first to report: the watcher thread or report_if_gone
+
+    def gone(self) -> bool:
+        return os.getppid() != self.parent
+
+    def report_if_gone(self, signum: int = signal.SIGTERM) -> None:
+        """Log that the launcher is gone, if it is and nobody said so yet. The kernel's parent-death signal arrives
+        with no message, and a worker that saves and exits within the watcher's poll interval would otherwise stop
+        without saying why; the trainer calls this after a stop by a signal."""
+        if self.gone() and self._told.acquire(blocking=False):
+            logger.warning(
+                "The launcher (PID %d) is gone; stopping this worker as for %s",
+                self.parent,
+                signal.Signals(signum).name,
+            )
+
+
+def stop_when_orphaned(signum: int = signal.SIGTERM, poll_interval_s: float = POLL_INTERVAL_S) -> LauncherWatch:
     """Send ``signum`` to this process as soon as its parent (the launcher) is gone."""
-    parent = os.getppid()
+    watch = LauncherWatch(os.getppid())
     if sys.platform.startswith("linux"):
         _request_parent_death_signal(signum)
     # The parent may have died before the request: then nobody will send the signal.
-    if os.getppid() != parent:
-        _stop(parent, signum)
-        return
+    if watch.gone():
+        _stop(watch, signum)
+        return watch
     watcher = threading.Thread(
-        target=_watch_parent, args=(parent, signum, poll_interval_s), name="orphan-watch", daemon=True
+        target=_watch_parent, args=(watch, signum, poll_interval_s), name="orphan-watch", daemon=True
     )
     watcher.start()
+    return watch
 
 
 def _request_parent_death_signal(signum: int) -> None:
@@ -48,14 +71,14 @@ def _request_parent_death_signal(signum: int) -> None:
         logger.debug("prctl unavailable: %s", error)
 
 
-def _watch_parent(parent: int, signum: int, poll_interval_s: float) -> None:
+def _watch_parent(watch: LauncherWatch, signum: int, poll_interval_s: float) -> None:
     stopped = threading.Event()
     while not stopped.wait(poll_interval_s):
-        if os.getppid() != parent:
-            _stop(parent, signum)
+        if watch.gone():
+            _stop(watch, signum)
             return
 
 
-def _stop(parent: int, signum: int) -> None:
-    logger.warning("The launcher (PID %d) is gone; stopping this worker as for %s", parent, signal.Signals(signum).name)
+def _stop(watch: LauncherWatch, signum: int) -> None:
+    watch.report_if_gone(signum)
     os.kill(os.getpid(), signum)
