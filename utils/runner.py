@@ -42,10 +42,13 @@ PEER_FAILURE_MARKERS = (
 
 # How long a rank other than 0 waits before exiting after an error that rank 0 prints. torchrun stops the other
 # workers as soon as one exits, so rank 0 must exit first: it has then printed the message, and it is the failure
-# torchrun reports. After an agreed error a barrier guarantees the printing, and a moment lets rank 0 leave first.
+# torchrun reports. After an agreed error a barrier guarantees the printing, and a few seconds let rank 0 leave first:
+# on a loaded machine rank 0's teardown and exit took over a second, and a rank leaving before it made gloo abort rank
+# 0 (SIGABRT, reported by torchrun as the root cause instead of the user error). Under torchrun the others are stopped
+# as soon as rank 0 has exited, so the wait is only an upper bound.
 # A bad flag is found before the processes meet, and rank 0 may still be importing torch: the others wait until
 # torchrun stops them (it does as soon as rank 0 has exited), or this long at most.
-QUIET_EXIT_DELAY_S = 1.0
+QUIET_EXIT_DELAY_S = 5.0
 QUIET_EXIT_BEFORE_JOINING_S = 60.0
 
 
