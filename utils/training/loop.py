@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -37,7 +37,7 @@ from utils.distributed import (
     sum_across_ranks,
 )
 from utils.errors import DatasetError, UserError, user_message
-from utils.evaluation import EvalResult, predict_classes, score_batches
+from utils.evaluation import EvalResult, SegmentationMetrics, predict_classes, score_batches
 from utils.training.checkpoint_budget import CheckpointBudget, checkpoint_budget, epoch_files_written, log_budget
 from utils.training.curves import write_curves_if_possible
 from utils.training.data import TrainData
@@ -437,6 +437,17 @@ class Trainer:
         """What validates: the average of the weights with --ema, else the unwrapped model."""
         return self.parts.ema.module if self.parts.ema is not None else self.parts.raw_model
 
+    def _score(self, batches: Iterable[dict[str, torch.Tensor]]) -> SegmentationMetrics:
+        """The validation sums over ``batches`` (one shard, or the whole set on rank 0), not yet scored."""
+        return score_batches(
+            self._evaluated_model,  # unwrapped and in eval mode: no DDP collective, BatchNorm untouched
+            batches,
+            self.ctx.device,
+            n_classes=self.config.n_classes,
+            precision=self.parts.precision,
+            progress=self._bars,
+        )
+
     def _validate(self, epoch_number: int) -> float:
         """Validation Dice of the unwrapped model, computed on rank 0 and broadcast to every rank."""
         if self.config.sharded_validation and self.ctx.is_distributed:
@@ -445,14 +456,7 @@ class Trainer:
         if self.ctx.is_main:
             batches = UntilStopped(self.parts.val_loader, self._interrupts)
             try:
-                metrics = score_batches(
-                    self._evaluated_model,
-                    batches,
-                    self.ctx.device,
-                    n_classes=self.config.n_classes,
-                    precision=self.parts.precision,
-                    progress=self._bars,
-                )
+                metrics = self._score(batches)
             except DatasetError as error:
                 error.__traceback__ = None  # it holds the loader's iterator: see _run_epoch
                 dice = user_message(error)  # every rank learns of it from the broadcast and stops with it
@@ -478,17 +482,7 @@ class Trainer:
         gets the scores of the whole set. A file that fails on any rank stops every rank with its message."""
         try:
             # Agreed before the all-reduce: a rank whose file failed would never reach it, and the others would wait.
-            metrics = agree_on_errors(
-                self.ctx,
-                lambda: score_batches(
-                    self._evaluated_model,  # unwrapped and in eval mode: no DDP collective, BatchNorm untouched
-                    self.parts.val_loader,
-                    self.ctx.device,
-                    n_classes=self.config.n_classes,
-                    precision=self.parts.precision,
-                    progress=self._bars,
-                ),
-            )
+            metrics = agree_on_errors(self.ctx, lambda: self._score(self.parts.val_loader))
         except DatasetError as error:
             error.__traceback__ = None  # it holds the loader's iterator: see _run_epoch
             self._stop_for_bad_data(user_message(error))
