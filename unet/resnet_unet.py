@@ -18,16 +18,14 @@ its first weights came from.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchvision import models
 
 from .deep_supervision import AuxiliaryHeads
+from .unet_model import SegmentationNet, UNetArgs
 
-RESNET_ENCODERS = ("resnet18", "resnet34", "resnet50")
 # Channels of the stem (conv1 at 1/2) and of layer1..layer4 (1/4 .. 1/32) of each encoder.
 _FEATURE_CHANNELS = {
     "resnet18": (64, 64, 128, 256, 512),
@@ -91,7 +89,7 @@ class DecoderBlock(nn.Module):
         return self.conv(x)
 
 
-class ResNetUNet(nn.Module):
+class ResNetUNet(SegmentationNet):
     """A torchvision ResNet encoder under a UNet decoder; ``n_classes`` logit maps of the input's height and width.
 
     With ``deep_supervision``, training-mode forward passes return ``[logits, logits at 1/2, logits at 1/4]`` (see
@@ -106,19 +104,10 @@ class ResNetUNet(nn.Module):
         base_channels: int = 64,
         deep_supervision: bool = False,
     ) -> None:
-        super().__init__()
-        if encoder not in RESNET_ENCODERS:
-            raise ValueError(f"unknown encoder {encoder!r}; choose one of {', '.join(RESNET_ENCODERS)}")
-        if n_channels < 1 or n_classes < 1 or base_channels < 1:
-            raise ValueError(
-                f"ResNetUNet needs positive sizes, got n_channels={n_channels}, n_classes={n_classes}, "
-                f"base_channels={base_channels}"
-            )
-        self.n_channels = n_channels
-        self.n_classes = n_classes
+        if encoder not in _FEATURE_CHANNELS:
+            raise ValueError(f"unknown encoder {encoder!r}; choose one of {', '.join(_FEATURE_CHANNELS)}")
+        super().__init__(UNetArgs(n_channels, n_classes, False, base_channels, encoder, deep_supervision))
         self.encoder_name = encoder
-        self.base_channels = base_channels
-        self.deep_supervision = deep_supervision
         mean, std = input_statistics(n_channels)
         # Not persistent: the values follow from the architecture, so the state dict holds only learnt tensors.
         self.register_buffer("input_mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
@@ -136,18 +125,6 @@ class ResNetUNet(nn.Module):
         self.head = nn.Conv2d(widths[-1], n_classes, kernel_size=1)
         # Auxiliary logits after the decoder stages at 1/2 and 1/4 of the input resolution.
         self.aux_heads = AuxiliaryHeads((widths[3], widths[2]), n_classes) if deep_supervision else None
-
-    def constructor_args(self) -> dict[str, Any]:
-        """The arguments that rebuild this model (``unet.UNetArgs`` names); stored in checkpoints."""
-        from .unet_model import UNetArgs  # unet_model imports nothing from here; this keeps the import one-way
-
-        return UNetArgs(
-            n_channels=self.n_channels,
-            n_classes=self.n_classes,
-            base_channels=self.base_channels,
-            encoder=self.encoder_name,
-            deep_supervision=self.deep_supervision,
-        ).as_dict()
 
     def use_checkpointing(self, enabled: bool = True) -> None:
         """Activation checkpointing is implemented for the plain UNet only."""
@@ -167,7 +144,4 @@ class ResNetUNet(nn.Module):
         for block, skip in zip(self.decoder, skips, strict=True):
             x = block(x, skip)
             levels.append(x)
-        logits = self.head(x)[..., :height, :width]
-        if self.aux_heads is None or not self.training:
-            return logits
-        return [logits, *self.aux_heads([levels[3], levels[2]], height, width)]
+        return self._outputs(self.head(x)[..., :height, :width], [levels[3], levels[2]], height, width)

@@ -52,7 +52,39 @@ class UNetArgs:
 OPTIONAL_ARGS: dict[str, Any] = {"encoder": UNetArgs.encoder, "deep_supervision": UNetArgs.deep_supervision}
 
 
-class UNet(nn.Module):
+class SegmentationNet(nn.Module):
+    """What both architectures share: the sizes checked, the arguments that rebuild the model, the outputs of
+    ``--deep-supervision`` (the subclass creates ``aux_heads``)."""
+
+    aux_heads: AuxiliaryHeads | None
+
+    def __init__(self, args: UNetArgs) -> None:
+        super().__init__()
+        if args.n_channels < 1 or args.n_classes < 1 or args.base_channels < 1:
+            raise ValueError(
+                f"{type(self).__name__} needs positive sizes, got n_channels={args.n_channels}, "
+                f"n_classes={args.n_classes}, base_channels={args.base_channels}"
+            )
+        self.n_channels = args.n_channels
+        self.n_classes = args.n_classes
+        self.base_channels = args.base_channels
+        self.deep_supervision = args.deep_supervision
+        self._args = args
+
+    def constructor_args(self) -> dict[str, Any]:
+        """The arguments that rebuild this model; stored in checkpoints so inference needs no repeated flags."""
+        return self._args.as_dict()
+
+    def _outputs(
+        self, logits: torch.Tensor, aux_features: list[torch.Tensor], height: int, width: int
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """The logits; in training mode with deep supervision ``[logits, logits at 1/2, logits at 1/4]``."""
+        if self.aux_heads is None or not self.training:
+            return logits
+        return [logits, *self.aux_heads(aux_features, height, width)]
+
+
+class UNet(SegmentationNet):
     """Encoder-decoder segmentation network producing ``n_classes`` logit maps of the input's height and width.
 
     ``n_classes == 1`` is binary segmentation (one logit, sigmoid); ``n_classes >= 2`` is softmax over classes.
@@ -67,17 +99,8 @@ class UNet(nn.Module):
         base_channels: int = UNetArgs.base_channels,
         deep_supervision: bool = UNetArgs.deep_supervision,
     ) -> None:
-        super().__init__()
-        if n_channels < 1 or n_classes < 1 or base_channels < 1:
-            raise ValueError(
-                f"UNet needs positive sizes, got n_channels={n_channels}, n_classes={n_classes}, "
-                f"base_channels={base_channels}"
-            )
-        self.n_channels = n_channels
-        self.n_classes = n_classes
+        super().__init__(UNetArgs(n_channels, n_classes, bilinear, base_channels, deep_supervision=deep_supervision))
         self.bilinear = bilinear
-        self.base_channels = base_channels
-        self.deep_supervision = deep_supervision
         self._checkpointing = False
 
         c = base_channels
@@ -96,12 +119,6 @@ class UNet(nn.Module):
         # Created last and only when asked, so a model without them has milesial's state dict, key for key.
         self.aux_heads = AuxiliaryHeads((c * 2 // factor, c * 4 // factor), n_classes) if deep_supervision else None
 
-    def constructor_args(self) -> dict[str, Any]:
-        """The arguments that rebuild this model; stored in checkpoints so inference needs no repeated flags."""
-        return UNetArgs(
-            self.n_channels, self.n_classes, self.bilinear, self.base_channels, deep_supervision=self.deep_supervision
-        ).as_dict()
-
     def use_checkpointing(self, enabled: bool = True) -> None:
         """Recompute block activations in the backward pass instead of storing them (less memory, more compute)."""
         self._checkpointing = enabled
@@ -119,7 +136,6 @@ class UNet(nn.Module):
         return block(*inputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
-        """The logits; in training mode with deep supervision ``[logits, logits at 1/2, logits at 1/4]``."""
         height, width = x.shape[-2:]
         # Pad sides under MIN_SIDE (zeros at the bottom/right) and crop the logits back, so any size trains and
         # predicts, a batch of one included, while inputs of 32 pixels or more run exactly as in the classic model.
@@ -135,22 +151,7 @@ class UNet(nn.Module):
         quarter = self._run(self.up2, x, x3)
         half = self._run(self.up3, quarter, x2)
         x = self._run(self.up4, half, x1)
-        logits = self.outc(x)[..., :height, :width]
-        if self.aux_heads is None or not self.training:
-            return logits
-        return [logits, *self.aux_heads([half, quarter], height, width)]
-
-
-def build_model(args: dict[str, Any]) -> nn.Module:
-    """The model ``args`` (``UNetArgs`` names, as checkpoints store them) describe: a UNet or a ResNet-encoder UNet."""
-    spec = UNetArgs(**args)
-    if spec.encoder == "unet":
-        return UNet(spec.n_channels, spec.n_classes, spec.bilinear, spec.base_channels, spec.deep_supervision)
-    from .resnet_unet import ResNetUNet  # imports torchvision, which the plain UNet does not need
-
-    if spec.bilinear:
-        raise ValueError(f"--bilinear applies to --encoder unet only, not {spec.encoder}")
-    return ResNetUNet(spec.n_channels, spec.n_classes, spec.encoder, spec.base_channels, spec.deep_supervision)
+        return self._outputs(self.outc(x)[..., :height, :width], [half, quarter], height, width)
 
 
 @contextlib.contextmanager
