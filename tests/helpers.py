@@ -29,7 +29,7 @@ from utils.checkpoint import (
     KEY_MODEL_ARGS,
     save_checkpoint_atomic,
 )
-from utils.datasets.preparation import image_tensor
+from utils.datasets.dataset import image_tensor
 
 
 def positive(value: object) -> bool:

@@ -45,7 +45,7 @@ def test_data_loading_only_re_exports_and_nothing_in_the_project_imports_through
     from pathlib import Path
 
     from utils import data_loading
-    from utils.datasets import dataset, image_files, mask_values, pairing, preparation
+    from utils.datasets import dataset, image_files, mask_values
 
     homes = {
         "BasicDataset": dataset,
@@ -53,10 +53,10 @@ def test_data_loading_only_re_exports_and_nothing_in_the_project_imports_through
         "IMAGE_EXTENSIONS": image_files,
         "load_image": image_files,
         "IGNORE_INDEX": mask_values,
-        "detect_mask_suffix": pairing,
-        "image_tensor": preparation,
-        "mask_classes": preparation,
-        "scaled_size": preparation,
+        "detect_mask_suffix": image_files,
+        "image_tensor": dataset,
+        "mask_classes": dataset,
+        "scaled_size": dataset,
     }
     assert sorted(data_loading.__all__) == sorted(homes)
     for name, home in homes.items():

@@ -213,7 +213,7 @@ def load_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from utils.allocator import reuse_large_buffers
     from utils.datasets.dataset import BasicDataset, CarvanaDataset
-    from utils.datasets.pairing import detect_mask_suffix
+    from utils.datasets.image_files import detect_mask_suffix
 
     result: dict[str, Any] = {}
     # Loader worker processes run one thread each (PyTorch sets that) and reuse their buffers (train.py's worker

@@ -1,4 +1,4 @@
-"""preparation.bicubic_resize is torchvision's antialiased bicubic resize, bit for bit, without torchvision."""
+"""dataset.bicubic_resize is torchvision's antialiased bicubic resize, bit for bit, without torchvision."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 
 from tests.conftest import REPO_ROOT
-from utils.datasets.preparation import bicubic_resize
+from utils.datasets.dataset import bicubic_resize
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.int16])
@@ -33,7 +33,7 @@ def test_the_same_pixels_as_torchvision(dtype, channels, layout, size, new_size)
 
 def test_preparing_an_image_imports_no_torchvision() -> None:
     code = (
-        "import sys; from PIL import Image; from utils.datasets.preparation import image_tensor; "
+        "import sys; from PIL import Image; from utils.datasets.dataset import image_tensor; "
         "image_tensor(Image.new('RGB', (40, 30)), 0.5); print('torchvision' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)

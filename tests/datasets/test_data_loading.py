@@ -12,10 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from utils.datasets import mask_values
+from utils.datasets import image_files, mask_values
 from utils.datasets.dataset import BasicDataset, CarvanaDataset
-from utils.datasets.image_files import IMAGE_EXTENSIONS, load_image
-from utils.datasets.pairing import detect_mask_suffix
+from utils.datasets.image_files import IMAGE_EXTENSIONS, detect_mask_suffix, load_image
 from utils.errors import ConfigError, DatasetError
 
 WIDTH, HEIGHT = 48, 32
@@ -435,7 +434,7 @@ def test_second_construction_reads_the_cache_and_decodes_no_mask(tmp_path, cache
         raise AssertionError("the cache hit must not scan masks")
 
     with monkeypatch.context() as patch:
-        patch.setattr(mask_values, "_scan_all", no_scan)
+        patch.setattr(mask_values, "_scan_pair", no_scan)
         second = build(images_dir, masks_dir, cache_dir)
     assert second.mask_values == first.mask_values == [0, 3, 9]
 
@@ -481,7 +480,7 @@ def test_default_cache_dir_is_outside_the_data(monkeypatch, tmp_path: Path) -> N
 
 
 def test_parallel_scan_matches_serial_and_reports_every_problem(tmp_path: Path, cache_dir: Path) -> None:
-    count = mask_values.MIN_MASKS_FOR_POOL + 4
+    count = image_files.MIN_FILES_FOR_POOL + 4
     masks = {f"m{i:02d}": index_mask(i, [0, 1 + i % 5]) for i in range(count)}
     images_dir, masks_dir = write_dataset(tmp_path, masks)
     parallel = build(images_dir, masks_dir, tmp_path / "cache-parallel", scan_workers=2)

@@ -19,9 +19,8 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import small_tmpfs
 from utils.datasets import dataset as dataset_module
 from utils.datasets import pixel_cache
-from utils.datasets.dataset import BasicDataset
+from utils.datasets.dataset import BasicDataset, image_tensor
 from utils.datasets.pixel_cache.__main__ import main as build_cache_main
-from utils.datasets.preparation import image_tensor
 from utils.errors import ConfigError
 
 WIDTH, HEIGHT = 96, 64

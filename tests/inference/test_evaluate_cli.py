@@ -111,15 +111,16 @@ def test_images_of_mixed_sizes_are_batched_by_size_with_the_scores_of_batch_size
 
 def test_each_folder_is_listed_once(carvana_data, tmp_path, monkeypatch):
     """The Carvana naming is detected from the dataset's own folder index, not from a second listing."""
-    from utils.datasets import dataset, image_files, pairing
+    from utils.datasets import dataset, image_files
 
     listed = []
+    real_index = image_files.index_folder
 
     def counting_index(folder, role):
         listed.append(role)
-        return image_files.index_folder(folder, role)
+        return real_index(folder, role)
 
-    for module in (dataset, pairing):
+    for module in (dataset, image_files):
         monkeypatch.setattr(module, "index_folder", counting_index)
     checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 1])
     assert run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks),

@@ -1,2 +1,2 @@
-"""Data: the datasets (``dataset``), mask naming and pairing (``pairing``), image preparation shared with inference
-(``preparation``), image files, mask values, the pixel cache, augmentation, demo data."""
+"""Data: the datasets and the image preparation shared with inference (``dataset``), image files, their naming and
+pairing (``image_files``), mask values, splits, the dataset check, the pixel cache, augmentation, demo data."""

@@ -3,6 +3,9 @@
 ``dataset[i]`` is ``{"image": float32 [C, H, W] in [0, 1], "mask": int64 [H, W] in 0..K-1}``. Mask value
 ``dataset.mask_values[k]`` becomes class ``k``. All checks that need the whole dataset (pairing, sizes, mask values)
 run once at construction, so bad data fails before training starts, with one message naming the files.
+
+The image preparation (``image_tensor``, ``resized_image``: conversion and resizing by ``scale``) is shared with
+inference, so a model sees at inference exactly the pixels it was trained on.
 """
 
 from __future__ import annotations
@@ -20,27 +23,25 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 
 from utils.datasets.augmentation import JointAugmentation
 from utils.datasets.image_files import (
+    CARVANA_MASK_SUFFIX,
     IMAGE_EXTENSIONS,
     UNREADABLE_FILE_ERRORS,
     FileInfo,
+    count_named,
+    format_examples,
     index_folder,
     load_image,
+    mode_channels,
+    pair_files,
 )
-from utils.datasets.mask_values import (
-    MaskPair,
-    MaskValues,
-    format_examples,
-    scan_masks,
-    values_to_classes,
-)
-from utils.datasets.pairing import CARVANA_MASK_SUFFIX, pair_files, suffix_from_names
+from utils.datasets.mask_values import MaskValues, class_totals, mask_array, scan_masks, values_to_classes
 from utils.datasets.pixel_cache import IMAGE, MASK, PixelCache
-from utils.datasets.preparation import image_tensor, mask_classes, resized_image, resized_mask, unit_float
 from utils.errors import ConfigError, DatasetError
 
 logger = logging.getLogger(__name__)
@@ -117,11 +118,7 @@ class BasicDataset(Dataset):
                 raise DatasetError(
                     f"no masks in {self.mask_dir} (looked for {_extension_list()}); put one mask per image there"
                 )
-            if mask_suffix is None:
-                mask_suffix = suffix_from_names(images.keys(), masks.keys())
-            self.mask_suffix = mask_suffix
-            pairs = pair_files(images, masks, mask_suffix, self.images_dir, self.mask_dir)
-            _check_no_empty_files(pairs)
+            pairs = self._pair(images, masks, mask_suffix)
             jpeg_masks = [pair.mask.name for pair in pairs if pair.mask.ext in JPEG_EXTENSIONS]
             if jpeg_masks:
                 logger.warning(
@@ -139,17 +136,8 @@ class BasicDataset(Dataset):
                     f"--ignore-value {self.ignore_values[0]} needs single-channel masks, but the masks in "
                     f"{self.mask_dir} are colour images; save void pixels as a grey value or drop --ignore-value"
                 )
-            kept = [k for k, value in enumerate(scan.mask_values) if value not in self.ignore_values]
-            # Per image, pixels of each class (scan value k becomes class class_of[k]); void pixels counted apart.
-            class_of = {k: position for position, k in enumerate(kept)}
-            self._class_counts = {
-                name: {class_of[k]: count for k, count in counts if k in class_of}
-                for name, counts in scan.value_counts.items()
-            }
-            self.void_pixels: int = sum(
-                c for counts in scan.value_counts.values() for k, c in counts if k not in class_of
-            )
-            scan_values: MaskValues = [scan.mask_values[k] for k in kept]
+            # Per image, pixels of each class; void pixels counted apart.
+            scan_values, self._class_counts, self.void_pixels = scan.classes(self.ignore_values)
             _check_value_count(scan_values, n_classes, self.mask_dir, jpeg=bool(jpeg_masks))
             _check_scaled_sizes(scan.image_sizes, scale, images)
 
@@ -176,13 +164,38 @@ class BasicDataset(Dataset):
                 ", ".join(map(str, self.ignore_values)),
             )
 
+    def _pair(self, images: dict[str, FileInfo], masks: dict[str, FileInfo], mask_suffix: str | None) -> list:
+        """Pair images with masks (``self.mask_suffix`` is the suffix used); a missing mask or an empty file is an
+        error, a mask without an image a warning."""
+        pairing = pair_files(images, masks, mask_suffix)
+        self.mask_suffix = pairing.mask_suffix
+        if pairing.missing:
+            expected = f"<id>{self.mask_suffix}.<ext>"
+            raise DatasetError(
+                f"{len(pairing.missing)} of {len(images)} images in {self.images_dir} have no mask named {expected} "
+                f"in {self.mask_dir}: {format_examples(pairing.missing)}; add their masks or remove those images"
+                f"{_suffix_hint(images.keys(), masks.keys(), self.mask_suffix)}"
+            )
+        if pairing.orphans:
+            logger.warning(
+                "%d mask(s) in %s have no image in %s and are ignored: %s",
+                len(pairing.orphans),
+                self.mask_dir,
+                self.images_dir,
+                format_examples(pairing.orphans),
+            )
+        empty = [info.path for pair in pairing.pairs for info in (pair.image, pair.mask) if info.size == 0]
+        if empty:
+            raise DatasetError(
+                f"{len(empty)} file(s) are empty (0 bytes), e.g. from an interrupted copy: {format_examples(empty)}; "
+                "copy them again or delete them"
+            )
+        return pairing.pairs
+
     def class_pixel_counts(self, indices: Iterable[int] | None = None) -> list[int]:
         """Pixels of each class (void excluded) over the items ``indices`` (all by default), from the mask scan."""
-        totals = [0] * len(self.mask_values)
-        for index in range(len(self.ids)) if indices is None else indices:
-            for k, count in self._class_counts.get(self.ids[index], {}).items():
-                totals[k] += count
-        return totals
+        chosen = range(len(self.ids)) if indices is None else indices
+        return class_totals((self._class_counts.get(self.ids[index], {}) for index in chosen), len(self.mask_values))
 
     def has_foreground(self, index: int) -> bool:
         """Whether item ``index``'s mask holds a class other than class 0 (background), from the mask scan."""
@@ -332,14 +345,14 @@ def _choose_channels(
     return channels
 
 
-def _check_no_empty_files(pairs: list[MaskPair]) -> None:
-    with_empty = [pair for pair in pairs if pair.image.size == 0 or pair.mask.size == 0]
-    empty = [info.path for pair in with_empty for info in (pair.image, pair.mask) if info.size == 0]
-    if empty:
-        raise DatasetError(
-            f"{len(empty)} file(s) are empty (0 bytes), e.g. from an interrupted copy: {format_examples(empty)}; "
-            "copy them again or delete them"
-        )
+def _suffix_hint(image_ids: Iterable[str], mask_stems: Iterable[str], mask_suffix: str) -> str:
+    """Suggest the other mask naming when it would match more images than the one in use."""
+    other = "" if mask_suffix == CARVANA_MASK_SUFFIX else CARVANA_MASK_SUFFIX
+    if count_named(image_ids, mask_stems, other) > count_named(image_ids, mask_stems, mask_suffix):
+        if other:
+            return f" (the masks look named <id>{other}.<ext>: use CarvanaDataset or mask_suffix='{other}')"
+        return " (the masks look named <id>.<ext>: use BasicDataset with mask_suffix='')"
+    return ""
 
 
 def _check_value_count(mask_values: MaskValues, n_classes: int | None, mask_dir: Path, *, jpeg: bool) -> None:
@@ -392,3 +405,112 @@ def _check_scaled_sizes(sizes: dict[str, tuple[int, int]], scale: float, images:
 
 def _extension_list() -> str:
     return " ".join(sorted(IMAGE_EXTENSIONS))
+
+
+def image_tensor(img: Image.Image, scale: float, channels: int | None = None) -> torch.Tensor:
+    """Return an image as float32 [C, H, W] in [0, 1], resized by ``scale`` with antialiased bicubic filtering.
+
+    ``channels`` (1 or 3) converts grey photos to RGB or the reverse; ``None`` keeps the photo's own kind.
+    """
+    return unit_float(resized_image(img, scale, channels))
+
+
+def resized_image(img: Image.Image, scale: float, channels: int | None = None) -> torch.Tensor:
+    """The image resized by ``scale`` as [C, H, W]: uint8, or float32 in [0, 1] for 16-bit and float images.
+
+    Resizing runs on the uint8 tensor: torchvision's uint8 path is about 3x faster than PIL's and agrees with it
+    to within one grey level. The result is a view of [H, W, C] memory (channels last, as decoded and as the pixel
+    cache stores it): the augmentation's crop-and-resize runs fastest on that layout, and the conversion to float
+    returns to [C, H, W] in the same pass.
+    """
+    array = _image_array(img, channels)
+    tensor = torch.from_numpy(array)
+    tensor = tensor.permute(2, 0, 1) if tensor.ndim == 3 else tensor[None]
+    height, width = tensor.shape[1:]
+    new_width, new_height = scaled_size(width, height, scale)
+    if (new_width, new_height) != (width, height):
+        tensor = bicubic_resize(tensor, new_height, new_width)
+    if tensor.dtype != torch.uint8:
+        # Bicubic filtering overshoots at edges; float images must stay within [0, 1].
+        tensor = tensor.clamp(0.0, 1.0)
+    return tensor.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
+def mask_classes(img: Image.Image, scale: float, mask_values: MaskValues) -> np.ndarray:
+    """Return a mask as int64 [H, W] class indices, resized by ``scale`` with nearest-neighbour sampling."""
+    return values_to_classes(resized_mask(img, scale), mask_values)
+
+
+def resized_mask(img: Image.Image, scale: float) -> np.ndarray:
+    """A mask's raw values (``mask_array``) resized by ``scale`` with nearest-neighbour sampling."""
+    mask = mask_array(img)
+    height, width = mask.shape[:2]
+    new_width, new_height = scaled_size(width, height, scale)
+    if (new_width, new_height) != (width, height):
+        # Same sample points as PIL's NEAREST (pixel centres), but works for every dtype and channel count.
+        rows = np.minimum(((np.arange(new_height) + 0.5) * height / new_height).astype(np.intp), height - 1)
+        cols = np.minimum(((np.arange(new_width) + 0.5) * width / new_width).astype(np.intp), width - 1)
+        mask = mask[rows[:, None], cols[None, :]]
+    return mask
+
+
+def unit_float(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels as float32 in [0, 1] (float pixels pass through as float32)."""
+    if pixels.dtype == torch.uint8:
+        return pixels.to(torch.float32, memory_format=torch.contiguous_format).div_(255)
+    return pixels.to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def bicubic_resize(tensor: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """A [C, H, W] CPU tensor resized with antialiased bicubic filtering, exactly as torchvision's
+    ``transforms.v2.functional.resize(..., BICUBIC, antialias=True)``, which runs the same ``interpolate`` call.
+
+    Called directly because importing torchvision imports ``torch._dynamo`` (through ``torchvision.ops``): seconds
+    added to every ``train.py``/``predict.py`` start for a function that is one line of PyTorch. uint8 (resized
+    natively, as torchvision does on a CPU) and float32 only; anything else goes through torchvision itself.
+    """
+    if tensor.dtype not in (torch.uint8, torch.float32) or tensor.device.type != "cpu":
+        import torchvision.transforms.v2.functional as TF
+
+        return TF.resize(tensor, [height, width], interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
+    channels, old_height, old_width = tensor.shape
+    image = tensor.reshape(1, channels, old_height, old_width)
+    strides, numel = image.stride(), image.numel()
+    if image.is_contiguous(memory_format=torch.channels_last) and numel != strides[0]:
+        # torchvision's restride (pytorch/pytorch#68430): a channels-last [1, C, H, W] view gets a channels-last
+        # output, which the uint8 kernel needs to avoid a repacking copy.
+        image = image.as_strided((1, channels, old_height, old_width), [numel, *strides[1:]])
+    resized = F.interpolate(image, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
+    return resized.reshape(channels, height, width)
+
+
+def scaled_size(width: int, height: int, scale: float) -> tuple[int, int]:
+    """Return ``(int(scale * width), int(scale * height))``, as milesial; a zero side is an error."""
+    new_width, new_height = int(scale * width), int(scale * height)
+    if new_width <= 0 or new_height <= 0:
+        raise DatasetError(f"scale {scale} shrinks a {width}x{height} image to nothing; use a larger --scale")
+    return new_width, new_height
+
+
+def _image_array(img: Image.Image, channels: int | None = None) -> np.ndarray:
+    """Return HxW or HxWx3 pixels: uint8, or float32 in [0, 1] for 16-bit and float images.
+
+    ``channels`` converts by mode: a grey photo (any grey mode) to RGB, a colour one (RGB, RGBA, palette, CMYK, ...)
+    to grey, as ``PIL.Image.convert`` does.
+    """
+    if channels is not None and mode_channels(img.mode) != channels:
+        if channels == 1:
+            return np.array(img.convert("L"))
+        grey = _image_array(img)
+        return np.ascontiguousarray(np.repeat(grey[:, :, None], 3, axis=2))
+    mode = img.mode
+    if mode in ("L", "RGB"):
+        return np.array(img)  # a writable copy: torch.from_numpy warns on PIL's read-only buffers
+    if mode in ("1", "LA"):
+        return np.array(img.convert("L"))
+    if mode == "F":
+        return np.clip(np.array(img, dtype=np.float32), 0.0, 1.0)
+    if mode == "I" or mode.startswith("I;16"):
+        # 16-bit grey (PNG opens as "I;16" or "I" depending on the Pillow version): full range is 0..65535.
+        return np.clip(np.array(img, dtype=np.float32) / 65535.0, 0.0, 1.0)
+    return np.array(img.convert("RGB"))

@@ -1,4 +1,6 @@
-"""Finding and opening image and mask files.
+"""Finding, pairing and opening image and mask files, and the process pools that read many of them.
+
+Which mask belongs to which image is decided by file names only: ``<id>.<ext>`` or Carvana's ``<id>_mask.<ext>``.
 
 This module deliberately does not import torch at module level: the mask scan runs it in worker processes, and
 importing torch there would cost seconds per worker. Only ``.pt`` files import torch, when one is opened.
@@ -7,11 +9,15 @@ importing torch there would cost seconds per worker. Only ``.pt`` files import t
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
+import sys
 import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -37,6 +43,13 @@ UNREADABLE_FILE_ERRORS = (
     Image.DecompressionBombError,
 )
 
+CARVANA_MASK_SUFFIX = "_mask"
+# How many problem files a message names before it just counts them.
+MAX_NAMED_FILES = 5
+# Below this many files a process pool costs more to start than it saves.
+MIN_FILES_FOR_POOL = 32
+MAX_DEFAULT_WORKERS = 8
+
 # Channel counts an HxWxC array may have: grey, RGB, RGBA.
 _CHANNEL_COUNTS = (1, 3, 4)
 EXIF_ORIENTATION_TAG = 0x0112
@@ -49,6 +62,8 @@ _TRANSPOSING_ORIENTATIONS = frozenset({5, 6, 7, 8})
 OUTPUT_SUFFIX = "_OUT"
 VIZ_SUFFIX = "_VIZ"
 PREDICTION_SUFFIXES = (OUTPUT_SUFFIX, VIZ_SUFFIX)
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 _warned_prediction_files: set[tuple[str, int]] = set()
 # PIL's decompression-bomb limit is one module attribute (Image.MAX_IMAGE_PIXELS): ``open_pil`` sets it aside while it
 # opens a file and checks the size itself. The lock keeps two threads (predict's writer threads read true masks) from
@@ -77,6 +92,25 @@ class FileInfo(NamedTuple):
     @property
     def name(self) -> str:
         return os.path.basename(self.path)
+
+
+class MaskPair(NamedTuple):
+    """An image and its mask; ``name`` is the image id (a named tuple: one is made per pair at every start)."""
+
+    name: str
+    image: FileInfo
+    mask: FileInfo
+
+
+class Pairing(NamedTuple):
+    """The images of a folder matched with the masks of another by name."""
+
+    pairs: list[MaskPair]
+    missing: list[str]
+    """Names of the image files without a mask."""
+    orphans: list[str]
+    """Names of the mask files without an image."""
+    mask_suffix: str
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -153,6 +187,87 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     return files
 
 
+def pair_files(images: dict[str, FileInfo], masks: dict[str, FileInfo], mask_suffix: str | None) -> Pairing:
+    """Pair each image of a folder index with the mask named ``<id><mask_suffix>``; ``None`` detects the suffix."""
+    if mask_suffix is None:
+        mask_suffix = suffix_from_names(images.keys(), masks.keys())
+    pairs, missing = [], []
+    for name in sorted(images):
+        mask = masks.get(name + mask_suffix)
+        if mask is None:
+            missing.append(images[name].name)
+        else:
+            pairs.append(MaskPair(name, images[name], mask))
+    used = {name + mask_suffix for name in images}
+    orphans = sorted(info.name for stem, info in masks.items() if stem not in used)
+    return Pairing(pairs, missing, orphans, mask_suffix)
+
+
+def detect_mask_suffix(images_dir: str | Path, mask_dir: str | Path) -> str:
+    """Return ``"_mask"`` if the masks are named ``<id>_mask.<ext>`` after the images, else ``""``.
+
+    Decided by file names only: whichever naming matches more images wins, ``""`` on a tie.
+    """
+    return suffix_from_names(index_folder(images_dir, "image").keys(), index_folder(mask_dir, "mask").keys())
+
+
+def suffix_from_names(image_ids: Iterable[str], mask_stems: Iterable[str]) -> str:
+    """``"_mask"`` if more images have a mask named ``<id>_mask`` than ``<id>``, else ``""`` (also on a tie)."""
+    with_suffix = count_named(image_ids, mask_stems, CARVANA_MASK_SUFFIX)
+    return CARVANA_MASK_SUFFIX if with_suffix > count_named(image_ids, mask_stems, "") else ""
+
+
+def count_named(image_ids: Iterable[str], mask_stems: Iterable[str], suffix: str) -> int:
+    """How many of the images have a mask named ``<id><suffix>``."""
+    stems = set(mask_stems)
+    return sum(1 for name in image_ids if name + suffix in stems)
+
+
+def format_examples(items: list[str]) -> str:
+    """Join the first few names of a list for a message, counting the rest."""
+    shown = ", ".join(items[:MAX_NAMED_FILES])
+    return shown if len(items) <= MAX_NAMED_FILES else f"{shown}, ... ({len(items) - MAX_NAMED_FILES} more)"
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message: some libraries write paragraphs."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def pool_context() -> multiprocessing.context.BaseContext:
+    """fork on Linux, spawn elsewhere: how the data part's process pools (the mask scan, the check, ``build-cache``)
+    start their workers.
+
+    fork starts workers in milliseconds and lets them inherit the caller's objects (DataLoader forks on Linux too).
+    spawn/forkserver would re-import the caller's __main__ (e.g. train.py and torch) in every worker.
+    """
+    return multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+
+
+def worker_count(workers: int | None) -> int:
+    """``workers``, or by default the CPUs this process may run on (its affinity mask), at most 8."""
+    if workers is not None:
+        return workers
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(max(1, cpus), MAX_DEFAULT_WORKERS)
+
+
+def pool_map(
+    function: Callable[[_T], _R], items: Sequence[_T], workers: int | None, announce: str | None = None
+) -> list[_R]:
+    """``[function(item) for item in items]``, in ``workers`` processes (``worker_count``) when there are enough
+    items to pay for a pool; ``announce`` (a log format taking the item and process counts) says so."""
+    count = worker_count(workers)
+    if count <= 1 or len(items) < MIN_FILES_FOR_POOL:
+        return [function(item) for item in items]
+    if announce:
+        logger.info(announce, len(items), count)
+    # Large chunks keep inter-process traffic low; several per worker keep the load balanced.
+    chunksize = max(1, len(items) // (count * 8))
+    with ProcessPoolExecutor(max_workers=count, mp_context=pool_context()) as pool:
+        return list(pool.map(function, items, chunksize=chunksize))
+
+
 def load_image(path: str | Path, *, any_size: bool = False) -> Image.Image:
     """Open an image or mask file as a PIL image.
 
@@ -169,7 +284,8 @@ def load_image(path: str | Path, *, any_size: bool = False) -> Image.Image:
     path = Path(path)
     ext = path.suffix.lower()
     if ext == ".npy":
-        return array_to_image(_load_npy(path), path)
+        # allow_pickle=False: an .npy file must hold plain numbers, never objects that could run code when loaded.
+        return array_to_image(np.load(path, allow_pickle=False), path)
     if ext == ".pt":
         return array_to_image(_load_pt(path), path)
     image = open_pil(path, any_size=any_size)
@@ -211,12 +327,6 @@ def exif_orientation(image: Image.Image) -> int:
     return int(image.getexif().get(EXIF_ORIENTATION_TAG, 1) or 1)
 
 
-def image_size(path: str | Path) -> tuple[int, int]:
-    """Return ``(width, height)`` of an image file, reading only its header where the format allows."""
-    width, height, _ = image_header(path)
-    return width, height
-
-
 def image_header(path: str | Path) -> tuple[int, int, int]:
     """Return ``(width, height, channels)`` of an image file as a photo loads (1 grey, 3 colour), from its header."""
     path = Path(path)
@@ -225,8 +335,8 @@ def image_header(path: str | Path) -> tuple[int, int, int]:
         # For .npy, mmap reads just the header; the pixels are never touched.
         loaded = np.load(path, mmap_mode="r", allow_pickle=False) if ext == ".npy" else _load_pt(path)
         shape = loaded.shape
-        width, height = _array_size(shape, path)
         layout = _layout(shape, path)
+        height, width = shape[1:3] if layout == "chw" else shape[:2]
         channels = 1 if layout == "hw" else shape[0] if layout == "chw" else shape[2]
         return width, height, 1 if channels == 1 else 3
     with open_pil(path, any_size=True) as img:  # a header holds no bomb: load_image checks the size
@@ -255,11 +365,6 @@ def array_to_image(array: np.ndarray, path: str | Path) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(array))
 
 
-def _load_npy(path: Path) -> np.ndarray:
-    # allow_pickle=False: an .npy file must hold plain numbers, never objects that could run code when loaded.
-    return np.load(path, allow_pickle=False)
-
-
 def _load_pt(path: Path) -> np.ndarray:
     import torch  # here, not at the top: scan workers reading image files should not pay for importing torch
 
@@ -278,9 +383,8 @@ def _load_pt(path: Path) -> np.ndarray:
             "per file with torch.save"
         ) from err
     except (RuntimeError, EOFError) as err:
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DatasetError(
-            f"{path} is not a readable torch file ({first_line}); save it again with torch.save"
+            f"{path} is not a readable torch file ({first_line(err)}); save it again with torch.save"
         ) from err
     if not isinstance(loaded, torch.Tensor):
         raise DatasetError(f"{path} holds a {type(loaded).__name__}, not a tensor; save one image tensor per file")
@@ -311,12 +415,6 @@ def _to_hwc(array: np.ndarray, path: str | Path) -> np.ndarray:
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[:, :, 0]
     return array
-
-
-def _array_size(shape: tuple[int, ...], path: str | Path) -> tuple[int, int]:
-    layout = _layout(shape, path)
-    height, width = shape[1:3] if layout == "chw" else shape[:2]
-    return width, height
 
 
 def _float_to_uint8(array: np.ndarray, path: str | Path) -> np.ndarray:

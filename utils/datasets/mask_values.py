@@ -1,5 +1,7 @@
 """Finding the distinct values of a dataset's masks, and checking each mask fits its image.
 
+The problems found are ``Finding``s: the dataset raises them as one error, the dataset check prints one line each.
+
 The first scan decodes every mask, in a process pool. Its result is cached in a JSON file named by a hash of the
 files' absolute paths, sizes, modification and change times and inodes (``FileInfo``), outside the user's data
 folders, so later starts over unchanged files decode nothing. Like the rest of the data scan, this module must not
@@ -14,20 +16,25 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
 
-from utils.datasets.image_files import UNREADABLE_FILE_ERRORS, FileInfo, image_header, load_image
-from utils.datasets.pools import pool_context
-from utils.errors import ConfigError, DatasetError
+from utils.datasets.image_files import (
+    UNREADABLE_FILE_ERRORS,
+    MaskPair,
+    first_line,
+    format_examples,
+    image_header,
+    load_image,
+    pool_map,
+)
+from utils.errors import DatasetError, UserError
+from utils.output_files import write_text
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +43,26 @@ CACHE_FORMAT_VERSION = 5  # 5: EXIF orientation applied; inode and ctime in the 
 # The class index of a void pixel (a mask value passed as --ignore-value): cross-entropy's default ignore_index, and
 # negative, so it can never be a class.
 IGNORE_INDEX = -100
-# Below this many masks a pool costs more to start than it saves.
-MIN_MASKS_FOR_POOL = 32
-MAX_DEFAULT_WORKERS = 8
-# How many problem files an error message names before it just counts them.
-MAX_NAMED_FILES = 5
 
 MaskValues = list[int] | list[list[int]]
 
 # A file that raises one of these cannot be used; DatasetError comes from our own checks of arrays and modes.
-_UNREADABLE_ERRORS = (*UNREADABLE_FILE_ERRORS, DatasetError)
+UNUSABLE_FILE_ERRORS = (*UNREADABLE_FILE_ERRORS, DatasetError)
 
 
-class MaskPair(NamedTuple):
-    """An image and its mask; ``name`` is the image id (a named tuple: one is made per pair at every start)."""
+@dataclass(frozen=True)
+class Finding:
+    """One kind of problem (or warning) in a dataset: what and how many, the first few files, and what to do."""
 
-    name: str
-    image: FileInfo
-    mask: FileInfo
+    kind: str
+    what: str
+    """With its count, e.g. ``"2 file(s) cannot be read as images"``."""
+    examples: tuple[str, ...]
+    fix: str
+
+    def sentence(self) -> str:
+        examples = f": {format_examples(list(self.examples))}" if self.examples else ""
+        return f"{self.what}{examples}; {self.fix}"
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,30 @@ class MaskScan:
     image_channels: dict[str, int]
     value_counts: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     """Per image, ``(k, pixels)`` for each value ``mask_values[k]`` it contains (full-size masks, before scaling)."""
+    problems: tuple[Finding, ...] = ()
+    """Unreadable files, size mismatches, mixed mask kinds (``scan_masks(keep_problems=True)`` only); the values
+    and sizes above are then those of the usable pairs."""
+
+    def classes(self, ignore_values: Sequence[int]) -> tuple[MaskValues, dict[str, dict[int, int]], int]:
+        """The class values (``mask_values`` less the void ``ignore_values``; class k is the k-th), per image the
+        pixels of each class it holds, and the void pixels of all the masks."""
+        kept = [k for k, value in enumerate(self.mask_values) if value not in ignore_values]
+        class_of = {k: position for position, k in enumerate(kept)}
+        per_image = {
+            name: {class_of[k]: pixels for k, pixels in counts if k in class_of}
+            for name, counts in self.value_counts.items()
+        }
+        void = sum(pixels for counts in self.value_counts.values() for k, pixels in counts if k not in class_of)
+        return [self.mask_values[k] for k in kept], per_image, void
+
+
+def class_totals(per_image: Iterable[dict[int, int]], n_classes: int) -> list[int]:
+    """Pixels of each class over the images' ``MaskScan.classes`` counts."""
+    totals = [0] * n_classes
+    for counts in per_image:
+        for k, pixels in counts.items():
+            totals[k] += pixels
+    return totals
 
 
 @dataclass(frozen=True)
@@ -110,23 +143,14 @@ def mask_array(img: Image.Image, path: str | Path = "<mask>") -> np.ndarray:
     return np.asarray(img.convert("RGB"))
 
 
-def distinct_values(mask: np.ndarray) -> MaskValues:
-    """Return the sorted distinct values of a ``mask_array``: ints, or ``[r, g, b]`` lists for colour masks."""
-    if mask.ndim == 3:
-        packed = _pack_rgb(mask)
-        return [[int(v) >> 16, (int(v) >> 8) & 0xFF, int(v) & 0xFF] for v in np.unique(packed)]
-    if mask.dtype in (np.uint8, np.uint16):
-        # A histogram is several times faster than np.unique's sort for 8/16-bit masks.
-        return np.flatnonzero(np.bincount(mask.ravel(), minlength=1)).tolist()
-    return np.unique(mask).tolist()
-
-
 def value_counts(mask: np.ndarray) -> tuple[MaskValues, list[int]]:
-    """``distinct_values`` of a ``mask_array`` and the number of pixels holding each."""
+    """The sorted distinct values of a ``mask_array`` (ints, or ``[r, g, b]`` lists for colour masks) and the number
+    of pixels holding each."""
     if mask.ndim == 3:
         packed, counts = np.unique(_pack_rgb(mask), return_counts=True)
         return [[int(v) >> 16, (int(v) >> 8) & 0xFF, int(v) & 0xFF] for v in packed], counts.tolist()
     if mask.dtype in (np.uint8, np.uint16):
+        # A histogram is several times faster than np.unique's sort for 8/16-bit masks.
         histogram = np.bincount(mask.ravel(), minlength=1)
         present = np.flatnonzero(histogram)
         return present.tolist(), histogram[present].tolist()
@@ -194,12 +218,17 @@ def _preview(values: Sequence, limit: int = 10) -> str:
 
 
 def scan_masks(
-    pairs: Sequence[MaskPair], *, cache_dir: str | Path | None = None, workers: int | None = None
+    pairs: Sequence[MaskPair],
+    *,
+    cache_dir: str | Path | None = None,
+    workers: int | None = None,
+    keep_problems: bool = False,
 ) -> MaskScan:
     """Return the masks' distinct values and the images' sizes, from the cache when the files have not changed.
 
     Raises one ``DatasetError`` naming every unreadable file, every mask whose size differs from its image, and
-    masks that mix single-channel and colour files.
+    masks that mix single-channel and colour files; with ``keep_problems`` they come back in ``problems`` instead
+    (the dataset check reports each kind on its own line). ``workers``: processes (``image_files.worker_count``).
     """
     if not pairs:
         raise ValueError("scan_masks needs at least one image/mask pair")
@@ -209,7 +238,13 @@ def scan_masks(
         logger.info("Mask values of %d masks read from cache %s", len(pairs), cache_file)
         return cached
     started = time.perf_counter()
-    scan = _summarise(_scan_all(pairs, _worker_count(workers)), pairs)
+    announce = "Scanning %d masks with %d processes (cached for the next start)"
+    scan = _summarise(pool_map(_scan_pair, pairs, workers, announce), pairs)
+    if scan.problems:
+        if keep_problems:
+            return scan
+        mask_dir, image_dir = os.path.dirname(pairs[0].mask.path), os.path.dirname(pairs[0].image.path)
+        raise DatasetError(f"bad data in {mask_dir} / {image_dir}: " + "; ".join(p.sentence() for p in scan.problems))
     logger.info(
         "Scanned %d masks in %.1f s; %d distinct values",
         len(pairs),
@@ -220,33 +255,12 @@ def scan_masks(
     return scan
 
 
-def _worker_count(workers: int | None) -> int:
-    if workers is None:
-        # Imported here: the scan's worker processes import this module and must not pay for importing torch.
-        from utils.hardware import available_cpus
-
-        return min(available_cpus(), MAX_DEFAULT_WORKERS)
-    if workers < 1:
-        raise ConfigError(f"scan_workers must be at least 1, got {workers}")
-    return workers
-
-
-def _scan_all(pairs: Sequence[MaskPair], workers: int) -> list[_PairResult]:
-    if workers == 1 or len(pairs) < MIN_MASKS_FOR_POOL:
-        return [_scan_pair(pair) for pair in pairs]
-    logger.info("Scanning %d masks with %d processes (cached for the next start)", len(pairs), workers)
-    # Large chunks keep inter-process traffic low; several per worker keep the load balanced.
-    chunksize = max(1, len(pairs) // (workers * 8))
-    with ProcessPoolExecutor(max_workers=workers, mp_context=pool_context()) as pool:
-        return list(pool.map(_scan_pair, pairs, chunksize=chunksize))
-
-
 def _scan_pair(pair: MaskPair) -> _PairResult:
     """Decode one mask, read its image's size from the header, and report any failure as text."""
     try:
         width, height, channels = image_header(pair.image.path)
-    except _UNREADABLE_ERRORS as err:
-        return _PairResult(pair.name, error=f"{pair.image.path} ({_reason(err)})")
+    except UNUSABLE_FILE_ERRORS as err:
+        return _PairResult(pair.name, error=f"{pair.image.path} ({first_line(err)})")
     try:
         with load_image(pair.mask.path) as img:
             if img.mode in ("L", "P"):
@@ -257,8 +271,8 @@ def _scan_pair(pair: MaskPair) -> _PairResult:
             else:
                 mask = mask_array(img, pair.mask.path)
                 (values, counts), mask_wh, colour = value_counts(mask), (mask.shape[1], mask.shape[0]), mask.ndim == 3
-    except _UNREADABLE_ERRORS as err:
-        return _PairResult(pair.name, error=f"{pair.mask.path} ({_reason(err)})")
+    except UNUSABLE_FILE_ERRORS as err:
+        return _PairResult(pair.name, error=f"{pair.mask.path} ({first_line(err)})")
     return _PairResult(
         name=pair.name,
         image_size=(width, height),
@@ -270,13 +284,8 @@ def _scan_pair(pair: MaskPair) -> _PairResult:
     )
 
 
-def _reason(err: BaseException) -> str:
-    """The first line of an exception's message: some libraries write paragraphs."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def _summarise(results: list[_PairResult], pairs: Sequence[MaskPair]) -> MaskScan:
-    """Merge per-pair results, raising one ``DatasetError`` that lists every problem found."""
+    """Merge per-pair results: the values and sizes of the usable pairs, and every problem found."""
     by_name = {pair.name: pair for pair in pairs}
     unreadable = [r.error for r in results if r.error is not None]
     readable = [r for r in results if r.error is None]
@@ -286,45 +295,36 @@ def _summarise(results: list[_PairResult], pairs: Sequence[MaskPair]) -> MaskSca
         for r in readable
         if r.mask_size != r.image_size
     ]
+    usable = [r for r in readable if r.mask_size == r.image_size]
     colour = [by_name[r.name].mask.name for r in readable if r.colour]
     single = [by_name[r.name].mask.name for r in readable if not r.colour]
 
     problems = []
     if unreadable:
-        problems.append(
-            f"{len(unreadable)} file(s) cannot be read as images: {format_examples(unreadable)}; replace or delete them"
-        )
+        what = f"{len(unreadable)} file(s) cannot be read as images"
+        problems.append(Finding("unreadable files", what, tuple(unreadable), "replace or delete them"))
     if mismatched:
-        problems.append(
-            f"{len(mismatched)} mask(s) differ in size from their image: {format_examples(mismatched)}; "
-            "each mask must have exactly its image's width and height"
-        )
+        what = f"{len(mismatched)} mask(s) differ in size from their image"
+        fix = "each mask must have exactly its image's width and height"
+        problems.append(Finding("size mismatches", what, tuple(mismatched), fix))
     if colour and single:
-        problems.append(
+        what = (
             f"the masks mix colour files ({len(colour)}, e.g. {format_examples(colour)}) and single-channel files "
-            f"({len(single)}, e.g. {format_examples(single)}); save all masks one way (all RGB or all grey/palette)"
+            f"({len(single)}, e.g. {format_examples(single)})"
         )
-    if problems:
-        mask_dir, image_dir = os.path.dirname(pairs[0].mask.path), os.path.dirname(pairs[0].image.path)
-        raise DatasetError(f"bad data in {mask_dir} / {image_dir}: " + "; ".join(problems))
+        problems.append(Finding("masks", what, (), "save all masks one way (all RGB or all grey/palette)"))
+        usable = []  # their values cannot be merged
 
-    distinct = sorted(set().union(*(r.values for r in readable)))
+    distinct = sorted(set().union(*(r.values for r in usable)))
     values: MaskValues = [list(v) for v in distinct] if colour else distinct
     index_of = {value: k for k, value in enumerate(distinct)}
     return MaskScan(
         mask_values=values,
-        image_sizes={r.name: r.image_size for r in readable},
-        image_channels={r.name: r.image_channels for r in readable},
-        value_counts={
-            r.name: tuple((index_of[v], c) for v, c in zip(r.values, r.counts, strict=True)) for r in readable
-        },
+        image_sizes={r.name: r.image_size for r in usable},
+        image_channels={r.name: r.image_channels for r in usable},
+        value_counts={r.name: tuple((index_of[v], c) for v, c in zip(r.values, r.counts, strict=True)) for r in usable},
+        problems=tuple(problems),
     )
-
-
-def format_examples(items: list[str]) -> str:
-    """Join the first few names of a list for an error message, counting the rest."""
-    shown = ", ".join(items[:MAX_NAMED_FILES])
-    return shown if len(items) <= MAX_NAMED_FILES else f"{shown}, ... ({len(items) - MAX_NAMED_FILES} more)"
 
 
 def _wh(size: tuple[int, int]) -> str:
@@ -368,25 +368,29 @@ def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> MaskScan | None:
 
 
 def _parse_cache(content: object, names: list[str]) -> MaskScan | None:
-    """The scan stored by ``_write_cache``: per-image lists in the pairs' order (the key fixes names and order)."""
+    """The scan stored by ``_write_cache``: per-image lists in the pairs' order (the key fixes names and order);
+    ``value_counts`` holds ``[k0, count0, k1, count1, ...]`` per image. None when anything is malformed."""
     if not isinstance(content, dict) or content.get("format") != CACHE_FORMAT_VERSION:
         return None
     values = content.get("mask_values")
-    widths, heights, channels = content.get("widths"), content.get("heights"), content.get("channels")
+    columns = [content.get(key) for key in ("widths", "heights", "channels", "value_counts")]
     if not isinstance(values, list) or not values:
         return None
-    counts = _parse_counts(content.get("value_counts"), len(names), len(values))
-    if counts is None:
-        return None
-    columns = (widths, heights, channels)
     if not all(isinstance(column, list) and len(column) == len(names) for column in columns):
         return None
-    # Whole-list checks (C loops): this runs over every image at every start.
-    if not all(set(map(type, column)) <= {int} for column in columns):
+    widths, heights, channels, flat_counts = columns
+    # Whole-list checks (C loops): this runs over every image at every start. type() is int: no bools, no floats.
+    if not set(map(type, flat_counts)) <= {list} or any(len(flat) % 2 for flat in flat_counts):
+        return None
+    if not all(set(map(type, column)) <= {int} for column in (widths, heights, channels, *flat_counts)):
         return None
     if names and (min(widths) <= 0 or min(heights) <= 0 or not set(channels) <= {1, 3}):
         return None
-    if not (all(_is_int(v) for v in values) or all(_is_colour(v) for v in values)):
+    colours = all(type(v) is list and len(v) == 3 and all(type(c) is int and 0 <= c <= 255 for c in v) for v in values)
+    if not (colours or all(type(v) is int for v in values)):
+        return None
+    counts = [tuple(zip(flat[::2], flat[1::2], strict=True)) for flat in flat_counts]
+    if any(not 0 <= k < len(values) or count <= 0 for pairs in counts for k, count in pairs):
         return None
     return MaskScan(
         mask_values=values,
@@ -396,31 +400,8 @@ def _parse_cache(content: object, names: list[str]) -> MaskScan | None:
     )
 
 
-def _parse_counts(column: object, n_images: int, n_values: int) -> list[tuple[tuple[int, int], ...]] | None:
-    """Per image ``[k0, count0, k1, count1, ...]`` lists back to ``(k, count)`` pairs; None when malformed."""
-    if not isinstance(column, list) or len(column) != n_images:
-        return None
-    parsed = []
-    for flat in column:
-        if not isinstance(flat, list) or len(flat) % 2 or not set(map(type, flat)) <= {int}:
-            return None
-        pairs = tuple(zip(flat[::2], flat[1::2], strict=True))
-        if any(not 0 <= k < n_values or count <= 0 for k, count in pairs):
-            return None
-        parsed.append(pairs)
-    return parsed
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_colour(value: object) -> bool:
-    return isinstance(value, list) and len(value) == 3 and all(_is_int(c) and 0 <= c <= 255 for c in value)
-
-
 def _write_cache(cache_file: Path, scan: MaskScan, pairs: Sequence[MaskPair]) -> None:
-    """Write the cache atomically (temp file, fsync, rename): readers see the old file or the whole new one."""
+    """Write the cache all or nothing (``output_files.write_text``): readers see the old file or the whole new one."""
     content = {
         "format": CACHE_FORMAT_VERSION,
         "mask_values": scan.mask_values,
@@ -429,21 +410,11 @@ def _write_cache(cache_file: Path, scan: MaskScan, pairs: Sequence[MaskPair]) ->
         "channels": [scan.image_channels[pair.name] for pair in pairs],
         "value_counts": [[n for pair_count in scan.value_counts[pair.name] for n in pair_count] for pair in pairs],
     }
-    tmp_name = None
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(dir=cache_file.parent, prefix=f".{cache_file.stem[:16]}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(content, handle, separators=(",", ":"))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, cache_file)
-        tmp_name = None
-    except OSError as err:
+        write_text(cache_file, json.dumps(content, separators=(",", ":")))
+    except (OSError, UserError) as err:
         # The cache only saves time; a read-only home must not stop training.
         logger.warning(
             "Could not write mask-value cache %s (%s); the next start will scan the masks again", cache_file, err
         )
-    finally:
-        if tmp_name is not None and os.path.exists(tmp_name):
-            os.unlink(tmp_name)

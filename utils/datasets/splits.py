@@ -17,19 +17,19 @@ checkpoints; ``evaluate.py --split`` reads it back.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
-import os
 import random
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from utils.errors import ConfigError, DatasetError
+from utils.output_files import OutputError, write_text
 
 SPLIT_BY_IMAGE = "image"
 SPLIT_BY_PREFIX = "prefix"
@@ -70,17 +70,7 @@ class SplitRecord:
     validation: tuple[str, ...]
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "version": SPLIT_FILE_VERSION,
-            "rule": self.rule,
-            "seed": self.seed,
-            "validation_percent": self.validation_percent,
-            "group_pattern": self.group_pattern,
-            "folds": self.folds,
-            "fold": self.fold,
-            "train": list(self.train),
-            "validation": list(self.validation),
-        }
+        return {"version": SPLIT_FILE_VERSION, **dataclasses.asdict(self)}
 
     @functools.cached_property
     def digest(self) -> str:
@@ -216,12 +206,16 @@ def assign_folds(sizes: Sequence[int], folds: int) -> list[int]:
     return fold_of
 
 
+def groups_on_both_sides(groups: Sequence[Sequence[int]], validation: Sequence[int]) -> list[int]:
+    """Indices of the groups (lists of positions) with members both in ``validation`` and in training (the rest)."""
+    validating = set(validation)
+    return [index for index, group in enumerate(groups) if len({p in validating for p in group}) > 1]
+
+
 def groups_across(ids: Sequence[str], train: Sequence[int], validation: Sequence[int]) -> tuple[int, int]:
-    """(prefix groups with ids on both sides, prefix groups in all) of a split."""
-    side = {position: "train" for position in train} | {position: "validation" for position in validation}
-    groups = groups_of(ids)
-    spanning = sum(1 for positions in groups.values() if len({side.get(p) for p in positions}) > 1)
-    return spanning, len(groups)
+    """(prefix groups with ids on both sides, prefix groups in all) of a split (``train``: the other positions)."""
+    groups = list(groups_of(ids).values())
+    return len(groups_on_both_sides(groups, validation)), len(groups)
 
 
 def looks_grouped(ids: Sequence[str]) -> bool:
@@ -254,24 +248,15 @@ def check_same_split(saved_digest: str | None, record: SplitRecord, path: str) -
 
 
 def write_split_file(path: Path, record: SplitRecord) -> None:
-    """Write ``record`` as JSON to ``path`` atomically (temp file, fsync, replace); an OSError names the file."""
-    text = json.dumps(record.as_dict(), indent=1) + "\n"
+    """Write ``record`` as JSON to ``path`` all or nothing (``output_files.write_text``); a failure names the file."""
     try:
-        handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as file:
-                file.write(text)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp_name, path)
-        except BaseException:
-            if os.path.exists(tmp_name):
-                os.unlink(tmp_name)
-            raise
-    except OSError as error:
+        write_text(path, json.dumps(record.as_dict(), indent=1) + "\n")
+    except OutputError as error:
+        cause = error.__cause__
         raise ConfigError(
-            f"could not write the split to {path}: {error.strerror or error}; choose a writable --checkpoint-dir"
-        ) from error
+            f"could not write the split to {path}: {getattr(cause, 'strerror', None) or cause}; choose a writable "
+            "--checkpoint-dir"
+        ) from cause
 
 
 def read_split_file(path: Path, flag: str = "--split") -> SplitRecord:

@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from utils.datasets.dataset import image_tensor, resized_image, unit_float
 from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
 from utils.datasets.pixel_cache import IMAGE, PixelCache
-from utils.datasets.preparation import image_tensor, resized_image, unit_float
 from utils.evaluation import predict_classes
 from utils.inference.forward import forward_logits
 from utils.inference.memory import MemoryPlanner

@@ -16,7 +16,7 @@ import torch
 from utils.cli import print_error, setup_logging
 from utils.datasets import pixel_cache
 from utils.datasets.dataset import BasicDataset
-from utils.datasets.pools import pool_context
+from utils.datasets.image_files import pool_context
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
 from utils.hardware import available_cpus
 
