@@ -25,6 +25,7 @@ from torchvision import models
 
 from .deep_supervision import AuxiliaryHeads
 from .unet_model import SegmentationNet, UNetArgs
+from .unet_parts import conv_bn_relu_twice
 
 # Channels of the stem (conv1 at 1/2) and of layer1..layer4 (1/4 .. 1/32) of each encoder.
 _FEATURE_CHANNELS = {
@@ -73,14 +74,7 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, in_channels: int, skip_channels: int, out_channels: int) -> None:
         super().__init__()
-        self.conv = nn.Sequential(
-            nn.Conv2d(in_channels + skip_channels, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels),
-            nn.ReLU(inplace=True),
-        )
+        self.conv = conv_bn_relu_twice(in_channels + skip_channels, out_channels, out_channels)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
         x = F.interpolate(x, scale_factor=2, mode="nearest")

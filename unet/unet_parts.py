@@ -11,20 +11,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def conv_bn_relu_twice(in_channels: int, mid_channels: int, out_channels: int) -> nn.Sequential:
+    """(3x3 convolution => BatchNorm => ReLU) twice, as one ``Sequential`` (its indices are state-dict keys)."""
+    return nn.Sequential(
+        nn.Conv2d(in_channels, mid_channels, kernel_size=3, padding=1, bias=False),
+        nn.BatchNorm2d(mid_channels),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(mid_channels, out_channels, kernel_size=3, padding=1, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+    )
+
+
 class DoubleConv(nn.Module):
     """(3x3 convolution => BatchNorm => ReLU) twice."""
 
     def __init__(self, in_channels: int, out_channels: int, mid_channels: int | None = None) -> None:
         super().__init__()
-        mid_channels = mid_channels or out_channels
-        self.double_conv = nn.Sequential(
-            nn.Conv2d(in_channels, mid_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(mid_channels),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(mid_channels, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels),
-            nn.ReLU(inplace=True),
-        )
+        self.double_conv = conv_bn_relu_twice(in_channels, mid_channels or out_channels, out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.double_conv(x)
