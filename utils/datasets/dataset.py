@@ -47,6 +47,7 @@ from utils.errors import ConfigError, DatasetError
 logger = logging.getLogger(__name__)
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
+_EXTENSION_LIST = " ".join(sorted(IMAGE_EXTENSIONS))
 _T = TypeVar("_T")
 
 
@@ -109,14 +110,14 @@ class BasicDataset(Dataset):
             images = index_folder(self.images_dir, "image")
             if not images:
                 raise DatasetError(
-                    f"no images in {self.images_dir} (looked for {_extension_list()}; hidden files and sub-folders are "
+                    f"no images in {self.images_dir} (looked for {_EXTENSION_LIST}; hidden files and sub-folders are "
                     "ignored); put the images there"
                 )
             _check_two_folders(self.images_dir, self.mask_dir)
             masks = index_folder(self.mask_dir, "mask")
             if not masks:
                 raise DatasetError(
-                    f"no masks in {self.mask_dir} (looked for {_extension_list()}); put one mask per image there"
+                    f"no masks in {self.mask_dir} (looked for {_EXTENSION_LIST}); put one mask per image there"
                 )
             pairs = self._pair(images, masks, mask_suffix)
             jpeg_masks = [pair.mask.name for pair in pairs if pair.mask.ext in JPEG_EXTENSIONS]
@@ -401,10 +402,6 @@ def _check_scaled_sizes(sizes: dict[str, tuple[int, int]], scale: float, images:
             f"scale {scale} shrinks {len(too_small)} image(s) to zero pixels: {format_examples(too_small)}; "
             "use a larger --scale or remove those images"
         )
-
-
-def _extension_list() -> str:
-    return " ".join(sorted(IMAGE_EXTENSIONS))
 
 
 def image_tensor(img: Image.Image, scale: float, channels: int | None = None) -> torch.Tensor:

@@ -244,20 +244,16 @@ def pool_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
 
 
-def worker_count(workers: int | None) -> int:
-    """``workers``, or by default the CPUs this process may run on (its affinity mask), at most 8."""
-    if workers is not None:
-        return workers
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(max(1, cpus), MAX_DEFAULT_WORKERS)
-
-
 def pool_map(
     function: Callable[[_T], _R], items: Sequence[_T], workers: int | None, announce: str | None = None
 ) -> list[_R]:
-    """``[function(item) for item in items]``, in ``workers`` processes (``worker_count``) when there are enough
-    items to pay for a pool; ``announce`` (a log format taking the item and process counts) says so."""
-    count = worker_count(workers)
+    """``[function(item) for item in items]``, in ``workers`` processes (default: the CPUs this process may run on,
+    at most 8) when there are enough items to pay for a pool; ``announce`` (a log format taking the item and process
+    counts) says so."""
+    count = workers
+    if count is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        count = min(max(1, cpus), MAX_DEFAULT_WORKERS)
     if count <= 1 or len(items) < MIN_FILES_FOR_POOL:
         return [function(item) for item in items]
     if announce:

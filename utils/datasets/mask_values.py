@@ -228,7 +228,7 @@ def scan_masks(
 
     Raises one ``DatasetError`` naming every unreadable file, every mask whose size differs from its image, and
     masks that mix single-channel and colour files; with ``keep_problems`` they come back in ``problems`` instead
-    (the dataset check reports each kind on its own line). ``workers``: processes (``image_files.worker_count``).
+    (the dataset check reports each kind on its own line). ``workers``: processes (``image_files.pool_map``).
     """
     if not pairs:
         raise ValueError("scan_masks needs at least one image/mask pair")
