@@ -33,6 +33,7 @@ from utils.datasets.image_files import (
     IMAGE_EXTENSIONS,
     UNREADABLE_FILE_ERRORS,
     FileInfo,
+    MaskPair,
     count_named,
     format_examples,
     index_folder,
@@ -165,7 +166,7 @@ class BasicDataset(Dataset):
                 ", ".join(map(str, self.ignore_values)),
             )
 
-    def _pair(self, images: dict[str, FileInfo], masks: dict[str, FileInfo], mask_suffix: str | None) -> list:
+    def _pair(self, images: dict[str, FileInfo], masks: dict[str, FileInfo], mask_suffix: str | None) -> list[MaskPair]:
         """Pair images with masks (``self.mask_suffix`` is the suffix used); a missing mask or an empty file is an
         error, a mask without an image a warning."""
         pairing = pair_files(images, masks, mask_suffix)

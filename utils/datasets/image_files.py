@@ -245,22 +245,28 @@ def pool_context() -> multiprocessing.context.BaseContext:
 
 
 def pool_map(
-    function: Callable[[_T], _R], items: Sequence[_T], workers: int | None, announce: str | None = None
+    function: Callable[[_T], _R],
+    items: Sequence[_T],
+    workers: int | None,
+    announce: str | None = None,
+    *,
+    initializer: Callable[[], object] | None = None,
+    min_items: int = MIN_FILES_FOR_POOL,
 ) -> list[_R]:
     """``[function(item) for item in items]``, in ``workers`` processes (default: the CPUs this process may run on,
-    at most 8) when there are enough items to pay for a pool; ``announce`` (a log format taking the item and process
-    counts) says so."""
+    at most 8) when there are ``min_items`` or more; ``announce`` (a log format taking the item and process counts)
+    says so. ``initializer`` runs first in each worker."""
     count = workers
     if count is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         count = min(max(1, cpus), MAX_DEFAULT_WORKERS)
-    if count <= 1 or len(items) < MIN_FILES_FOR_POOL:
+    if count <= 1 or len(items) < min_items:
         return [function(item) for item in items]
     if announce:
         logger.info(announce, len(items), count)
     # Large chunks keep inter-process traffic low; several per worker keep the load balanced.
     chunksize = max(1, len(items) // (count * 8))
-    with ProcessPoolExecutor(max_workers=count, mp_context=pool_context()) as pool:
+    with ProcessPoolExecutor(max_workers=count, mp_context=pool_context(), initializer=initializer) as pool:
         return list(pool.map(function, items, chunksize=chunksize))
 
 

@@ -9,14 +9,13 @@ import argparse
 import logging
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 from utils.cli import print_error, setup_logging
 from utils.datasets import pixel_cache
 from utils.datasets.dataset import BasicDataset
-from utils.datasets.image_files import pool_context
+from utils.datasets.image_files import pool_context, pool_map
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
 from utils.hardware import available_cpus
 
@@ -26,20 +25,14 @@ logger = logging.getLogger(__name__)
 def build_cache(dataset, workers: int) -> tuple[int, float]:
     """Fill ``dataset``'s pixel cache (a ``BasicDataset`` made with ``pixel_cache_dir``); returns (items, seconds)."""
     started = time.perf_counter()
-    indices = list(range(len(dataset)))
-    context = pool_context()
-    if workers <= 1 or context.get_start_method() != "fork":
+    global _BUILD_DATASET
+    _BUILD_DATASET = dataset  # inherited by the forked workers, not pickled per task
+    if pool_context().get_start_method() != "fork":
         # Without fork the workers could not inherit the dataset (and pickling it per task would cost more than the
         # decoding it saves): fill serially.
-        for index in indices:
-            dataset.fill_pixel_cache(index)
-    else:
-        global _BUILD_DATASET
-        _BUILD_DATASET = dataset  # inherited by the forked workers, not pickled per task
-        chunksize = max(1, len(indices) // (workers * 8))
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread) as pool:
-            list(pool.map(_fill_one, indices, chunksize=chunksize))
-    return len(indices), time.perf_counter() - started
+        workers = 1
+    pool_map(_fill_one, range(len(dataset)), workers, initializer=_one_thread, min_items=2)
+    return len(dataset), time.perf_counter() - started
 
 
 _BUILD_DATASET = None
