@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from utils.datasets.image_files import format_examples
 from utils.errors import ConfigError, DatasetError
 from utils.output_files import OutputError, write_text
 
@@ -295,9 +296,8 @@ def positions_of(ids: Sequence[str], wanted: Sequence[str], source: str) -> list
     position = {image_id: index for index, image_id in enumerate(ids)}
     missing = [image_id for image_id in wanted if image_id not in position]
     if missing:
-        shown = ", ".join(missing[:5]) + (f", ... ({len(missing) - 5} more)" if len(missing) > 5 else "")
         raise DatasetError(
-            f"{len(missing)} of the {len(wanted)} validation images of {source} are not in the folders given: {shown}; "
-            f"pass the --imgs and --masks the run was trained on"
+            f"{len(missing)} of the {len(wanted)} validation images of {source} are not in the folders given: "
+            f"{format_examples(missing)}; pass the --imgs and --masks the run was trained on"
         )
     return sorted(position[image_id] for image_id in wanted)
