@@ -27,7 +27,7 @@ from utils.cli import setup_logging
 from utils.launch.environments import launcher_rank
 from utils.launch.process_group import DistributedContext, teardown
 from utils.launch.runner import RunStage, run_main
-from utils.launch.signals import InterruptFlag, requeue_if_asked, requeue_signal, signal_exit_code, stop_when_orphaned
+from utils.launch.signals import InterruptFlag, requeue_if_asked, signal_exit_code, stop_when_orphaned
 from utils.training.config import TrainConfig, parse_config
 from utils.training.loop import TrainOutcome
 from utils.training.setup import build_trainer, join, launch_plan
@@ -59,7 +59,7 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
         stage.rank = plan.rank
         setup_logging(plan.rank, plan.world_size)
         # Installed before the process group exists, so that a signal during set-up is not lost either.
-        interrupts.install(requeue_signal(config.requeue_signal, plan.slurm_job_id))
+        interrupts.install(plan.requeue_signal)
         # A worker whose torchrun is killed stops like one sent SIGTERM.
         launcher = stop_when_orphaned() if plan.supervised else None
         stage.joining = True
@@ -99,7 +99,7 @@ def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome)
                 outcome.checkpoint,
                 outcome.checkpoint,
             )
-        requeue_if_asked(ctx, outcome.interrupted_by, config.requeue_signal)
+        requeue_if_asked(ctx, outcome.interrupted_by)
         return signal_exit_code(outcome.interrupted_by)
     if outcome.reached_max_steps:
         logger.info(

@@ -310,5 +310,13 @@ def paint_void_borders(masks_dir: Path, width: int = 2, value: int = 255) -> int
 def launch_flags(**flags: Any) -> Any:
     """The distributed flags ``plan_launch`` reads (``--ddp_mode``, ``--rank``, ...), without a command line."""
     return SimpleNamespace(
-        **{"ddp_mode": False, "rank": None, "world_size": None, "dist_url": None, "local_rank": None, **flags}
+        **{
+            "ddp_mode": False,
+            "rank": None,
+            "world_size": None,
+            "dist_url": None,
+            "local_rank": None,
+            "requeue_signal": "USR1",
+            **flags,
+        }
     )

@@ -1,4 +1,4 @@
-"""utils.launch.runner: the one way out of the three entry scripts (exit status and one line), and the shared --device."""
+"""utils.launch.runner: the three entry scripts' one way out (exit status and one line); the shared --device."""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from tests.helpers import launch_flags
@@ -91,3 +93,10 @@ def test_without_ddp_mode_a_batch_script_is_one_process() -> None:
     plan = plan_launch(launch_flags(ddp_mode=False), environ=SRUN_TASK)
     assert not plan.distributed
     assert plan.slurm_job_id == "4242"
+
+
+def test_the_requeue_signal_is_handled_inside_a_slurm_job_only() -> None:
+    assert plan_launch(launch_flags(ddp_mode=True), environ=SRUN_TASK).requeue_signal == signal.SIGUSR1
+    assert plan_launch(launch_flags(requeue_signal="USR2"), environ=SRUN_TASK).requeue_signal == signal.SIGUSR2
+    assert plan_launch(launch_flags(requeue_signal="none"), environ=SRUN_TASK).requeue_signal is None
+    assert plan_launch(launch_flags(), environ={}).requeue_signal is None

@@ -1,5 +1,6 @@
 """Ctrl-C while an entry script is still importing torch: exit 130 and one line, not a traceback through torch's
-imports; once the imports are over, predict.py and evaluate.py give SIGINT back to Python (utils.launch.runner reports it)."""
+imports; once the imports are over, predict.py and evaluate.py give SIGINT back to Python (utils.launch.runner
+reports it)."""
 
 from __future__ import annotations
 

@@ -217,10 +217,13 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path: Path) -> Non
 def test_interrupt_flag_records_the_first_signal() -> None:
     # The handlers found before, not Python's defaults: a background job (`cmd &`) starts with SIGINT ignored.
     before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    with InterruptFlag() as flag:
+    flag = InterruptFlag().install()
+    try:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
         assert flag.signum == signal.SIGTERM
+    finally:
+        flag.restore()
     assert {signum: signal.getsignal(signum) for signum in before} == before
     assert signal_exit_code(signal.SIGINT) == 130 and signal_exit_code(signal.SIGTERM) == 143
 

@@ -38,6 +38,7 @@ import itertools
 import os
 import re
 import shlex
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -76,6 +77,8 @@ class LaunchPlan:
     """This process is a worker of torchrun's agent, its parent: when the agent dies, nobody else will stop it."""
     slurm_job_id: str | None = None
     """``SLURM_JOB_ID`` when the process runs inside a SLURM job (whatever started it): the job a requeue names."""
+    requeue_signal: int | None = None
+    """Inside a SLURM job, the signal that saves, requeues the job and exits (``--requeue-signal``); else None."""
     address_hint: str = "MASTER_ADDR/MASTER_PORT"
     """What names the rendezvous address, for the message when the ranks cannot meet there."""
 
@@ -279,6 +282,8 @@ def plan_launch(
 ) -> LaunchPlan:
     """Decide single-process or DDP from the flags and the environment (pure: ``environ`` defaults to os.environ)."""
     environ = os.environ if environ is None else environ
+    slurm_job_id = environ.get("SLURM_JOB_ID") or None
+    requeue = None if slurm_job_id is None or config.requeue_signal == "none" else config.requeue_signal
     launcher = next((kind(config, environ) for kind in LAUNCHERS if kind.detect(config, environ)), None)
     if launcher is None:
         shown = shlex.join([arg for arg in argv if not arg.startswith(("--local-rank", "--local_rank"))])
@@ -303,7 +308,8 @@ def plan_launch(
         store_namespace=launcher.store_namespace(),
         restart_count=launcher.restart_count(),
         supervised=launcher.supervised,
-        slurm_job_id=environ.get("SLURM_JOB_ID") or None,
+        slurm_job_id=slurm_job_id,
+        requeue_signal=None if requeue is None else int(getattr(signal, f"SIG{requeue}")),
         address_hint=launcher.address_hint,
     )
 

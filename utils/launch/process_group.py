@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 
 from utils import errors
 from utils.errors import ConfigError, UserError
@@ -79,19 +80,18 @@ def setup(
     return DistributedContext(**vars(plan), device=device, backend=backend, control_group=control_group)
 
 
-def rendezvous_address(plan: LaunchPlan) -> str:
-    """HOST:PORT where the ranks of ``plan`` meet (rank 0, or torchrun's agent, listens there)."""
-    if plan.init_method.startswith("tcp://"):
-        return plan.init_method[len("tcp://") :]
-    return plan.master_address or plan.init_method
+def first_line(error: BaseException) -> str:
+    """What a one-line report says of an error from PyTorch's communication (its messages run over many lines)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _rendezvous_failure(plan: LaunchPlan, timeout_s: float, error: Exception) -> str:
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # Where rank 0, or torchrun's agent, listens.
+    address = plan.master_address if plan.init_method == "env://" else plan.init_method.removeprefix("tcp://")
     return (
-        f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at {rendezvous_address(plan)} "
-        f"within --dist-timeout {timeout_s:g} s ({reason}); check that {plan.address_hint} names rank 0's machine "
-        f"and a free, reachable port, and start every rank within --dist-timeout"
+        f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at {address} "
+        f"within --dist-timeout {timeout_s:g} s ({first_line(error)}); check that {plan.address_hint} names rank 0's "
+        f"machine and a free, reachable port, and start every rank within --dist-timeout"
     )
 
 
@@ -237,11 +237,11 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
         values = input.float()
         count = torch.tensor([values.numel() // values.shape[1]], dtype=values.dtype, device=values.device)
         # Two passes (mean, then squared deviations) avoid the cancellation of E[x^2] - E[x]^2.
-        totals = _AllReduceSum.apply(torch.cat([values.sum(dim=dims), count]))
+        totals = all_reduce_with_grad(torch.cat([values.sum(dim=dims), count]))
         global_count = totals[-1]
         mean = totals[:-1] / global_count
         centered = values - mean.view(1, -1, 1, 1)
-        var = _AllReduceSum.apply(centered.square().sum(dim=dims)) / global_count
+        var = all_reduce_with_grad(centered.square().sum(dim=dims)) / global_count
         output = centered * torch.rsqrt(var + self.eps).view(1, -1, 1, 1)
         if self.affine:
             output = output * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
@@ -257,22 +257,6 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
         unbiased = biased_var * (count / max(count - 1.0, 1.0))
         self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over ranks; the gradient of every rank's input is the sum over ranks of the output gradients."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: Tensor) -> Tensor:
-        total = tensor.clone()
-        dist.all_reduce(total)
-        return total
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor) -> Tensor:
-        total = grad_output.contiguous().clone()
-        dist.all_reduce(total)
-        return total
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:

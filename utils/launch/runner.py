@@ -24,7 +24,7 @@ import torch
 
 from utils.cli import print_error
 from utils.errors import USER_ERROR_EXIT_CODE, UserError
-from utils.launch.process_group import DistributedContext, barrier, is_raised_on_every_rank
+from utils.launch.process_group import DistributedContext, barrier, first_line, is_raised_on_every_rank
 from utils.launch.signals import signal_exit_code
 
 OUT_OF_MEMORY_EXIT_CODE = USER_ERROR_EXIT_CODE
@@ -81,9 +81,8 @@ def run_main(body: Callable[[], int], *, oom_fix: str, stage: RunStage | None = 
             print_error(f"{where} ran out of memory; {oom_fix}")
             return OUT_OF_MEMORY_EXIT_CODE
         if lost_contact(error):
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             print_error(
-                f"lost contact with another training process ({first_line}); see the other processes' logs, "
+                f"lost contact with another training process ({first_line(error)}); see the other processes' logs, "
                 "then continue with --resume auto (under torchrun, --max-restarts does that by itself)"
             )
             return LOST_CONTACT_EXIT_CODE

@@ -78,7 +78,7 @@ class InterruptFlag:
         self._previous: dict[int, Any] = {}
 
     def install(self, requeue_signal: int | None = None) -> InterruptFlag:
-        """Handle SIGINT, SIGTERM and, under SLURM, the requeue signal (``requeue_signal``)."""
+        """Handle SIGINT, SIGTERM and, under SLURM, the requeue signal (``LaunchPlan.requeue_signal``)."""
         for signum in (*HANDLED_SIGNALS, requeue_signal):
             if signum is not None:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -94,29 +94,15 @@ class InterruptFlag:
         if not self.signum:
             self.signum = signum
 
-    def __enter__(self) -> InterruptFlag:
-        return self.install()
 
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
-
-
-def requeue_signal(name: str, slurm_job_id: str | None) -> int | None:
-    """The signal that requeues this run (``--requeue-signal``), None outside a SLURM job or when it is 'none'."""
-    if slurm_job_id is None or name == "none":
-        return None
-    return int(getattr(signal, f"SIG{name}"))
-
-
-def requeue_if_asked(ctx: DistributedContext, stopped_by: int, signal_name: str) -> bool:
+def requeue_if_asked(ctx: DistributedContext, stopped_by: int) -> bool:
     """On global rank 0, once the run stopped for the requeue signal: requeue the job; whether it was requeued.
 
     Called after ``Trainer.train`` returned, whose final barrier means every rank has left the loop and rank 0 has
     written its files. Also when the stop could not save (a skipped step): the newest checkpoint is then older, and
     the requeued job still continues from it.
     """
-    signum = requeue_signal(signal_name, ctx.slurm_job_id)
-    if not ctx.is_main or signum is None or stopped_by != signum:
+    if not ctx.is_main or ctx.slurm_job_id is None or stopped_by != ctx.requeue_signal:
         return False
     return requeue_job(ctx.slurm_job_id)
 
