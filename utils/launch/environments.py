@@ -86,12 +86,14 @@ class LaunchPlan:
 class LaunchEnvironment:
     """One launcher: ``detect`` says whether it started this process, the other methods who the process is.
 
-    The defaults read the variables of PyTorch's ``env://`` convention, which every launcher here but SLURM's sets.
+    The defaults read the variables of PyTorch's ``env://`` convention; srun's tasks name their rank variables
+    otherwise and derive the rendezvous address.
     """
 
     variables: tuple[str, ...] = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     """The variables this launcher sets. A program that starts its own training processes (tests, the benchmark)
     removes all of them (``LAUNCHER_ENV_VARIABLES``) so that a child never mistakes itself for a rank."""
+    rank_variable, world_size_variable, local_rank_variable = "RANK", "WORLD_SIZE", "LOCAL_RANK"
     address_hint = LaunchPlan.address_hint
     supervised = False
 
@@ -101,16 +103,19 @@ class LaunchEnvironment:
 
     @classmethod
     def detect(cls, config: TrainConfig, environ: Mapping[str, str]) -> bool:
-        raise NotImplementedError
+        """Whether this launcher started the process: by default, whether its rank and world size variables are set."""
+        return (
+            _env_int(environ, cls.rank_variable) is not None and _env_int(environ, cls.world_size_variable) is not None
+        )
 
     def rank(self) -> int:
-        return _env_int(self.environ, "RANK") or 0
+        return _env_int(self.environ, self.rank_variable) or 0
 
     def world_size(self) -> int:
-        return _env_int(self.environ, "WORLD_SIZE") or 1
+        return _env_int(self.environ, self.world_size_variable) or 1
 
     def local_rank(self) -> int:
-        return _first_set(_env_int(self.environ, "LOCAL_RANK"), self.config.local_rank, 0)
+        return _first_set(_env_int(self.environ, self.local_rank_variable), self.config.local_rank, 0)
 
     def local_world_size(self) -> int:
         # Where no launcher says how many ranks share this machine, assuming all of them only makes the per-process
@@ -163,7 +168,7 @@ class ManualLaunch(LaunchEnvironment):
         return self.config.world_size
 
     def local_rank(self) -> int:
-        return _first_set(_env_int(self.environ, "LOCAL_RANK"), self.config.local_rank, self.config.rank)
+        return _first_set(_env_int(self.environ, self.local_rank_variable), self.config.local_rank, self.config.rank)
 
     def init_method(self) -> str:
         if self.config.dist_url:
@@ -184,10 +189,6 @@ class LegacyLaunch(LaunchEnvironment):
     the legacy launcher passes ``--local-rank`` too, unless ``--use-env`` (LOCAL_RANK, when set, wins)."""
 
     variables = ("RANK", "WORLD_SIZE", "GROUP_RANK")
-
-    @classmethod
-    def detect(cls, config: TrainConfig, environ: Mapping[str, str]) -> bool:
-        return _env_int(environ, "RANK") is not None and _env_int(environ, "WORLD_SIZE") is not None
 
 
 class TorchElastic(LegacyLaunch):
@@ -215,20 +216,12 @@ class SlurmTasks(LaunchEnvironment):
 
     variables = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_JOB_NODELIST",
                  "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")  # fmt: skip
+    rank_variable, world_size_variable, local_rank_variable = "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"
     address_hint = "MASTER_ADDR (else SLURM_JOB_NODELIST's first host) and MASTER_PORT (else derived from SLURM_JOB_ID)"
 
     @classmethod
     def detect(cls, config: TrainConfig, environ: Mapping[str, str]) -> bool:
-        return config.ddp_mode and "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ
-
-    def rank(self) -> int:
-        return _env_int(self.environ, "SLURM_PROCID") or 0
-
-    def world_size(self) -> int:
-        return _env_int(self.environ, "SLURM_NTASKS") or 1
-
-    def local_rank(self) -> int:
-        return _env_int(self.environ, "SLURM_LOCALID") or 0
+        return config.ddp_mode and super().detect(config, environ)
 
     def local_world_size(self) -> int:
         per_node = self.environ.get("SLURM_STEP_TASKS_PER_NODE") or self.environ.get("SLURM_TASKS_PER_NODE") or ""
