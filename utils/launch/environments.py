@@ -68,7 +68,8 @@ class LaunchPlan:
     init_method: str = "env://"
     warning: str | None = None
     master_address: str | None = None
-    """HOST:PORT of the rendezvous store of an ``env://`` launch (MASTER_ADDR/MASTER_PORT)."""
+    """HOST:PORT where rank 0 (or torchrun's agent) serves the rendezvous store, as the launcher names it (MASTER_ADDR
+    and MASTER_PORT, or SLURM's first node and derived port); a ``--dist-url`` names its own in ``init_method``."""
     store_namespace: str | None = None
     """Key prefix of this torchrun attempt in the agent's store (which outlives restarted workers); None otherwise."""
     restart_count: int = 0

@@ -1,8 +1,9 @@
 """The process group: joining it (the side effects of a ``LaunchPlan``), the small collectives the training loop
 uses, the agreements that keep one rank's error or signal from hanging the others, and ``--sync-bn``.
 
-Every collective here but the gradient-carrying ones (DDP's, and ``CpuSyncBatchNorm``'s) runs on a second, gloo,
-CPU group, so that small control messages never wait behind gradient traffic or force a GPU synchronisation.
+The control messages (barriers, broadcasts, the agreements) run on a second, gloo, CPU group, so that they never wait
+behind gradient traffic or force a GPU synchronisation; the sums of metrics and ``CpuSyncBatchNorm``'s statistics use
+the default group, on the training device.
 """
 
 from __future__ import annotations
