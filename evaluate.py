@@ -16,7 +16,7 @@ milesial/Pytorch-UNet: ``evaluate(net, dataloader, device, amp)`` returns the me
 from __future__ import annotations
 
 if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gives one line, not their traceback
-    from utils.startup_interrupt import stop_quietly_while_starting
+    from utils.launch.signals import stop_quietly_while_starting
 
     stop_quietly_while_starting()
 
@@ -36,9 +36,9 @@ from utils.inference.cli import parse_evaluate_config
 from utils.inference.config import EvaluateConfig
 from utils.inference.score_file import check_json_path, write_json
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, format_table, keep_items
-from utils.runner import run_main
+from utils.launch.runner import run_main
+from utils.launch.signals import startup_done
 from utils.shared_memory import SharedMemoryGuard, check_room, loader_timeout
-from utils.startup_interrupt import startup_done
 from utils.wording import count
 
 __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", "main", "run"]

@@ -16,7 +16,7 @@ file or output folder (one ``Error:`` line on stderr).
 from __future__ import annotations
 
 if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gives one line, not their traceback
-    from utils.startup_interrupt import stop_quietly_while_starting
+    from utils.launch.signals import stop_quietly_while_starting
 
     stop_quietly_while_starting()
 
@@ -46,9 +46,9 @@ from utils.inference.overlays import class_colours
 from utils.inference.prediction_model import export, load_model
 from utils.inference.report import prediction_summary
 from utils.inference.writer import Writer, write_predictions
+from utils.launch.runner import run_main
+from utils.launch.signals import startup_done
 from utils.output_files import check_outputs
-from utils.runner import run_main
-from utils.startup_interrupt import startup_done
 from utils.wording import count
 
 __all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "main", "predict_files", "run"]

@@ -9,13 +9,13 @@
 
 Exit status: 0 when training finished (or stopped at --max-steps), 2 for a user error (one ``Error:`` line on
 stderr, printed by global rank 0 when every rank has it; out of memory too), 1 when another rank died or stopped
-answering, 130/143 when SIGINT/SIGTERM stopped it (after INTERRUPTED.pth was written); see ``utils/runner.py``.
+answering, 130/143 when SIGINT/SIGTERM stopped it (after INTERRUPTED.pth was written); see ``utils/launch/runner.py``.
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gives one line, not their traceback
-    from utils.startup_interrupt import stop_quietly_while_starting
+    from utils.launch.signals import stop_quietly_while_starting
 
     stop_quietly_while_starting()
 
@@ -24,13 +24,12 @@ import signal
 import sys
 
 from utils.cli import setup_logging
-from utils.distributed import DistributedContext, launcher_rank, teardown
-from utils.runner import RunStage, run_main, signal_exit_code
+from utils.launch.environments import launcher_rank
+from utils.launch.process_group import DistributedContext, teardown
+from utils.launch.runner import RunStage, run_main
+from utils.launch.signals import InterruptFlag, requeue_if_asked, signal_exit_code, stop_when_orphaned
 from utils.training.config import TrainConfig, parse_config
-from utils.training.interrupts import InterruptFlag
 from utils.training.loop import TrainOutcome
-from utils.training.orphans import stop_when_orphaned
-from utils.training.requeue import requeue_if_asked, signals_to_handle
 from utils.training.setup import build_trainer, join, launch_plan
 
 logger = logging.getLogger("train")
@@ -60,7 +59,7 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
         stage.rank = plan.rank
         setup_logging(plan.rank, plan.world_size)
         # Installed before the process group exists, so that a signal during set-up is not lost either.
-        interrupts.install(extra=signals_to_handle(config.requeue_signal, plan.slurm_job_id))
+        interrupts.install(plan.requeue_signal)
         # A worker whose torchrun is killed stops like one sent SIGTERM.
         launcher = stop_when_orphaned() if plan.supervised else None
         stage.joining = True
@@ -100,7 +99,7 @@ def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome)
                 outcome.checkpoint,
                 outcome.checkpoint,
             )
-        requeue_if_asked(ctx, outcome.interrupted_by, config.requeue_signal)
+        requeue_if_asked(ctx, outcome.interrupted_by)
         return signal_exit_code(outcome.interrupted_by)
     if outcome.reached_max_steps:
         logger.info(

@@ -28,7 +28,7 @@ from pathlib import Path
 from utils.checkpoint import KEY_ARGS
 from utils.datasets.image_files import split_name
 from utils.datasets.splits import read_split_file
-from utils.runner import run_main
+from utils.launch.runner import run_main
 from utils.training.run_folder import RunFolder, RunSeries
 from utils.training.setup import epoch_range
 from utils.training.state import position_of

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import read_metrics
-from utils.distributed import LAUNCHER_ENV_VARIABLES
+from utils.launch.environments import LAUNCHER_ENV_VARIABLES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

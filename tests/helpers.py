@@ -12,6 +12,7 @@ import subprocess
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -304,3 +305,18 @@ def paint_void_borders(masks_dir: Path, width: int = 2, value: int = 255) -> int
         painted += int(frame.sum())
         Image.fromarray(labels).save(path)
     return painted
+
+
+def launch_flags(**flags: Any) -> Any:
+    """The distributed flags ``plan_launch`` reads (``--ddp_mode``, ``--rank``, ...), without a command line."""
+    return SimpleNamespace(
+        **{
+            "ddp_mode": False,
+            "rank": None,
+            "world_size": None,
+            "dist_url": None,
+            "local_rank": None,
+            "requeue_signal": "USR1",
+            **flags,
+        }
+    )

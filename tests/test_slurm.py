@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
-from utils.distributed import launcher_rank, plan_launch
+from tests.helpers import launch_flags
 from utils.errors import ConfigError
-from utils.slurm import derived_port, expand_hostlist, first_host, tasks_on_first_node
+from utils.launch.environments import derived_port, expand_hostlist, launcher_rank, plan_launch, tasks_on_first_node
 
 
 @pytest.mark.parametrize(
@@ -25,7 +27,6 @@ from utils.slurm import derived_port, expand_hostlist, first_host, tasks_on_firs
 )
 def test_expand_hostlist(hostlist: str, hosts: list[str]) -> None:
     assert expand_hostlist(hostlist) == hosts
-    assert first_host(hostlist) == hosts[0]
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ SRUN_TASK = {
 
 
 def test_srun_tasks_are_a_launcher() -> None:
-    plan = plan_launch(ddp_mode=True, environ=SRUN_TASK)
+    plan = plan_launch(launch_flags(ddp_mode=True), environ=SRUN_TASK)
     assert plan.distributed
     assert (plan.rank, plan.world_size, plan.local_rank, plan.local_world_size) == (3, 8, 1, 2)
     assert plan.init_method == f"tcp://gpu07:{derived_port('4242')}"
@@ -72,14 +73,16 @@ def test_srun_tasks_are_a_launcher() -> None:
 
 
 def test_master_addr_and_port_override_the_derived_ones() -> None:
-    plan = plan_launch(ddp_mode=True, environ={**SRUN_TASK, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"})
+    plan = plan_launch(
+        launch_flags(ddp_mode=True), environ={**SRUN_TASK, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
+    )
     assert plan.init_method == "tcp://10.0.0.1:29400"
 
 
 def test_torchrun_variables_win_over_slurm() -> None:
     environ = {**SRUN_TASK, "RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
                "MASTER_ADDR": "h", "MASTER_PORT": "1"}  # fmt: skip
-    plan = plan_launch(ddp_mode=True, environ=environ)
+    plan = plan_launch(launch_flags(ddp_mode=True), environ=environ)
     assert (plan.rank, plan.world_size, plan.local_rank, plan.init_method) == (5, 16, 5, "env://")
     assert plan.slurm_job_id == "4242"  # a requeue still names the job
     assert launcher_rank(environ) == 5
@@ -87,6 +90,13 @@ def test_torchrun_variables_win_over_slurm() -> None:
 
 def test_without_ddp_mode_a_batch_script_is_one_process() -> None:
     # sbatch --ntasks=8 runs the script once with SLURM_NTASKS=8: it must not wait for seven ranks that never come.
-    plan = plan_launch(ddp_mode=False, environ=SRUN_TASK)
+    plan = plan_launch(launch_flags(ddp_mode=False), environ=SRUN_TASK)
     assert not plan.distributed
     assert plan.slurm_job_id == "4242"
+
+
+def test_the_requeue_signal_is_handled_inside_a_slurm_job_only() -> None:
+    assert plan_launch(launch_flags(ddp_mode=True), environ=SRUN_TASK).requeue_signal == signal.SIGUSR1
+    assert plan_launch(launch_flags(requeue_signal="USR2"), environ=SRUN_TASK).requeue_signal == signal.SIGUSR2
+    assert plan_launch(launch_flags(requeue_signal="none"), environ=SRUN_TASK).requeue_signal is None
+    assert plan_launch(launch_flags(), environ={}).requeue_signal is None

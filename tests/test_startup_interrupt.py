@@ -1,5 +1,6 @@
 """Ctrl-C while an entry script is still importing torch: exit 130 and one line, not a traceback through torch's
-imports; once the imports are over, predict.py and evaluate.py give SIGINT back to Python (utils.runner reports it)."""
+imports; once the imports are over, predict.py and evaluate.py give SIGINT back to Python (utils.launch.runner
+reports it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, child_env
-from utils.startup_interrupt import startup_done, stop_quietly_while_starting
+from utils.launch.signals import startup_done, stop_quietly_while_starting
 
 
 def _importing_torch(pid: int) -> bool:

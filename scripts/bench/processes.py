@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from scripts.bench.context import BenchConfig
-from utils.distributed import LAUNCHER_ENV_VARIABLES
+from utils.launch.environments import LAUNCHER_ENV_VARIABLES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARK_SCRIPT = REPO_ROOT / "scripts" / "benchmark.py"

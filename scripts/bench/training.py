@@ -344,9 +344,9 @@ def built_trainer(argv: list[str]) -> Iterator[Trainer]:
 
     The same wiring as train.py's main(), without the signal handlers: the benchmark never runs the loop.
     """
-    from utils.distributed import teardown
+    from utils.launch.process_group import teardown
+    from utils.launch.signals import InterruptFlag
     from utils.training.config import parse_config
-    from utils.training.interrupts import InterruptFlag
     from utils.training.setup import build_trainer, join, launch_plan
 
     config = parse_config(argv)

@@ -189,8 +189,8 @@ def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from scripts.bench.training import built_trainer
-    from utils.distributed import agree_on_errors, barrier, broadcast_from_main, sum_across_ranks
     from utils.evaluation import evaluate_segmentation, score_batches
+    from utils.launch.process_group import agree_on_errors, barrier, broadcast_from_main, sum_across_ranks
 
     with built_trainer(argv) as trainer:
         ctx, parts = trainer.ctx, trainer.parts

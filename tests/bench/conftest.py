@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from scripts import benchmark
-from utils.distributed import LAUNCHER_ENV_VARIABLES
+from utils.launch.environments import LAUNCHER_ENV_VARIABLES
 
 
 @dataclass

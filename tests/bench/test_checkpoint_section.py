@@ -16,7 +16,7 @@ import torch
 from scripts import benchmark
 from scripts.bench import checkpoint_io
 from tests.helpers import positive, tiny_unet
-from utils.distributed import LAUNCHER_ENV_VARIABLES
+from utils.launch.environments import LAUNCHER_ENV_VARIABLES
 
 
 @pytest.mark.slow

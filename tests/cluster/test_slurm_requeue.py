@@ -22,7 +22,7 @@ from tests.conftest import (
     load_checkpoint,
     wait_for_step,
 )
-from utils.training.requeue import requeue_job
+from utils.launch.signals import requeue_job
 
 JOB_ID = "777123"
 EPOCHS = ["-e", "30"]  # 30 epochs of 4 steps (16 images, 2 ranks of batch 2): the signal always lands mid-run

@@ -1,7 +1,7 @@
 """No orphaned writers: when torchrun itself is killed, its workers stop within seconds, saving INTERRUPTED.pth.
 
-The control runs the same check on workers without ``utils.training.orphans``: they outlive the killed launcher, so
-the check can fail.
+The control runs the same check on workers without ``utils.launch.signals.stop_when_orphaned``: they outlive the killed
+launcher, so the check can fail.
 """
 
 from __future__ import annotations

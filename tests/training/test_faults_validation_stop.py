@@ -33,7 +33,7 @@ def long_validation(tmp_path_factory: pytest.TempPathFactory) -> SyntheticData:
 def test_a_signal_during_validation_saves_the_trained_epoch_at_once(
     long_validation: SyntheticData, tmp_path: Path
 ) -> None:
-    # SIGTERM, as a scheduler sends it. SIGINT reaches the same handler (utils.training.interrupts); its save and exit
+    # SIGTERM, as a scheduler sends it. SIGINT reaches the same handler (utils.launch.signals); its save and exit
     # status 130 are tested in test_train_signals.py, and a signal before validation's first batch in
     # test_trainer_units.py.
     signum = signal.SIGTERM

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, child_env
-from utils.training.orphans import LauncherWatch
+from utils.launch.signals import LauncherWatch
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
 _WORKER = """
 import logging, signal, sys, time
 from pathlib import Path
-from utils.training.orphans import stop_when_orphaned
+from utils.launch.signals import stop_when_orphaned
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 received = []
 signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))

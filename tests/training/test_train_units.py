@@ -16,8 +16,8 @@ from torch.utils.data import DistributedSampler
 from utils.checkpoint import save_checkpoint_atomic
 from utils.dice_score import dice_loss
 from utils.errors import CheckpointError
+from utils.launch.signals import InterruptFlag, signal_exit_code
 from utils.training.curves import build_figure, draw_curves, read_series
-from utils.training.interrupts import InterruptFlag, exit_code_for
 from utils.training.objective import cosine_lr_factor, segmentation_loss
 from utils.training.run_folder import RunFolder
 from utils.training.sampler import (
@@ -217,12 +217,15 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path: Path) -> Non
 def test_interrupt_flag_records_the_first_signal() -> None:
     # The handlers found before, not Python's defaults: a background job (`cmd &`) starts with SIGINT ignored.
     before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    with InterruptFlag() as flag:
+    flag = InterruptFlag().install()
+    try:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
         assert flag.signum == signal.SIGTERM
+    finally:
+        flag.restore()
     assert {signum: signal.getsignal(signum) for signum in before} == before
-    assert exit_code_for(signal.SIGINT) == 130 and exit_code_for(signal.SIGTERM) == 143
+    assert signal_exit_code(signal.SIGINT) == 130 and signal_exit_code(signal.SIGTERM) == 143
 
 
 def test_steps_per_epoch() -> None:

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from utils.distributed import DistributedContext
+from utils.launch.process_group import DistributedContext
+from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
 from utils.training.data import TrainData
-from utils.training.interrupts import InterruptFlag
 from utils.training.loop import Trainer, TrainParts
 from utils.training.reporting import RunReporter
 from utils.training.run_folder import RunFolder

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, Subset
 
-from utils.distributed import DistributedContext
 from utils.errors import ConfigError
 from utils.evaluation import shard_range
 from utils.hardware import available_cpus, threads_per_process
+from utils.launch.process_group import DistributedContext
 from utils.shared_memory import SharedMemoryGuard, check_room
 from utils.training.config import TrainConfig
 from utils.training.data import DataConfig, TrainData, build_train_loader, build_val_loader, default_num_workers

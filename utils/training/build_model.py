@@ -17,14 +17,13 @@ from torch.nn.parallel import DistributedDataParallel
 from unet import UNetArgs
 from unet import build_model as build_architecture
 from utils.checkpoint import LoadedWeights, read_model_weights
-from utils.distributed import DistributedContext
 from utils.errors import ConfigError
+from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
 from utils.model_spec import check_expected, load_weights_into, spec_of
 from utils.training.config import TrainConfig
 from utils.training.data import TrainData
 from utils.training.encoder_weights import load_encoder_weights
 from utils.training.state import TrainingState, dataset_record
-from utils.training.sync_batchnorm import convert_sync_batchnorm
 
 logger = logging.getLogger(__name__)
 

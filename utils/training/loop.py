@@ -28,22 +28,23 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from utils.checkpoint import all_finite, copy_checkpoint_atomic, save_checkpoint_atomic
-from utils.distributed import (
+from utils.errors import DatasetError, UserError, user_message
+from utils.evaluation import EvalResult, SegmentationMetrics, predict_classes, score_batches
+from utils.launch.process_group import (
     DistributedContext,
+    StopAgreement,
     agree_on_errors,
     barrier,
     broadcast_from_main,
     raised_on_every_rank,
     sum_across_ranks,
 )
-from utils.errors import DatasetError, UserError, user_message
-from utils.evaluation import EvalResult, SegmentationMetrics, predict_classes, score_batches
+from utils.launch.signals import InterruptFlag
 from utils.training.checkpoint_budget import CheckpointBudget, checkpoint_budget, epoch_files_written, log_budget
 from utils.training.curves import write_curves_if_possible
 from utils.training.data import TrainData
 from utils.training.early_stop import EarlyStopping
 from utils.training.ema import WeightAverage
-from utils.training.interrupts import InterruptFlag, StopAgreement
 from utils.training.progress_log import ProgressLog, bars_wanted
 from utils.training.reporting import SAMPLE_IMAGES, RunReporter, weight_and_grad_histograms
 from utils.training.run_folder import RunFolder

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from utils.distributed import DistributedContext, decide_on_main
 from utils.errors import CheckpointError
+from utils.launch.process_group import DistributedContext, decide_on_main
 from utils.training.config import RESUME_AUTO
 from utils.training.run_folder import RunFolder, RunSeries
 from utils.training.state import load_resume_checkpoint

@@ -1,7 +1,7 @@
 """--save-every-minutes: when a wall-time save of ``last.pth`` is due (Lightning's ``train_time_interval``).
 
 Only global rank 0 reads its clock; the loop sends its answer to the other ranks on the stop agreement's all-reduce
-(``utils.training.interrupts.StopAgreement``), so every rank saves at the same step.
+(``utils.launch.process_group.StopAgreement``), so every rank saves at the same step.
 """
 
 from __future__ import annotations

@@ -23,9 +23,11 @@ import numpy as np
 import torch
 
 from utils.allocator import reuse_large_buffers
-from utils.distributed import DistributedContext, LaunchPlan, agree_on_errors, plan_launch, setup
 from utils.errors import ConfigError
 from utils.hardware import resolve_precision, warn_if_emulated
+from utils.launch.environments import LaunchPlan, plan_launch
+from utils.launch.process_group import DistributedContext, agree_on_errors, setup
+from utils.launch.signals import InterruptFlag
 from utils.training.build_loaders import build_loaders, data_config
 from utils.training.build_model import build_model, wrap_for_training
 from utils.training.build_optimization import build_optimization, build_step
@@ -34,7 +36,6 @@ from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, record_split
 from utils.training.early_stop import EarlyStopping
 from utils.training.ema import build_weight_average
-from utils.training.interrupts import InterruptFlag
 from utils.training.loop import LoopConfig, Trainer, TrainParts
 from utils.training.reporting import RunReporter
 from utils.training.resume_choice import agree_on_run
@@ -70,14 +71,7 @@ _MUST_MATCH_FLAGS = {
 
 def launch_plan(config: TrainConfig, argv: list[str]) -> LaunchPlan:
     """How this process takes part in the run: from the launcher's environment and the distributed flags."""
-    return plan_launch(
-        ddp_mode=config.ddp_mode,
-        rank=config.rank,
-        world_size=config.world_size,
-        dist_url=config.dist_url,
-        local_rank=config.local_rank,
-        argv=argv,
-    )
+    return plan_launch(config, argv=argv)
 
 
 def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from utils.training.interrupts import InterruptFlag
+from utils.launch.signals import InterruptFlag
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from utils.cli import print_error
-from utils.distributed import DistributedContext, barrier, is_raised_on_every_rank
 from utils.errors import USER_ERROR_EXIT_CODE, UserError
+from utils.launch.process_group import DistributedContext, barrier, first_line, is_raised_on_every_rank
+from utils.launch.signals import signal_exit_code
 
 OUT_OF_MEMORY_EXIT_CODE = USER_ERROR_EXIT_CODE
 LOST_CONTACT_EXIT_CODE = 1
@@ -50,11 +51,6 @@ PEER_FAILURE_MARKERS = (
 # torchrun stops them (it does as soon as rank 0 has exited), or this long at most.
 QUIET_EXIT_DELAY_S = 5.0
 QUIET_EXIT_BEFORE_JOINING_S = 60.0
-
-
-def signal_exit_code(signum: int) -> int:
-    """Shell convention for death by a signal: 128 + signal (130 for SIGINT, 143 for SIGTERM)."""
-    return 128 + signum
 
 
 @dataclass
@@ -85,9 +81,8 @@ def run_main(body: Callable[[], int], *, oom_fix: str, stage: RunStage | None = 
             print_error(f"{where} ran out of memory; {oom_fix}")
             return OUT_OF_MEMORY_EXIT_CODE
         if lost_contact(error):
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             print_error(
-                f"lost contact with another training process ({first_line}); see the other processes' logs, "
+                f"lost contact with another training process ({first_line(error)}); see the other processes' logs, "
                 "then continue with --resume auto (under torchrun, --max-restarts does that by itself)"
             )
             return LOST_CONTACT_EXIT_CODE

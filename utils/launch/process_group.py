@@ -1,0 +1,275 @@
+"""The process group: joining it (the side effects of a ``LaunchPlan``), the small collectives the training loop
+uses, the agreements that keep one rank's error or signal from hanging the others, and ``--sync-bn``.
+
+The control messages (barriers, broadcasts, the agreements) run on a second, gloo, CPU group, so that they never wait
+behind gradient traffic or force a GPU synchronisation; the sums of metrics and ``CpuSyncBatchNorm``'s statistics use
+the default group, on the training device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
+
+from utils import errors
+from utils.errors import ConfigError, UserError
+from utils.hardware import available_cpus, pick_device, threads_per_process
+from utils.launch.environments import LaunchPlan
+from utils.launch.signals import InterruptFlag
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedContext(LaunchPlan):
+    """This process's place in the job: its launch plan, and the device and groups that joining made.
+
+    ``is_main`` (global rank 0) is the only writer of files and logs.
+    """
+
+    device: torch.device
+    backend: str | None = None
+    control_group: Any = None
+    """The gloo group of the control messages (see the module docstring)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+
+def setup(
+    plan: LaunchPlan, *, device_request: str = "auto", timeout_s: float = 1800.0, threads: int = 0
+) -> DistributedContext:
+    """Pick the device, size the CPU thread pool, and join the process group when the plan is distributed."""
+    device = pick_device(device_request, local_rank=plan.local_rank, distributed=plan.distributed)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads or threads_per_process(available_cpus(), plan.local_world_size))
+    if plan.warning:
+        logger.warning(plan.warning)
+    if not plan.distributed:
+        return DistributedContext(**vars(plan), device=device)
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    join = {"backend": backend, "rank": plan.rank, "world_size": plan.world_size, "timeout": timeout}
+    try:
+        if plan.store_namespace is not None and plan.master_address is not None:
+            host, port = plan.master_address.rsplit(":", 1)
+            # torchrun's agent serves this store; a client of it, with keys of this attempt only.
+            agent_store = dist.TCPStore(host, int(port), plan.world_size, is_master=False, timeout=timeout)
+            dist.init_process_group(store=dist.PrefixStore(plan.store_namespace, agent_store), **join)
+        else:
+            dist.init_process_group(init_method=plan.init_method, **join)
+    except dist.DistError as error:
+        raise ConfigError(_rendezvous_failure(plan, timeout_s, error)) from error
+    # The timeout must be given again: a new group does not inherit it and would wait 30 minutes for a dead rank.
+    control_group = dist.new_group(backend="gloo", timeout=timeout)
+    return DistributedContext(**vars(plan), device=device, backend=backend, control_group=control_group)
+
+
+def first_line(error: BaseException) -> str:
+    """What a one-line report says of an error from PyTorch's communication (its messages run over many lines)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _rendezvous_failure(plan: LaunchPlan, timeout_s: float, error: Exception) -> str:
+    # Where rank 0, or torchrun's agent, listens.
+    address = plan.master_address if plan.init_method == "env://" else plan.init_method.removeprefix("tcp://")
+    return (
+        f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at {address} "
+        f"within --dist-timeout {timeout_s:g} s ({first_line(error)}); check that {plan.address_hint} names rank 0's "
+        f"machine and a free, reachable port, and start every rank within --dist-timeout"
+    )
+
+
+def teardown(ctx: DistributedContext) -> None:
+    if ctx.is_distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistributedContext) -> None:
+    """Wait for every rank (on the CPU control group, so no GPU stream is involved)."""
+    if ctx.is_distributed:
+        dist.barrier(group=ctx.control_group)
+
+
+def broadcast_from_main(ctx: DistributedContext, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (small picklable objects: paths, scores)."""
+    if not ctx.is_distributed:
+        return value
+    box = [value if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0, group=ctx.control_group)
+    return box[0]
+
+
+def sum_across_ranks(ctx: DistributedContext, values: Tensor) -> Tensor:
+    """Element-wise sum over ranks of a small tensor (on the training device, at log steps only)."""
+    if ctx.is_distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def decide_on_main(ctx: DistributedContext, decide: Callable[[], _T]) -> _T:
+    """Run ``decide`` on global rank 0 only and return its result on every rank; its UserError is raised everywhere."""
+    return broadcast_from_main(ctx, agree_on_errors(ctx, lambda: decide() if ctx.is_main else None))
+
+
+def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
+    """Run ``build`` on every rank; if it raises a UserError on any rank, raise the lowest such rank's on all."""
+    result, failure = None, None
+    try:
+        result = build()
+    except UserError as error:
+        failure = error
+    if not ctx.is_distributed:
+        if failure is not None:
+            raise failure
+        return result
+    # One integer all-reduce decides; the messages travel (pickled, dearer) only when some rank failed, so this is
+    # cheap enough to guard every batch the training loop fetches.
+    failed = torch.tensor([failure is not None], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ctx.control_group)
+    if not failed.item():
+        return result
+    reports: list[Any] = [None] * ctx.world_size
+    mine = None if failure is None else (type(failure).__name__, str(failure))
+    dist.all_gather_object(reports, mine, group=ctx.control_group)
+    rank, (type_name, message) = next((rank, report) for rank, report in enumerate(reports) if report is not None)
+    if rank == ctx.rank:
+        raise raised_on_every_rank(failure)
+    error_type = getattr(errors, type_name, UserError)
+    if not (isinstance(error_type, type) and issubclass(error_type, UserError)):
+        error_type = UserError
+    raise raised_on_every_rank(error_type(f"rank {rank}: {message}"))
+
+
+def raised_on_every_rank(error: UserError) -> UserError:
+    """Mark ``error`` as raised with the same message on every rank, so that only global rank 0 needs to print it."""
+    error.on_every_rank = True  # type: ignore[attr-defined]
+    return error
+
+
+def is_raised_on_every_rank(error: BaseException) -> bool:
+    return bool(getattr(error, "on_every_rank", False))
+
+
+class StopAgreement:
+    """Makes every rank see the same stop decision at the same step boundary, without blocking the step.
+
+    torchrun forwards SIGINT/SIGTERM to its workers, a terminal's Ctrl-C reaches every process of the job, and a
+    cluster scheduler may signal only some ranks. So at every optimizer-step boundary the ranks agree on
+    ``max(signal)`` (``InterruptFlag``, which only records it) with a one-integer all-reduce on the control group. The
+    all-reduce is started asynchronously and read one step later: the training loop never waits for it, and every rank
+    still sees the same answer at the same step, so all of them stop together, rank 0 writes ``INTERRUPTED.pth`` and
+    each process exits with ``128 + signal``.
+
+    The same all-reduce carries rank 0's wish to save by wall time (--save-every-minutes): only rank 0 reads its
+    clock, and every rank learns its decision at the same step boundary, so all of them save at the same step.
+    """
+
+    def __init__(self, ctx: DistributedContext, flag: InterruptFlag) -> None:
+        self._ctx = ctx
+        self._flag = flag
+        self._pending: tuple[Any, Tensor] | None = None
+        self.save_agreed = False
+        """Set by ``poll``: whether a rank asked to save (``save_due``) at the boundary whose answer arrived."""
+
+    def poll(self, *, save_due: bool = False) -> int:
+        """The signal all ranks agree to stop for (0 = keep going); call once per step boundary on every rank.
+
+        ``save_due``: this rank asks every rank to save; ``save_agreed`` tells whether any rank asked (with several
+        processes the answer arrives at the next boundary, the same one on every rank).
+        """
+        if not self._ctx.is_distributed:
+            self.save_agreed = save_due
+            return self._flag.signum
+        agreed = self._collect()
+        local = torch.tensor([self._flag.signum, int(save_due)], dtype=torch.int32)
+        work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
+        self._pending = (work, local)
+        return agreed
+
+    def finish(self) -> int:
+        """Complete the outstanding all-reduce (before any other collective on the control group) and return it."""
+        return self._collect() if self._ctx.is_distributed else self._flag.signum
+
+    def _collect(self) -> int:
+        if self._pending is None:
+            self.save_agreed = False
+            return 0
+        work, value = self._pending
+        self._pending = None
+        work.wait()
+        signum, save = value.tolist()
+        self.save_agreed = bool(save)
+        return int(signum)
+
+
+class CpuSyncBatchNorm(nn.BatchNorm2d):
+    """``--sync-bn`` on CPU (gloo) runs: BatchNorm2d whose training-mode statistics are over all ranks' batches.
+
+    PyTorch's SyncBatchNorm (used on CUDA) refuses CPU tensors; this is the same maths written with differentiable
+    all-reduces, and a ``BatchNorm2d`` subclass with the same parameters and buffers, so checkpoints are identical
+    either way. The all-reduces are autograd-aware (their backward all-reduces the gradients), so the gradient equals
+    that of BatchNorm over the concatenated global batch. Evaluation mode uses the running statistics and
+    communicates nothing.
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(input)
+        self._check_input_dim(input)
+        dims = (0, 2, 3)
+        # Statistics in float32 even under bf16 autocast, as BatchNorm's own kernels do.
+        values = input.float()
+        count = torch.tensor([values.numel() // values.shape[1]], dtype=values.dtype, device=values.device)
+        # Two passes (mean, then squared deviations) avoid the cancellation of E[x^2] - E[x]^2.
+        totals = all_reduce_with_grad(torch.cat([values.sum(dim=dims), count]))
+        global_count = totals[-1]
+        mean = totals[:-1] / global_count
+        centered = values - mean.view(1, -1, 1, 1)
+        var = all_reduce_with_grad(centered.square().sum(dim=dims)) / global_count
+        output = centered * torch.rsqrt(var + self.eps).view(1, -1, 1, 1)
+        if self.affine:
+            output = output * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+        if self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach(), global_count.item())
+        return output.to(input.dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: Tensor, biased_var: Tensor, count: float) -> None:
+        self.num_batches_tracked.add_(1)
+        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        # Like BatchNorm: the running variance is the unbiased estimate over the (global) batch.
+        unbiased = biased_var * (count / max(count - 1.0, 1.0))
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """Replace the BatchNorm2d layers of ``model`` by a synchronised version suited to ``device`` (``--sync-bn``)."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if type(model) is nn.BatchNorm2d:
+        replacement = CpuSyncBatchNorm(
+            model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats
+        )
+        replacement.load_state_dict(model.state_dict())
+        return replacement.train(model.training)
+    for name, child in model.named_children():
+        model.add_module(name, convert_sync_batchnorm(child, device))
+    return model

@@ -1,0 +1,174 @@
+"""Signals, in one place: Ctrl-C during start-up, the graceful stop on SIGINT/SIGTERM, SLURM's requeue signal and the
+orphaned worker. Standard library only: the entry scripts import this before torch.
+
+* Start-up: until the script installs its own handling (``InterruptFlag`` in train.py; predict.py and evaluate.py
+  call ``startup_done`` so that Ctrl-C raises KeyboardInterrupt again, which ``utils.launch.runner`` reports), a
+  SIGINT would interrupt an import and print a long traceback through torch's modules: one line and exit 130 instead.
+* Graceful stop: the handler only records the signal (saving inside a handler can hang, Lightning #21406); the ranks
+  agree on the step to stop at (``utils.launch.process_group.StopAgreement``), rank 0 writes ``INTERRUPTED.pth`` and
+  every process exits with ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
+* Requeue at the time limit: ``#SBATCH --signal=USR1@120`` makes SLURM send SIGUSR1 to every task 120 s before the
+  limit. It is handled as SIGTERM is (``--requeue-signal``); once every rank has left the loop, rank 0 alone runs
+  ``scontrol requeue $SLURM_JOB_ID`` once, SLURM ends the job's tasks and queues the same script again, and its
+  ``--resume auto`` continues the run. A missing or failing ``scontrol`` is one warning: the checkpoint is there and
+  a manual resubmission continues it. SLURM's own ``--requeue`` covers pre-emption and node failure, not the time
+  limit. docs/CLUSTERS.md.
+* Orphans: torchrun's agent is the parent of its workers; killed with SIGKILL it cannot stop them, and they would
+  train to the end and keep writing checkpoints for a job nobody supervises. So a supervised worker asks the kernel
+  for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``, Linux) and, on every platform, a daemon thread
+  compares the parent PID every second; either way it stops as for SIGTERM above (exit 143). Only under a launcher:
+  a ``python train.py`` whose shell exits (``nohup``) is meant to keep running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from utils.launch.process_group import DistributedContext
+
+logger = logging.getLogger(__name__)
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SCONTROL_TIMEOUT_S = 60.0
+POLL_INTERVAL_S = 1.0
+_PR_SET_PDEATHSIG = 1
+
+
+def signal_exit_code(signum: int) -> int:
+    """Shell convention for death by a signal: 128 + signal (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + signum
+
+
+def _stop_during_startup(signum: int, frame: FrameType | None) -> None:
+    # Nothing has been created yet: leave at once (os._exit: no half-imported module's clean-up runs).
+    sys.stderr.write("Error: stopped by SIGINT (Ctrl-C) while starting; nothing was written\n")
+    sys.stderr.flush()
+    os._exit(signal_exit_code(signal.SIGINT))
+
+
+def stop_quietly_while_starting() -> None:
+    """SIGINT exits with one line and status 130 until the script installs its own handler."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when a parent chose to ignore it
+        signal.signal(signal.SIGINT, _stop_during_startup)
+
+
+def startup_done() -> None:
+    """Give SIGINT back to Python (KeyboardInterrupt) once the imports are over: from then on the script may have
+    written something, and its own handling says what. Leaves any other handler alone (a test, a parent's choice)."""
+    if signal.getsignal(signal.SIGINT) is _stop_during_startup:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class InterruptFlag:
+    """Records the first handled signal received while installed; later ones are ignored (the first one wins)."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self, requeue_signal: int | None = None) -> InterruptFlag:
+        """Handle SIGINT, SIGTERM and, under SLURM, the requeue signal (``LaunchPlan.requeue_signal``)."""
+        for signum in (*HANDLED_SIGNALS, requeue_signal):
+            if signum is not None:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Nothing else here: the main thread may be inside a collective, a checkpoint write or the logging lock.
+        if not self.signum:
+            self.signum = signum
+
+
+def requeue_if_asked(ctx: DistributedContext, stopped_by: int) -> bool:
+    """On global rank 0, once the run stopped for the requeue signal: requeue the job; whether it was requeued.
+
+    Called after ``Trainer.train`` returned, whose final barrier means every rank has left the loop and rank 0 has
+    written its files. Also when the stop could not save (a skipped step): the newest checkpoint is then older, and
+    the requeued job still continues from it.
+    """
+    if not ctx.is_main or ctx.slurm_job_id is None or stopped_by != ctx.requeue_signal:
+        return False
+    return requeue_job(ctx.slurm_job_id)
+
+
+def requeue_job(slurm_job_id: str, *, run: Callable[..., Any] = subprocess.run) -> bool:
+    """Run ``scontrol requeue JOB`` once; False (after one warning) when it is missing or fails."""
+    command = ["scontrol", "requeue", slurm_job_id]
+    try:
+        completed = run(command, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        reason = str(error)
+    else:
+        if completed.returncode == 0:
+            logger.info("Requeued SLURM job %s (scontrol requeue): it continues with --resume auto", slurm_job_id)
+            return True
+        output = (completed.stderr or completed.stdout or "").strip().splitlines()
+        reason = f"exit status {completed.returncode}" + (f": {output[-1]}" if output else "")
+    logger.warning(
+        "Could not requeue SLURM job %s (%s: %s); the checkpoint is saved: submit the job again, its --resume auto "
+        "continues the run",
+        slurm_job_id,
+        " ".join(command),
+        reason,
+    )
+    return False
+
+
+class LauncherWatch:
+    """The launcher this worker started under; says once, from whichever path sees it first, that it is gone."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self._told = threading.Lock()  # held by the first to report: the watcher thread or report_if_gone
+
+    def gone(self) -> bool:
+        return os.getppid() != self.parent
+
+    def report_if_gone(self, signum: int = signal.SIGTERM) -> None:
+        """Log that the launcher is gone, if it is and nobody said so yet. The kernel's parent-death signal arrives
+        with no message, and a worker that saves and exits within the watcher's poll interval would otherwise stop
+        without saying why; the trainer calls this after a stop by a signal."""
+        if self.gone() and self._told.acquire(blocking=False):
+            logger.warning(
+                "The launcher (PID %d) is gone; stopping this worker as for %s",
+                self.parent,
+                signal.Signals(signum).name,
+            )
+
+    def _stop_when_gone(self, signum: int, poll_interval_s: float) -> None:
+        while not self.gone():
+            time.sleep(poll_interval_s)
+        self.report_if_gone(signum)
+        os.kill(os.getpid(), signum)
+
+
+def stop_when_orphaned(signum: int = signal.SIGTERM, poll_interval_s: float = POLL_INTERVAL_S) -> LauncherWatch:
+    """Send ``signum`` to this process as soon as its parent (the launcher) is gone."""
+    watch = LauncherWatch(os.getppid())
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+                logger.debug("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+        except (OSError, AttributeError) as error:  # no libc symbol: the parent-PID check still works
+            logger.debug("prctl unavailable: %s", error)
+    # The parent may have died before the request: then nobody will send the signal, and the first check stops it.
+    args = (signum, poll_interval_s)
+    threading.Thread(target=watch._stop_when_gone, args=args, name="orphan-watch", daemon=True).start()
+    return watch
