@@ -114,8 +114,6 @@ def test_steps_that_grad_scaler_skips_leave_the_average_alone() -> None:
 
 
 def test_decay_outside_zero_one_is_refused(runner: TrainRunner, capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(ValueError, match="decay"):
-        WeightAverage(Scale(), 1.0, torch.optim.SGD(Scale().parameters(), lr=0.1))
     assert runner.main("bad", "--ema", "1") == 2
     assert "--ema must be a finite number in (0, 1)" in capsys.readouterr().err
 

@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 WANDB_PROJECT = "U-Net"
 SAMPLE_IMAGES = 4  # validation images (with true and predicted masks) shown per validation
-TENSORBOARD_HINT = "pip install tensorboard"
 
 Scalars = dict[str, tuple[str, float]]
 """wandb name -> (TensorBoard tag, value): one score, named as each of them shows it."""
@@ -158,16 +157,30 @@ class RunLog:
         self._last_train_line, self._images_at_last_line = now, self._images_seen
         self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         if self._log_lines:
-            steps_per_epoch = self._plan.steps_per_epoch
             logger.info(
                 "epoch %d/%d step %d/%d (global %d): loss %.4f, lr %.2e, %.1f img/s, ETA %s",
-                epoch + 1, self._last_epoch, position.step_in_epoch, steps_per_epoch, step, loss, lr, images_per_s,
+                epoch + 1,
+                self._last_epoch,
+                position.step_in_epoch,
+                self._plan.steps_per_epoch,
+                step,
+                loss,
+                lr,
+                images_per_s,
                 self._eta(epoch, step, position.step_in_epoch),
-            )  # fmt: skip
+            )
         self._write(
-            {"event": "train", "epoch": epoch + 1, "global_step": step, "loss": loss, "lr": lr,
-             "images_per_s": images_per_s, "images_seen": self._images_seen, "time": time.time()}
-        )  # fmt: skip
+            {
+                "event": "train",
+                "epoch": epoch + 1,
+                "global_step": step,
+                "loss": loss,
+                "lr": lr,
+                "images_per_s": images_per_s,
+                "images_seen": self._images_seen,
+                "time": time.time(),
+            }
+        )
         scalars = {"train loss": ("train/loss", loss), "learning rate": ("train/learning_rate", lr)}
         self._publish(step, {**scalars, "images/s": ("train/images_per_s", images_per_s)})
 
@@ -202,20 +215,10 @@ class RunLog:
     def log_val(self, *, epoch: int, global_step: int, result: EvalResult, samples: dict[str, Any] | None) -> None:
         """``samples``: optional ``image``/``true``/``pred`` tensors (+ ``histograms`` for wandb) of a few images."""
         self._last_validation = (result.dice, result.iou)
+        # The scores as evaluate.py writes them: the headline macro (per-image mean) Dice and IoU, and both reductions
+        # (with micro: dataset-level), per class and averaged; see utils.evaluation.
         self._write(
-            {
-                "event": "val",
-                "epoch": epoch,
-                "global_step": global_step,
-                "dice": result.dice,
-                "iou": result.iou,
-                "per_class_dice": result.per_class_dice,
-                "per_class_iou": result.per_class_iou,
-                "n_images": result.n_images,
-                # Macro (per-image mean) and micro (dataset-level) scores, per class and averaged; see utils.evaluation.
-                "reductions": result.reductions(),
-                "time": time.time(),
-            }
+            {"event": "val", "epoch": epoch, "global_step": global_step, **result.as_dict(), "time": time.time()}
         )
         scalars = {"validation Dice": ("val/dice", result.dice), "validation IoU": ("val/iou", result.iou)}
         for index, (dice, iou) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True)):
@@ -312,7 +315,7 @@ def _wandb_record(scalars: Scalars, samples: dict[str, Any] | None, n_classes: i
 
 def _start_tensorboard(run_folder: RunFolder, resumed_step: int | None) -> Any:
     if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}, or drop --tensorboard")
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard, or drop --tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
     purge_step = None if resumed_step is None else resumed_step + 1
@@ -327,9 +330,12 @@ def _start_wandb(run_folder: RunFolder, config: TrainConfig) -> Any:
         return None
     try:
         return wandb.init(
-            project=WANDB_PROJECT, name=config.exp_name, config=config.as_dict(), mode=config.wandb,
+            project=WANDB_PROJECT,
+            name=config.exp_name,
+            config=config.as_dict(),
+            mode=config.wandb,
             dir=str(run_folder.path),
-        )  # fmt: skip
+        )
     except Exception as error:  # wandb raises many kinds (network, auth); none should stop training
         logger.warning("wandb could not start (%s); continuing without it", error)
         return None

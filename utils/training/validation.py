@@ -9,7 +9,7 @@ A stop signal during a rank-0 validation ends it at the next batch, so that the 
 after it: with a short grace period (SLURM's, Kubernetes') a validation that runs to its end, followed by one more
 training batch, can lose the whole trained epoch. Rank 0 scores batches only while no signal has arrived
 (``UntilStopped``); when one arrives, the partial score is dropped, every rank learns it from the score broadcast
-(``StoppedValidation``) and raises ``ValidationStopped``, and the loop saves ``INTERRUPTED.pth`` with the position of
+and raises it (``ValidationStopped``), and the loop saves ``INTERRUPTED.pth`` with the position of
 the epoch's last step (every batch trained, the validation not done). The resumed run has no batch of that epoch
 left, so it goes straight to the epoch's end and repeats the validation.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,18 +40,11 @@ from utils.wording import count
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class StoppedValidation:
-    """What rank 0 broadcasts instead of a Dice score when a signal cut its validation short."""
-
-    signum: int
-
-
 class ValidationStopped(Exception):
-    """Raised on every rank by ``Validator.validate`` when rank 0's was cut short by ``signum``."""
+    """Raised on every rank by ``Validator.validate`` when a signal, ``signum``, cut rank 0's validation short."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(f"validation stopped by signal {signum}")
+        super().__init__(signum)  # the constructor's own arguments: rank 0 broadcasts it pickled
         self.signum = signum
 
 
@@ -114,25 +106,24 @@ class Validator:
                 return result.dice
             # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
             dice = broadcast_from_main(self.ctx, self._on_main(epoch_number, global_step) if self.ctx.is_main else None)
-        if isinstance(dice, str):
-            raise raised_on_every_rank(DatasetError(dice))
-        if isinstance(dice, StoppedValidation):
-            raise ValidationStopped(dice.signum)
+        if isinstance(dice, Exception):
+            raise dice  # rank 0's, on every rank
         return float(dice)
 
-    def _on_main(self, epoch_number: int, global_step: int) -> float | str | StoppedValidation:
-        """Rank 0's part of a --val-mode rank0 validation: its Dice, a failed file's message, or the stop."""
+    def _on_main(self, epoch_number: int, global_step: int) -> float | DatasetError | ValidationStopped:
+        """Rank 0's part of a --val-mode rank0 validation: its Dice, or the error every rank raises (a file that
+        failed to load, or the stop)."""
         batches = UntilStopped(self.loader, self._interrupts)
         try:
             metrics = self._score(batches)
         except DatasetError as error:
             # It holds the loader's iterator, whose idle workers would block the exit: see Trainer._run_epoch.
             error.__traceback__ = None
-            return user_message(error)  # every rank learns of it from the broadcast and stops with it
+            return raised_on_every_rank(DatasetError(user_message(error)))  # its message alone travels
         # Asked before computing: a signal before the first batch leaves no image scored, which is a stop, not an
         # empty validation set.
         if batches.stopped_by:
-            return StoppedValidation(batches.stopped_by)  # a partial score is no score: not reported
+            return ValidationStopped(batches.stopped_by)  # a partial score is no score: not reported
         result = metrics.compute()
         self._report(epoch_number, global_step, result)
         return result.dice
