@@ -447,7 +447,7 @@ def _next_batch(iterator: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.
     """The next batch (None at the end); a load failure as a DatasetError holding just its message.
 
     The message is what the other ranks receive, so a DataLoader worker's traceback text is cut off here; and the new
-    error holds no traceback through the loader's iterator (see ``Trainer._run_epoch``).
+    error holds no traceback through the loader's iterator (see ``Trainer.train``).
     """
     try:
         return next(iterator, None)

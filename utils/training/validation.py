@@ -117,7 +117,7 @@ class Validator:
         try:
             metrics = self._score(batches)
         except DatasetError as error:
-            # It holds the loader's iterator, whose idle workers would block the exit: see Trainer._run_epoch.
+            # It holds the loader's iterator, whose idle workers would block the exit: see Trainer.train.
             error.__traceback__ = None
             return raised_on_every_rank(DatasetError(user_message(error)))  # its message alone travels
         # Asked before computing: a signal before the first batch leaves no image scored, which is a stop, not an
