@@ -3,7 +3,7 @@ to the compute bound.
 
 The configuration is milesial/Pytorch-UNet's documented run: 64 images of 480x320, ``-e 1 -b 4 -s 0.5 --amp`` (bf16
 autocast on a CPU, fp16 on CUDA), base 64 (``--quick``: 10 images of 128x96, base 8, batch 2). The run's wall time is
-split with the records the trainer writes in ``metrics.jsonl`` (``RunReporter.phase``): start-up (launch to the
+split with the records the trainer writes in ``metrics.jsonl`` (``RunLog.phase``): start-up (launch to the
 loop's ``loop_start`` mark: interpreter, imports, data set, model), steps (the loop's start to the first validation),
 validation, checkpoint writes, curves, and the rest (after the last record until the process exited).
 

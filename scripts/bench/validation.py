@@ -3,7 +3,7 @@
 Each measurement is a ``torchrun`` launch of 2 gloo processes running this module. Every rank builds the trainer
 from ``train.py``'s flags (``scripts.bench.training.built_trainer``), so the model, the precision, the threads per
 process and the validation loader (the whole set on rank 0, or this rank's shard) are the trainer's own. Then, after
-a warm-up batch and a barrier, each rank times what ``Trainer._validate`` does in that mode:
+a warm-up batch and a barrier, each rank times what ``Validator.validate`` does in that mode:
 
 * ``rank0``: rank 0 scores the whole set (``evaluate_segmentation``) while the other rank waits in the broadcast of
   the score;
@@ -194,15 +194,15 @@ def main(argv: list[str]) -> None:
 
     with built_trainer(argv) as trainer:
         ctx, parts = trainer.ctx, trainer.parts
-        sharded = trainer.config.sharded_validation and ctx.is_distributed
+        sharded = trainer.validator.sharded
         loader = parts.val_loader
         model = parts.raw_model
         _warm_up(model, loader, ctx.device, parts.precision)
         counted = _Counted(loader) if loader is not None else None
-        options = {"n_classes": trainer.config.n_classes, "precision": parts.precision, "progress": False}
+        options = {"n_classes": trainer.config.classes, "precision": parts.precision, "progress": False}
         barrier(ctx)
         started = time.perf_counter()
-        # The same calls as Trainer._validate / _validate_sharded (utils/training/loop.py), less the reporting.
+        # The same calls as Validator.validate (utils/training/validation.py), less the reporting.
         if sharded:
             metrics = agree_on_errors(ctx, lambda: score_batches(model, counted, ctx.device, **options))
             metrics.reduce(lambda sums: sum_across_ranks(ctx, sums.to(ctx.device)))

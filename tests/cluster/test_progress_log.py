@@ -8,7 +8,7 @@ import sys
 
 from tests.conftest import TrainRunner, finish
 from tests.helpers import read_metrics
-from utils.training.progress_log import bars_wanted, format_duration
+from utils.training.run_log import bars_wanted, format_duration
 
 
 def test_bars_only_on_rank_0_on_a_terminal_without_no_progress(tmp_path) -> None:

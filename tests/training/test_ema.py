@@ -114,8 +114,6 @@ def test_steps_that_grad_scaler_skips_leave_the_average_alone() -> None:
 
 
 def test_decay_outside_zero_one_is_refused(runner: TrainRunner, capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(ValueError, match="decay"):
-        WeightAverage(Scale(), 1.0, torch.optim.SGD(Scale().parameters(), lr=0.1))
     assert runner.main("bad", "--ema", "1") == 2
     assert "--ema must be a finite number in (0, 1)" in capsys.readouterr().err
 
@@ -123,7 +121,7 @@ def test_decay_outside_zero_one_is_refused(runner: TrainRunner, capsys: pytest.C
 def test_an_ema_run_validates_and_saves_the_average_and_resumes_bit_exactly(
     runner: TrainRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from utils.training import loop
+    from utils.training import validation
 
     validated: list[dict[str, torch.Tensor]] = []
 
@@ -131,7 +129,7 @@ def test_an_ema_run_validates_and_saves_the_average_and_resumes_bit_exactly(
         validated.append({key: value.clone() for key, value in model.state_dict().items()})
         return score_batches(model, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "score_batches", spy)
+    monkeypatch.setattr(validation, "score_batches", spy)
     flags = ["-e", "2", "--ema", "0.8", "--log-every", "4"]
     assert runner.main("straight", *flags) == 0
     straight = runner.run_dir("straight")

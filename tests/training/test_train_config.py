@@ -161,14 +161,12 @@ NON_DEFAULT_ARGV = [
 def _built_components(argv: list[str]) -> dict[type, Any]:
     from utils.training.build_loaders import data_config
     from utils.training.build_optimization import optimizer_config, step_config
-    from utils.training.setup import loop_config
 
     config = parse_config(argv)
     built = [
         data_config(config),
         optimizer_config(config),
         step_config(config, "bf16", (1.0, 2.0, 3.0)),
-        loop_config(config, last_epoch=9),
     ]
     return {type(component): component for component in built}
 
@@ -190,22 +188,17 @@ def test_component_configs_repeat_no_flag_default_and_their_builders_pass_the_fl
             expected = tuple(flag_value) if isinstance(flag_value, list) else flag_value
             assert getattr(component, field.name) == expected, (component_type.__name__, field.name)
             mirrored += 1
-    assert mirrored == 14 + 6 + 3 + 11  # data, optimizer, step, loop
+    assert mirrored == 14 + 6 + 3  # data, optimizer, step
 
 
 def test_component_configs_derive_their_other_fields_from_the_flags() -> None:
     from utils.training.data import DataConfig
-    from utils.training.early_stop import EarlyStopping
-    from utils.training.loop import LoopConfig
     from utils.training.step import StepConfig
 
     components = _built_components(NON_DEFAULT_ARGV)
-    step, loop = components[StepConfig], components[LoopConfig]
+    step = components[StepConfig]
     assert (step.precision, step.class_weights) == ("bf16", (1.0, 2.0, 3.0))  # resolved by the caller
     assert step.freeze_encoder_before_epoch == 4 - 1 + 2  # --start_from 4 --freeze-encoder-epochs 2
-    assert (loop.last_epoch, loop.sharded_validation, loop.plateau_scheduler) == (9, True, False)
-    assert loop.early_stopping == EarlyStopping(patience=3, min_delta=0.1)
-    assert _built_components(["--scheduler", "plateau"])[LoopConfig].plateau_scheduler
     defaults = _built_components([])
-    assert defaults[StepConfig].freeze_encoder_before_epoch == 0 and not defaults[LoopConfig].early_stopping.enabled
+    assert defaults[StepConfig].freeze_encoder_before_epoch == 0
     assert defaults[DataConfig].ignore_values == ()

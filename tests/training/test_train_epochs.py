@@ -77,7 +77,7 @@ def test_the_bar_counts_the_images_trained_and_ends_at_100_percent(
     runner: TrainRunner, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Bars are drawn on a terminal only (a log file gets log lines): stand in for one.
-    monkeypatch.setattr("utils.training.progress_log._is_terminal", lambda stream: True)
+    monkeypatch.setattr("utils.training.run_log.stderr_is_terminal", lambda stream: True)
     assert runner.main("bars", "-e", "1", "--log-every", "2") == 0
     err = capsys.readouterr().err
     assert bar_frames(err, "Validation:")  # a bar of its own, after the epoch's

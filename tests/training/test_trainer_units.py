@@ -1,14 +1,13 @@
 """``Trainer``'s rules with a fake step: accumulation groups, save points and the stop agreement, without whole runs.
 
-The Trainer runs for real (a real sampler and DataLoader, a real run folder, real checkpoint files); only the
-optimizer step is a ``RecordingStep`` that writes down what the loop asks of it, and validation returns hand-picked
-Dice scores. Each expected value below follows from the rules by hand (7 batches with --grad-accum 3 make steps of
-3, 3 and 1 batches).
+The Trainer runs for real (a real sampler and DataLoader, a real run folder and run log, real checkpoint files); only
+the optimizer step is a ``RecordingStep`` that writes down what the loop asks of it, and the validator a
+``ScriptedValidator`` that returns hand-picked Dice scores (the real ``Validator`` is tested at the end). Each expected
+value below follows from the rules by hand (7 batches with --grad-accum 3 make steps of 3, 3 and 1 batches).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +23,13 @@ from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
 from utils.training.data import TrainData
 from utils.training.loop import Trainer, TrainParts
-from utils.training.reporting import RunReporter
 from utils.training.run_folder import RunFolder
+from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
-from utils.training.setup import loop_config
 from utils.training.state import TrainPosition
-from utils.training.validation_stop import ValidationStopped
+from utils.training.validation import ValidationStopped, Validator
+
+CPU = DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
 
 
 class RecordingStep:
@@ -100,6 +100,16 @@ class FakeDataset:
 
 
 @dataclass
+class ScriptedValidator:
+    """Stands in for ``Validator``: the validation after epoch k scores ``dice[k - 1]``."""
+
+    dice: tuple[float, ...]
+
+    def validate(self, epoch_number: int, global_step: int) -> float:
+        return self.dice[epoch_number - 1]
+
+
+@dataclass
 class Run:
     trainer: Trainer
     step: RecordingStep
@@ -119,10 +129,10 @@ def make_run(
     dice: tuple[float, ...] = (),
     position: TrainPosition | None = None,
     resume_images: int = 0,
-    **loop: Any,
+    flags: tuple[str, ...] = (),
 ) -> Run:
-    """A single-process Trainer over ``n_train`` images; validation after epoch k returns ``dice[k - 1]``."""
-    ctx = DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    """A single-process Trainer over ``n_train`` images, with ``flags``; the validation after epoch k scores
+    ``dice[k - 1]``."""
     model = nn.Linear(1, 1)
     step = RecordingStep(model)
     dataset = FakeDataset(n_train)
@@ -153,10 +163,18 @@ def make_run(
         resume_images_in_epoch=resume_images,
     )
     interrupts = InterruptFlag()  # never installed: the tests set its signal as the handler would
-    reporter = RunReporter(folder, enabled=False, wandb_mode="disabled", run_name="test", config={})
-    config = dataclasses.replace(loop_config(parse_config(["--log-every", "1000"]), last_epoch=epochs), **loop)
-    trainer = Trainer(config, ctx, parts, run_folder=folder, reporter=reporter, interrupts=interrupts)
-    trainer._validate = lambda epoch_number: dice[epoch_number - 1]  # type: ignore[method-assign]
+    config = parse_config(["--log-every", "1000", *flags])
+    run_log = RunLog(config, CPU, folder, parts.batch_plan, last_epoch=epochs, resumed_step=None)
+    trainer = Trainer(
+        config,
+        CPU,
+        parts,
+        last_epoch=epochs,
+        run_folder=folder,
+        run_log=run_log,
+        validator=ScriptedValidator(dice),  # type: ignore[arg-type]
+        interrupts=interrupts,
+    )
     saves: list[tuple[list[str], int]] = []
     write = trainer._write_checkpoint
 
@@ -217,7 +235,7 @@ def test_save_points(tmp_path: Path) -> None:
     # 7 batches, --grad-accum 3: steps 1-3 in epoch 1, 4-6 in epoch 2. --save-every-steps 2 saves last.pth at
     # steps 2, 4, 6; every epoch end saves last.pth and checkpoint_epoch{N}.pth (--save-every 1), plus best.pth when
     # the validation Dice improved (epoch 1: 0.4 > -inf; epoch 2: 0.3 is no better).
-    run = make_run(tmp_path, n_train=7, grad_accum=3, epochs=2, dice=(0.4, 0.3), save_every_steps=2, val_every=1)
+    run = make_run(tmp_path, n_train=7, grad_accum=3, epochs=2, dice=(0.4, 0.3), flags=("--save-every-steps", "2"))
     run.trainer.train()
     assert run.saves == [
         (["last.pth"], 2),
@@ -236,7 +254,9 @@ def test_save_points(tmp_path: Path) -> None:
 
 def test_max_steps_stops_and_saves_once(tmp_path: Path) -> None:
     # --max-steps 2 with steps of 3 batches stops after batch 6 of 7 (the 6th image), with the state of step 2 saved.
-    run = make_run(tmp_path, n_train=7, grad_accum=3, epochs=3, dice=(0.5,) * 3, max_steps=2, save_every=0)
+    run = make_run(
+        tmp_path, n_train=7, grad_accum=3, epochs=3, dice=(0.5,) * 3, flags=("--max-steps", "2", "--save_every", "0")
+    )
     outcome = run.trainer.train()
     assert outcome.reached_max_steps and outcome.checkpoint == run.folder.last
     assert [len(group) for group in run.step.groups()] == [3, 3]
@@ -267,7 +287,7 @@ def test_a_signal_stops_at_the_end_of_the_step_it_arrived_in(tmp_path: Path) -> 
 def test_an_agreed_timed_save_writes_last_at_that_step_only(tmp_path: Path) -> None:
     # The save timer (rank 0) asks at the boundary of step 2; the agreement answers there with one process, and
     # last.pth is written at that step once (not again at the same step), then at the epoch's end as usual.
-    run = make_run(tmp_path, n_train=7, grad_accum=3, dice=(0.5,), save_every_minutes=1.0)
+    run = make_run(tmp_path, n_train=7, grad_accum=3, dice=(0.5,), flags=("--save-every-minutes", "1"))
     answers = iter([False, True, False])
     run.trainer._save_timer.due = lambda: next(answers)  # type: ignore[method-assign]
     run.trainer.train()
@@ -304,15 +324,18 @@ class ImagesOfOnes:
 def test_a_signal_before_the_first_validation_batch_is_a_stop_not_an_empty_validation_set(
     tmp_path: Path, signalled: bool
 ) -> None:
-    run = make_run(tmp_path, n_train=2)
-    del run.trainer._validate  # the real validation, not make_run's hand-picked scores
-    run.trainer.parts.raw_model = nn.Conv2d(1, 2, kernel_size=1)
-    run.trainer.parts.val_loader = DataLoader(ImagesOfOnes(), batch_size=1)  # type: ignore[arg-type]
+    config = parse_config([])
+    interrupts = InterruptFlag()  # never installed: the test sets its signal as the handler would
+    plan = BatchPlan(n_train=2, batch_size=1, world_size=1, grad_accum=1)
+    run_log = RunLog(config, CPU, RunFolder(tmp_path / "run"), plan, last_epoch=1, resumed_step=None)
+    model = nn.Conv2d(1, 2, kernel_size=1)
+    loader = DataLoader(ImagesOfOnes(), batch_size=1)
+    validator = Validator(config, CPU, model, loader, precision="fp32", interrupts=interrupts, run_log=run_log)
     if not signalled:
         # The control: the same validation without a signal scores both images.
-        assert 0.0 <= run.trainer._validate(1) <= 1.0
+        assert 0.0 <= validator.validate(1, global_step=1) <= 1.0
         return
-    run.interrupts.signum = signal.SIGTERM  # as the handler records it, before validation's first batch
+    interrupts.signum = signal.SIGTERM  # as the handler records it, before validation's first batch
     with pytest.raises(ValidationStopped) as stopped:
-        run.trainer._validate(1)
+        validator.validate(1, global_step=1)
     assert stopped.value.signum == signal.SIGTERM

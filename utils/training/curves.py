@@ -125,44 +125,32 @@ def build_figure(series: Series) -> Figure:
 
     figure = Figure(figsize=FIGURE_SIZE_INCHES, dpi=DPI, layout="constrained")
     grid = figure.add_gridspec(2, 6)
-    loss_axes = figure.add_subplot(grid[0, :3])
-    dice_axes = figure.add_subplot(grid[0, 3:])
-    lr_axes = figure.add_subplot(grid[1, :2])
-    speed_axes = figure.add_subplot(grid[1, 2:4])
-    epoch_axes = figure.add_subplot(grid[1, 4:])
 
-    _plot(loss_axes, series.loss, "training loss", LOSS_COLOUR, "loss")
+    def panel(where, title: str, y_label: str, x_label: str = "optimizer step"):
+        axes = figure.add_subplot(where)
+        axes.set_title(title)
+        axes.set_xlabel(x_label)
+        axes.set_ylabel(y_label)
+        axes.grid(True, alpha=0.3)
+        return axes
+
+    _plot(panel(grid[0, :3], "Training loss", "loss"), series.loss, "training loss", LOSS_COLOUR)
+    dice_axes = panel(grid[0, 3:], "Validation Dice", "validation Dice")
     for index, points in sorted(series.per_class_dice.items()):
-        _plot(dice_axes, points, f"class {index}", None, "validation Dice", alpha=0.6, linestyle="--")
-    _plot(dice_axes, series.dice, "mean (foreground)", DICE_COLOUR, "validation Dice")
-    _plot(lr_axes, series.learning_rate, "learning rate", "#2ca02c", "learning rate")
-    _plot(speed_axes, series.images_per_s, "images/s", "#9467bd", "images/s (all processes)")
-    _plot(epoch_axes, series.epoch_seconds, "epoch time", "#8c564b", "seconds", x_label="epoch")
-    loss_axes.set_title("Training loss")
-    dice_axes.set_title("Validation Dice")
-    lr_axes.set_title("Learning rate")
-    speed_axes.set_title("Throughput")
-    epoch_axes.set_title("Training time per epoch")
-    epoch_axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
+        _plot(dice_axes, points, f"class {index}", None, alpha=0.6, linestyle="--")
+    _plot(dice_axes, series.dice, "mean (foreground)", DICE_COLOUR)
     if series.dice or series.per_class_dice:
         dice_axes.legend(loc="lower right", fontsize="small")
+    _plot(panel(grid[1, :2], "Learning rate", "learning rate"), series.learning_rate, "learning rate", "#2ca02c")
+    speed_axes = panel(grid[1, 2:4], "Throughput", "images/s (all processes)")
+    _plot(speed_axes, series.images_per_s, "images/s", "#9467bd")
+    epoch_axes = panel(grid[1, 4:], "Training time per epoch", "seconds", x_label="epoch")
+    _plot(epoch_axes, series.epoch_seconds, "epoch time", "#8c564b")
+    epoch_axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     return figure
 
 
-def _plot(
-    axes,
-    points: Points,
-    label: str,
-    colour: str | None,
-    y_label: str,
-    *,
-    x_label: str = "optimizer step",
-    alpha: float = 1.0,
-    linestyle: str = "-",
-) -> None:
-    axes.set_xlabel(x_label)
-    axes.set_ylabel(y_label)
-    axes.grid(True, alpha=0.3)
+def _plot(axes, points: Points, label: str, colour: str | None, *, alpha: float = 1.0, linestyle: str = "-") -> None:
     finite = [(x, y) for x, y in points if math.isfinite(y)]
     if not finite:
         axes.text(0.5, 0.5, "no data yet", transform=axes.transAxes, ha="center", va="center", color="grey")

@@ -32,9 +32,8 @@ class WeightAverage:
 
     def __init__(self, model: nn.Module, decay: float, optimizer: torch.optim.Optimizer) -> None:
         """Starts from ``model``'s current weights; ``optimizer`` steps ``model`` (its state already restored when
-        resuming: its step count is the reference that tells an applied step from a skipped one)."""
-        if not 0 < decay < 1:
-            raise ValueError(f"decay must be in (0, 1), got {decay}")
+        resuming: its step count is the reference that tells an applied step from a skipped one). ``decay`` in
+        (0, 1): checked where --ema is parsed."""
         self.decay = decay
         self.module = copy.deepcopy(model).eval()
         self.module.requires_grad_(False)

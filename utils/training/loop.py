@@ -1,12 +1,12 @@
 """The training loop: ``Trainer.train()`` runs epochs of optimizer steps and returns how the run ended.
 
-Per optimizer step the loop does no host synchronisation: losses and the count of steps skipped for non-finite
-gradients (``TrainStep``, ``utils.training.nonfinite``) accumulate on the device and are read every ``--log-every``
-steps and at checkpoints, and the ranks' stop decision travels on an asynchronous CPU all-reduce
-(``utils.training.interrupts``). The one wait between ranks it adds is on the CPU: before computing on a batch,
-the ranks agree that each of them loaded its own (``Trainer._batches``; about 85 us per batch with 2 local processes).
-Validation runs on global rank 0 with the unwrapped model while the other ranks wait for its Dice score, which every
-rank then uses (ReduceLROnPlateau must step identically everywhere).
+The loop calls its components: the optimizer step (``utils.training.step``), the validation
+(``utils.training.validation``), the run's log (``utils.training.run_log``) and the checkpoint writes. Per optimizer
+step it does no host synchronisation: losses and the count of steps skipped for non-finite gradients
+(``utils.training.nonfinite``) accumulate on the device and are read every ``--log-every`` steps and at checkpoints,
+and the ranks' stop decision travels on an asynchronous CPU all-reduce (``StopAgreement``). The one wait
+between ranks it adds is on the CPU: before computing on a batch, the ranks agree that each of them loaded its own
+(``Trainer._batches``; about 85 us per batch with 2 local processes).
 Checkpoints are written by global rank 0 only, and only of a healthy state: finite weights, and a latest step that
 was not skipped.
 """
@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,30 +23,18 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from utils.checkpoint import all_finite, copy_checkpoint_atomic, save_checkpoint_atomic
 from utils.errors import DatasetError, UserError, user_message
-from utils.evaluation import EvalResult, SegmentationMetrics, predict_classes, score_batches
-from utils.launch.process_group import (
-    DistributedContext,
-    StopAgreement,
-    agree_on_errors,
-    barrier,
-    broadcast_from_main,
-    raised_on_every_rank,
-    sum_across_ranks,
-)
+from utils.launch.process_group import DistributedContext, StopAgreement, agree_on_errors, barrier, raised_on_every_rank
 from utils.launch.signals import InterruptFlag
+from utils.training import early_stop
 from utils.training.checkpoint_budget import CheckpointBudget, checkpoint_budget, epoch_files_written, log_budget
-from utils.training.curves import write_curves_if_possible
+from utils.training.config import TrainConfig
 from utils.training.data import TrainData
-from utils.training.early_stop import EarlyStopping
 from utils.training.ema import WeightAverage
-from utils.training.progress_log import ProgressLog, bars_wanted
-from utils.training.reporting import SAMPLE_IMAGES, RunReporter, weight_and_grad_histograms
 from utils.training.run_folder import RunFolder
+from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 from utils.training.save_timer import SaveTimer
 from utils.training.state import (
@@ -59,41 +46,10 @@ from utils.training.state import (
     weights_only_payload,
 )
 from utils.training.step import TrainStep
-from utils.training.validation_stop import StoppedValidation, UntilStopped, ValidationStopped
+from utils.training.validation import ValidationStopped, Validator
 from utils.wording import count
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    """When the loop validates, saves, logs and stops (from the epoch, checkpoint and logging flags).
-
-    No field has a default: ``setup.loop_config`` fills every one from the flags, whose defaults are the only ones."""
-
-    last_epoch: int
-    """Number of the last epoch to train (epochs are numbered from 1)."""
-    n_classes: int
-    val_every: int
-    save_every: int
-    """checkpoint_epoch{N}.pth every this many epochs (0 = never)."""
-    keep_last: int
-    save_every_steps: int
-    log_every: int
-    max_steps: int
-    max_nonfinite_steps: int
-    save_every_minutes: float
-    """Also save last.pth when this many minutes have passed since the last save (0 = off)."""
-    keep_best: int
-    """Keep the K best states by validation Dice as best-1.pth .. best-K.pth (0 = off)."""
-    plateau_scheduler: bool
-    """The scheduler steps on validation Dice (ReduceLROnPlateau) instead of after every optimizer step."""
-    no_progress: bool
-    """No progress bars even on a terminal: log lines instead (``utils.training.progress_log``)."""
-    sharded_validation: bool
-    """--val-mode sharded: every rank scores its part of the validation set and the sums are all-reduced."""
-    early_stopping: EarlyStopping
-    """--patience/--min-delta."""
 
 
 @dataclass
@@ -120,6 +76,11 @@ class TrainParts:
     ema: WeightAverage | None = None
     """--ema: the average of the weights, updated after every applied step; it validates and is saved as the model."""
 
+    @property
+    def evaluated_model(self) -> nn.Module:
+        """What validates: the average of the weights with --ema, else the unwrapped model."""
+        return self.ema.module if self.ema is not None else self.raw_model
+
 
 @dataclass
 class TrainOutcome:
@@ -135,68 +96,63 @@ class TrainOutcome:
 
 
 class Trainer:
+    """The loop over epochs and optimizer steps, reading its flags from ``config`` (the flat ``TrainConfig``).
+
+    ``last_epoch``: the run's plan (a resumed run takes it from its checkpoint, ``setup.epoch_range``).
+    """
+
     def __init__(
         self,
-        config: LoopConfig,
+        config: TrainConfig,
         ctx: DistributedContext,
         parts: TrainParts,
         *,
+        last_epoch: int,
         run_folder: RunFolder,
-        reporter: RunReporter,
+        run_log: RunLog,
+        validator: Validator,
         interrupts: InterruptFlag,
     ) -> None:
         self.config = config
         self.ctx = ctx
         self.parts = parts
         self.step = parts.step
+        self.last_epoch = last_epoch
         self.run_folder = run_folder
-        self.reporter = reporter
+        self.run_log = run_log
+        self.validator = validator
         self.position = parts.position
         self._stop = StopAgreement(ctx, interrupts)
-        self._interrupts = interrupts  # read during validation (utils.training.validation_stop)
         self._plan = parts.batch_plan
-        self._images_seen = self.position.global_step * self._plan.images_per_step
-        self._last_log = (time.perf_counter(), self._images_seen)
         self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
         # Read on global rank 0 only; the other ranks learn its decision through the stop agreement.
         self._save_timer = SaveTimer(config.save_every_minutes)
-        self._bars = bars_wanted(is_main=ctx.is_main, no_progress=config.no_progress)
-        self._progress_log = ProgressLog(
-            enabled=ctx.is_main and not self._bars,
-            last_epoch=config.last_epoch,
-            steps_per_epoch=self._plan.steps_per_epoch,
-            max_steps=config.max_steps,
-        )
-        # Losses of an epoch's last steps, read at its end for the epoch line and counted into the next log window.
-        self._loss_carry = [0.0, 0.0]
-        self._last_validation: tuple[float, float] | None = None
 
     # ---------------------------------------------------------------------------------------------------- public
 
     def train(self) -> TrainOutcome:
         outcome = None
         self.parts.raw_model.train()
-        self._progress_log.start(self.position.global_step)
-        self.reporter.mark("loop_start")  # the benchmark's epoch section: start-up ends here
-        if self.ctx.is_main:
-            log_budget(self._checkpoint_budget())
-        # Log lines are written above the progress bars instead of being glued onto them.
-        with logging_redirect_tqdm():
-            while outcome is None and self.position.epoch < self.config.last_epoch:
-                if self._max_steps_reached():
-                    outcome = self._stop_for_max_steps()
-                    break
-                outcome = self._run_epoch(self.position.epoch)
-                if outcome is None:
-                    outcome = self._end_epoch(self.position.epoch)
+        with self.run_log.start(self.position.global_step):
+            if self.ctx.is_main:
+                log_budget(self._checkpoint_budget())
+            try:
+                while outcome is None and self.position.epoch < self.last_epoch:
+                    if self._max_steps_reached():
+                        outcome = self._stop_for_max_steps()
+                        break
+                    outcome = self._run_epoch(self.position.epoch) or self._end_epoch(self.position.epoch)
+            except DatasetError as error:
+                # A file that failed to load, in training or validation. A worker's error carries the loader's
+                # iterator in its traceback: dropping the traceback lets the iterator shut its workers down now; kept
+                # alive with the error, its idle workers (which ignore SIGTERM, see utils.training.data) would block
+                # the interpreter's exit forever.
+                error.__traceback__ = None
+                self._stop_for_bad_data(user_message(error))
         self._check_skipped_steps()
         self._stop.finish()
-        with self.reporter.phase("curves"):
-            drawn = self.reporter.enabled and write_curves_if_possible(
-                self.reporter.metrics_path, self.reporter.curves_path
-            )
-        if drawn:
-            logger.info("Curves written to %s", self.reporter.curves_path)
+        if self.run_log.draw_curves():
+            logger.info("Curves written to %s", self.run_folder.curves)
         # Nobody leaves before rank 0 has written its files: a launcher may kill the others' siblings on exit.
         barrier(self.ctx)
         return outcome or TrainOutcome(self.position)
@@ -204,7 +160,7 @@ class Trainer:
     def _checkpoint_budget(self) -> CheckpointBudget:
         epoch_files = epoch_files_written(
             epochs_done=self.position.epoch,
-            last_epoch=self.config.last_epoch,
+            last_epoch=self.last_epoch,
             save_every=self.config.save_every,
             keep_last=self.config.keep_last,
         )
@@ -213,9 +169,9 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Close metrics.jsonl and the wandb run, and release the run folder's lock."""
+        """Close metrics.jsonl, TensorBoard and the wandb run, and release the run folder's lock."""
         try:
-            self.reporter.close()
+            self.run_log.close()
         finally:
             self.run_folder.unlock()
 
@@ -230,17 +186,7 @@ class Trainer:
         self.step.set_epoch(epoch)  # --freeze-encoder-epochs
         batches_done = plan.batches_done(images_done)
         batches_in_epoch = plan.batches_in_epoch(images_done)
-        # The bar counts global images (all ranks), the unit users reason in: exactly those this epoch trains (with
-        # several ranks the sampler pads the epoch to a multiple of the world size), so it ends at 100%.
-        progress = tqdm(
-            total=images_done + plan.images_per_rank(images_done) * plan.world_size,
-            initial=images_done,
-            desc=f"Epoch {epoch + 1}/{self.config.last_epoch}",
-            unit="img",
-            disable=not self._bars,
-            dynamic_ncols=True,
-        )
-        try:
+        with self.run_log.epoch_bar(epoch, images_done=images_done):
             for offset, batch in enumerate(self._batches()):
                 index = batches_done + offset
                 group = plan.accumulation_group(index, batches_in_epoch)
@@ -248,9 +194,7 @@ class Trainer:
                 # A resume whose batch size or world size changed may start inside a group: it opens a step too.
                 if group.opens_with(index) or offset == 0:
                     self.step.begin()
-                images = self.step.accumulate(batch, group.size, sync_gradients=closes_group)
-                self._images_seen += images * self.ctx.world_size
-                progress.update(images * self.ctx.world_size)
+                self.run_log.trained(self.step.accumulate(batch, group.size, sync_gradients=closes_group))
                 if not closes_group:
                     continue
                 self.step.update()
@@ -258,17 +202,9 @@ class Trainer:
                     self.parts.ema.update()
                 self.position.global_step += 1
                 self.position.step_in_epoch = index + 1
-                outcome = self._after_step(epoch, progress)
+                outcome = self._after_step(epoch)
                 if outcome is not None:
                     return outcome
-        except DatasetError as error:
-            # A worker's error re-raised here carries the loader's iterator in its traceback. Dropping the traceback
-            # lets the iterator shut its workers down now; kept alive with the error, its idle workers (which ignore
-            # SIGTERM, see utils.training.data) would block the interpreter's exit forever.
-            error.__traceback__ = None
-            self._stop_for_bad_data(user_message(error))
-        finally:
-            progress.close()
         return None
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -300,22 +236,18 @@ class Trainer:
         improved, place = False, None
         previous_ranking = self.position.best_ranking
         # Every rank reads the epoch's remaining losses here (a collective), whether or not it logs.
-        remainder = sum_across_ranks(self.ctx, self.step.take_losses()).tolist()
-        self._progress_log.add_losses(*remainder)
-        self._loss_carry = [carried + value for carried, value in zip(self._loss_carry, remainder, strict=True)]
-        self._last_validation = None
+        self.run_log.add_losses(self.step.take_losses())
         if self._should_validate(epoch_number):
             try:
-                with self.reporter.phase("validation"):
-                    dice = self._validate(epoch_number)
+                dice = self.validator.validate(epoch_number, self.position.global_step)
             except ValidationStopped as stop:
                 # Saved as "every batch trained, not validated": the resumed run repeats the validation.
                 self.position.epoch, self.position.step_in_epoch = epoch, trained_steps
                 return self._stop_for_signal(stop.signum)
-            if self.config.plateau_scheduler:
+            if self.config.scheduler == "plateau":
                 self.parts.scheduler.step(dice)
-            self.position.validations_without_improvement = self.config.early_stopping.validations_without_improvement(
-                dice, self.position.best_dice, self.position.validations_without_improvement
+            self.position.validations_without_improvement = early_stop.validations_without_improvement(
+                self.config, dice, self.position.best_dice, self.position.validations_without_improvement
             )
             improved = dice > self.position.best_dice
             if improved:
@@ -324,9 +256,7 @@ class Trainer:
                 ranking = [list(entry) for entry in previous_ranking]
                 place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.keep_best)
                 self.position.best_ranking = ranking
-        self._progress_log.epoch_line(
-            epoch_number=epoch_number, global_step=self.position.global_step, validation=self._last_validation
-        )
+        self.run_log.epoch_line(epoch_number=epoch_number, global_step=self.position.global_step)
         targets = [self.run_folder.last]
         if self.config.save_every and epoch_number % self.config.save_every == 0:
             targets.append(self.run_folder.epoch_checkpoint(epoch_number))
@@ -342,21 +272,24 @@ class Trainer:
             for path in self.run_folder.prune_epoch_checkpoints(self.config.keep_last):
                 logger.info("Removed %s (--keep-last %d)", path.name, self.config.keep_last)
         stale = self.position.validations_without_improvement
-        if self.config.early_stopping.should_stop(stale) and epoch_number < self.config.last_epoch:
-            reason = self.config.early_stopping.reason(self.position.best_dice, self.position.best_epoch)
+        if early_stop.should_stop(self.config, stale) and epoch_number < self.last_epoch:
+            reason = early_stop.reason(self.config, self.position.best_dice, self.position.best_epoch)
             return TrainOutcome(self.position, checkpoint=self.run_folder.last, stopped_early=reason)
         return None
 
     def _should_validate(self, epoch_number: int) -> bool:
-        return epoch_number % self.config.val_every == 0 or epoch_number == self.config.last_epoch
+        return epoch_number % self.config.val_every == 0 or epoch_number == self.last_epoch
 
     # ---------------------------------------------------------------------------------------------------- steps
 
-    def _after_step(self, epoch: int, progress: tqdm) -> TrainOutcome | None:
+    def _after_step(self, epoch: int) -> TrainOutcome | None:
         """Logging, step checkpoints, and the stop decisions due at this optimizer-step boundary."""
         step = self.position.global_step
         if step % self.config.log_every == 0:
-            self._log_train(epoch, progress)
+            # The only host synchronisation of the loop: one small all-reduce and read every --log-every steps.
+            self.run_log.add_losses(self.step.take_losses())
+            self._check_skipped_steps()
+            self.run_log.log_train(epoch=epoch, position=self.position, lr=self.step.optimizer.param_groups[0]["lr"])
         if self.config.save_every_steps and step % self.config.save_every_steps == 0:
             self._save([self.run_folder.last])
         signum = self._stop.poll(save_due=self.ctx.is_main and self._save_timer.due())
@@ -431,143 +364,6 @@ class Trainer:
             raise raised_on_every_rank(diverged)  # every rank counts the same steps
         return report.current_run
 
-    # ---------------------------------------------------------------------------------------------- validation
-
-    @property
-    def _evaluated_model(self) -> nn.Module:
-        """What validates: the average of the weights with --ema, else the unwrapped model."""
-        return self.parts.ema.module if self.parts.ema is not None else self.parts.raw_model
-
-    def _score(self, batches: Iterable[dict[str, torch.Tensor]]) -> SegmentationMetrics:
-        """The validation sums over ``batches`` (one shard, or the whole set on rank 0), not yet scored."""
-        return score_batches(
-            self._evaluated_model,  # unwrapped and in eval mode: no DDP collective, BatchNorm untouched
-            batches,
-            self.ctx.device,
-            n_classes=self.config.n_classes,
-            precision=self.parts.precision,
-            progress=self._bars,
-        )
-
-    def _validate(self, epoch_number: int) -> float:
-        """Validation Dice of the unwrapped model, computed on rank 0 and broadcast to every rank."""
-        if self.config.sharded_validation and self.ctx.is_distributed:
-            return self._validate_sharded(epoch_number)
-        dice: float | str | StoppedValidation | None = None
-        if self.ctx.is_main:
-            batches = UntilStopped(self.parts.val_loader, self._interrupts)
-            try:
-                metrics = self._score(batches)
-            except DatasetError as error:
-                error.__traceback__ = None  # it holds the loader's iterator: see _run_epoch
-                dice = user_message(error)  # every rank learns of it from the broadcast and stops with it
-            else:
-                # Asked before computing: a signal before the first batch leaves no image scored, which is a stop,
-                # not an empty validation set.
-                if batches.stopped_by:
-                    dice = StoppedValidation(batches.stopped_by)  # a partial score is no score: not reported
-                else:
-                    result = metrics.compute()
-                    self._report_validation(epoch_number, result)
-                    dice = result.dice
-        # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
-        dice = broadcast_from_main(self.ctx, dice)
-        if isinstance(dice, str):
-            self._stop_for_bad_data(dice)
-        if isinstance(dice, StoppedValidation):
-            raise ValidationStopped(dice.signum)
-        return float(dice)
-
-    def _validate_sharded(self, epoch_number: int) -> float:
-        """Every rank scores its part (``utils.evaluation.shard_range``); the sums are all-reduced, so every rank
-        gets the scores of the whole set. A file that fails on any rank stops every rank with its message."""
-        try:
-            # Agreed before the all-reduce: a rank whose file failed would never reach it, and the others would wait.
-            metrics = agree_on_errors(self.ctx, lambda: self._score(self.parts.val_loader))
-        except DatasetError as error:
-            error.__traceback__ = None  # it holds the loader's iterator: see _run_epoch
-            self._stop_for_bad_data(user_message(error))
-        metrics.reduce(lambda sums: sum_across_ranks(self.ctx, sums.to(self.ctx.device)))
-        result = metrics.compute()
-        if self.ctx.is_main:
-            self._report_validation(epoch_number, result)
-        return result.dice
-
-    def _report_validation(self, epoch_number: int, result: EvalResult) -> None:
-        per_class = ", ".join(
-            f"{k}: Dice {d:.4f} IoU {i:.4f}"
-            for k, (d, i) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True))
-        )
-        micro = result.reductions()["micro"]
-        self._last_validation = (result.dice, result.iou)
-        logger.info(
-            "Validation after epoch %d (step %d, %s): Dice %.4f, IoU %.4f [%s] (macro: per-image means; "
-            "the means average classes 1+); micro (dataset-level) Dice %.4f, IoU %.4f",
-            epoch_number,
-            self.position.global_step,
-            count(result.n_images, "image"),
-            result.dice,
-            result.iou,
-            per_class,
-            micro["dice"],
-            micro["iou"],
-        )
-        samples = self._wandb_samples() if self.reporter.wants_samples() else None
-        self.reporter.log_val(epoch=epoch_number, global_step=self.position.global_step, result=result, samples=samples)
-        # Redrawn after every validation, so a long run's curves.png is always current.
-        with self.reporter.phase("curves"):
-            write_curves_if_possible(self.reporter.metrics_path, self.reporter.curves_path)
-
-    @torch.inference_mode()
-    def _wandb_samples(self) -> dict[str, Any]:
-        """A few validation images with their true and predicted masks, plus weight/gradient histograms."""
-        batch = next(iter(self.parts.val_loader))
-        model = self._evaluated_model
-        model.eval()
-        try:
-            logits = model(batch["image"][:SAMPLE_IMAGES].to(self.ctx.device))
-        finally:
-            model.train()
-        return {
-            "image": batch["image"][:SAMPLE_IMAGES],
-            "true": batch["mask"][:SAMPLE_IMAGES],
-            "pred": predict_classes(logits),
-            "histograms": weight_and_grad_histograms(model),
-        }
-
-    # ------------------------------------------------------------------------------------------------- logging
-
-    def _log_train(self, epoch: int, progress: tqdm) -> None:
-        # The only host synchronisation of the loop: one small all-reduce and read every --log-every steps.
-        window = sum_across_ranks(self.ctx, self.step.take_losses()).tolist()
-        self._progress_log.add_losses(*window)
-        loss_sum, count = (value + carried for value, carried in zip(window, self._loss_carry, strict=True))
-        self._loss_carry = [0.0, 0.0]
-        self._check_skipped_steps()
-        now = time.perf_counter()
-        last_time, last_images = self._last_log
-        images_per_s = (self._images_seen - last_images) / max(now - last_time, 1e-9)
-        self._last_log = (now, self._images_seen)
-        loss = loss_sum / count if count else float("nan")
-        lr = self.step.optimizer.param_groups[0]["lr"]
-        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
-        self._progress_log.step_line(
-            epoch=epoch,
-            global_step=self.position.global_step,
-            step_in_epoch=self.position.step_in_epoch,
-            loss=loss,
-            lr=lr,
-            images_per_s=images_per_s,
-        )
-        self.reporter.log_train(
-            epoch=epoch + 1,
-            global_step=self.position.global_step,
-            loss=loss,
-            lr=lr,
-            images_per_s=images_per_s,
-            images_seen=self._images_seen,
-        )
-
     # --------------------------------------------------------------------------------------------- checkpoints
 
     def _save(self, targets: list[Path], *, before_write: Callable[[], None] | None = None) -> bool:
@@ -623,7 +419,7 @@ class Trainer:
     def _write_checkpoint(self, targets: list[Path], before_write: Callable[[], None] | None = None) -> None:
         if before_write is not None:
             before_write()
-        with self.reporter.phase("checkpoint"):
+        with self.run_log.phase("checkpoint"):
             payload = self.checkpoint_payload()
             # best.pth and best-K.pth are for sharing and inference: the weights only (utils.training.run_folder).
             shared = [path for path in targets if self.run_folder.is_weights_only(path)]
@@ -651,7 +447,7 @@ def _next_batch(iterator: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.
     """The next batch (None at the end); a load failure as a DatasetError holding just its message.
 
     The message is what the other ranks receive, so a DataLoader worker's traceback text is cut off here; and the new
-    error holds no traceback through the loader's iterator (see ``Trainer._run_epoch``).
+    error holds no traceback through the loader's iterator (see ``Trainer.train``).
     """
     try:
         return next(iterator, None)

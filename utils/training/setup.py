@@ -34,14 +34,14 @@ from utils.training.build_optimization import build_optimization, build_step
 from utils.training.config import TrainConfig
 from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, record_split
-from utils.training.early_stop import EarlyStopping
 from utils.training.ema import build_weight_average
-from utils.training.loop import LoopConfig, Trainer, TrainParts
-from utils.training.reporting import RunReporter
+from utils.training.loop import Trainer, TrainParts
 from utils.training.resume_choice import agree_on_run
 from utils.training.run_folder import RunFolder, RunSeries, series_name
+from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan
 from utils.training.state import TrainingState, TrainPosition, load_resume_checkpoint, restore_rng_state
+from utils.training.validation import Validator
 from utils.wording import count
 
 logger = logging.getLogger(__name__)
@@ -92,35 +92,31 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
         parts = agree_on_errors(
             ctx, lambda: build_parts(config, ctx, choice.resume_path, choice.payload, run_folder=run_folder)
         )
-        reporter = agree_on_errors(ctx, lambda: _open_reporter(config, ctx, run_folder, parts, choice.resume_path))
+        last_epoch = epoch_range(parts.run_args)[1]
+        run_log = agree_on_errors(
+            ctx, lambda: _open_run_log(config, ctx, run_folder, parts, choice.resume_path, last_epoch)
+        )
     except BaseException:
         run_folder.unlock()
         raise
-    loop_settings = loop_config(config, last_epoch=epoch_range(parts.run_args)[1])
-    return Trainer(loop_settings, ctx, parts, run_folder=run_folder, reporter=reporter, interrupts=interrupts)
-
-
-# ----------------------------------------------------------------------------------------------- loop config
-
-
-def loop_config(config: TrainConfig, *, last_epoch: int) -> LoopConfig:
-    """``last_epoch``: from the run's epoch plan (``epoch_range``), which a resumed run takes from its checkpoint."""
-    return LoopConfig(
+    validator = Validator(
+        config,
+        ctx,
+        parts.evaluated_model,
+        parts.val_loader,
+        precision=parts.precision,
+        interrupts=interrupts,
+        run_log=run_log,
+    )
+    return Trainer(
+        config,
+        ctx,
+        parts,
         last_epoch=last_epoch,
-        n_classes=config.classes,
-        val_every=config.val_every,
-        save_every=config.save_every,
-        keep_last=config.keep_last,
-        save_every_steps=config.save_every_steps,
-        log_every=config.log_every,
-        max_steps=config.max_steps,
-        max_nonfinite_steps=config.max_nonfinite_steps,
-        save_every_minutes=config.save_every_minutes,
-        keep_best=config.keep_best,
-        plateau_scheduler=config.scheduler == "plateau",
-        early_stopping=EarlyStopping(config.patience, config.min_delta),
-        no_progress=config.no_progress,
-        sharded_validation=config.val_mode == "sharded",
+        run_folder=run_folder,
+        run_log=run_log,
+        validator=validator,
+        interrupts=interrupts,
     )
 
 
@@ -162,22 +158,20 @@ def planned_run_args(config: TrainConfig, state: TrainingState | None) -> dict[s
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def _open_reporter(
-    config: TrainConfig, ctx: DistributedContext, run_folder: RunFolder, parts: TrainParts, resume_path: str | None
-) -> RunReporter:
-    """The run's reporter, after its resolved flags (those its checkpoints store) are written to config.yaml."""
+def _open_run_log(
+    config: TrainConfig,
+    ctx: DistributedContext,
+    run_folder: RunFolder,
+    parts: TrainParts,
+    resume_path: str | None,
+    last_epoch: int,
+) -> RunLog:
+    """The run's log, after its resolved flags (those its checkpoints store) are written to config.yaml."""
     try:
         if ctx.is_main:
             write_config_file(run_folder.config_file, parts.run_args)
-        return RunReporter(
-            run_folder,
-            enabled=ctx.is_main,
-            wandb_mode=config.wandb,
-            run_name=config.exp_name,
-            config=config.as_dict(),
-            tensorboard=config.tensorboard,
-            resumed_step=parts.position.global_step if resume_path is not None else None,
-        )
+        resumed_step = parts.position.global_step if resume_path is not None else None
+        return RunLog(config, ctx, run_folder, parts.batch_plan, last_epoch=last_epoch, resumed_step=resumed_step)
     except OSError as error:
         raise ConfigError(
             f"cannot write to the run folder {run_folder}: {error.strerror or error}; choose a writable "
