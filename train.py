@@ -60,7 +60,7 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
         stage.rank = plan.rank
         setup_logging(plan.rank, plan.world_size)
         # Installed before the process group exists, so that a signal during set-up is not lost either.
-        interrupts.install(extra=signals_to_handle(config.requeue_signal, plan.slurm_job_id))
+        interrupts.install(extra=signals_to_handle(config.launch.requeue_signal, plan.slurm_job_id))
         # A worker whose torchrun is killed stops like one sent SIGTERM.
         launcher = stop_when_orphaned() if plan.supervised else None
         stage.joining = True
@@ -100,12 +100,12 @@ def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome)
                 outcome.checkpoint,
                 outcome.checkpoint,
             )
-        requeue_if_asked(ctx, outcome.interrupted_by, config.requeue_signal)
+        requeue_if_asked(ctx, outcome.interrupted_by, config.launch.requeue_signal)
         return signal_exit_code(outcome.interrupted_by)
     if outcome.reached_max_steps:
         logger.info(
             "Stopped after --max-steps %d; %s holds the state (continue with --resume auto and a larger --max-steps)",
-            config.max_steps,
+            config.optimisation.max_steps,
             outcome.checkpoint or "the newest checkpoint of the run folder",
         )
         return 0
