@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import functools
 import inspect
 import math
 import textwrap
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +113,10 @@ def flag_fields(config_class: type) -> Iterator[FlagField]:
 @functools.cache
 def _own_flags(config_class: type) -> tuple[FlagField, ...]:
     hints = typing.get_type_hints(config_class)
-    docs = _field_docstrings(config_class)
+    docs: dict[str, str] = {}
+    for klass in reversed(config_class.__mro__):  # a field declared in a base class has its docstring there
+        if dataclasses.is_dataclass(klass):
+            docs.update(_field_docstrings(klass))
     items = []
     for field in dataclasses.fields(config_class):
         record = field.metadata.get("flag")
@@ -143,11 +147,12 @@ def _field_docstrings(config_class: type) -> dict[str, str]:
 
 
 def _value_type(hint: Any) -> tuple[type, bool]:
-    """``int | None`` -> (int, False); ``list[int]`` -> (int, True)."""
+    """``int | None`` -> (int, False); ``list[int]`` and ``list[int] | None`` -> (int, True)."""
+    if type(None) in typing.get_args(hint):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     if typing.get_origin(hint) is list:
         return typing.get_args(hint)[0], True
-    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-    return (args[0] if args else hint), False
+    return hint, False
 
 
 def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
@@ -160,7 +165,7 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
             options["action"] = "store_true"
         else:
             options["type"] = record.value_type or item.kind
-            options["default"] = item.default
+            options["default"] = copy.copy(item.default)  # argparse hands it out: no list shared between parses
             if item.repeatable:
                 options["nargs" if record.nargs is not None else "action"] = record.nargs or "append"
             elif record.nargs is not None:
@@ -189,6 +194,14 @@ def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
         elif "flag" in field.metadata and field.name in values:
             arguments[field.name] = values[field.name]
     return config_class(**arguments)
+
+
+def parse_flags(parser: argparse.ArgumentParser, config_class: type, argv: Sequence[str] | None) -> Any:
+    """``config_class`` from ``argv`` (default: sys.argv[1:]) through ``parser``, each value inside its range."""
+    add_flags(parser, config_class)
+    config = build_config(config_class, vars(parser.parse_args(argv)))
+    check_ranges(config)
+    return config
 
 
 def flat_values(config: Any) -> dict[str, Any]:
