@@ -62,11 +62,7 @@ class DataSection:
     augment: bool = flag(False, "--augment", must_match=True)
     """Random flips, scaled crops and colour jitter of training images."""
     ignore_values: list[int] = flag(
-        [],
-        "--ignore-value",
-        metavar="V",
-        range=Range(0, MAX_MASK_VALUE, what="a mask value"),
-        must_match=True,
+        [], "--ignore-value", metavar="V", range=Range(0, MAX_MASK_VALUE, what="a mask value"), must_match=True
     )
     """Void mask value, not a class: left out of the loss and the metrics (repeatable; e.g. 255)."""
     oversample_foreground: float = flag(0.0, "--oversample-foreground", metavar="P", range=Range(0, 1), must_match=True)
@@ -118,11 +114,7 @@ class OptimisationSection:
     batch_size: int = flag(1, "--batch-size", "-b", range=Range(1))
     """Batch size per process."""
     learning_rate: float = flag(
-        1e-5,
-        "--learning-rate",
-        "-l",
-        range=Range(0, MAX_LEARNING_RATE, low_open=True),
-        must_match=True,
+        1e-5, "--learning-rate", "-l", range=Range(0, MAX_LEARNING_RATE, low_open=True), must_match=True
     )
     """Peak learning rate, in (0, 1]."""
     optimizer: str = flag("adamw", "--optimizer", choices=OPTIMIZERS, must_match=True)
@@ -167,9 +159,7 @@ class LaunchSection:
     sync_bn: bool = flag(False, "--sync-bn")
     """Synchronise BatchNorm across processes."""
     dist_timeout: float = flag(
-        1800.0,
-        "--dist-timeout",
-        range=Range(0, MAX_DIST_TIMEOUT_S, low_open=True, note=" seconds"),
+        1800.0, "--dist-timeout", range=Range(0, MAX_DIST_TIMEOUT_S, low_open=True, note=" seconds")
     )
     """Seconds before a collective waiting for a dead rank fails, in (0, 604800]."""
     rank: int | None = flag(None, "--rank")
