@@ -133,8 +133,8 @@ def planned_run_args(config: TrainConfig, state: TrainingState | None) -> dict[s
     saved = state.run_args if state is not None else {}
     if "epochs" in saved and "start_from" in saved:
         plan = {"epochs": int(saved["epochs"]), "start_from": int(saved["start_from"])}
-        asked = (config.optimisation.epochs, config.checkpoint.start_from)
-        if asked != (plan["epochs"], plan["start_from"]):
+        asked = (config.checkpoint.start_from, config.optimisation.epochs)
+        if asked != (plan["start_from"], plan["epochs"]):
             first, last = epoch_range(plan)
             logger.warning(
                 "--resume continues the run's plan, epochs %d..%d (--start_from %d --epochs %d); this command's "
