@@ -228,3 +228,14 @@ def test_the_step_freezes_the_encoder_for_the_epochs_counted_from_start_from() -
     resnet = ["--encoder", "resnet18"]
     assert step([*resnet, "--freeze-encoder-epochs", "2", "--start_from", "4"]).freeze_encoder_before_epoch == 4 - 1 + 2
     assert step([]).freeze_encoder_before_epoch == 0 and step([]).precision == "bf16"
+
+
+def test_the_flags_a_resume_must_repeat_are_marked_on_the_flags() -> None:
+    from utils.flags import flag_fields
+
+    marked = {item.flag.name for item in flag_fields(TrainConfig) if item.flag.must_match}
+    assert marked == {
+        "--optimizer", "--scheduler", "--learning-rate", "--weight-decay", "--momentum", "--warmup-steps",
+        "--class-weights", "--scale", "--validation", "--seed", "--ignore-value", "--oversample-foreground",
+        "--augment",
+    }  # fmt: skip
