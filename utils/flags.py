@@ -14,6 +14,7 @@ import argparse
 import ast
 import copy
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -196,12 +197,35 @@ def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
     return config_class(**arguments)
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting, so every error is one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see python {self.prog} --help)")
+
+
 def parse_flags(parser: argparse.ArgumentParser, config_class: type, argv: Sequence[str] | None) -> Any:
     """``config_class`` from ``argv`` (default: sys.argv[1:]) through ``parser``, each value inside its range."""
     add_flags(parser, config_class)
-    config = build_config(config_class, vars(parser.parse_args(argv)))
+    config = build_config(config_class, vars(parse_known_flags(parser, argv)))
     check_ranges(config)
     return config
+
+
+def parse_known_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser``'s result for ``argv``; an unknown flag is a ConfigError naming the closest real one."""
+    namespace, unknown = parser.parse_known_args(argv)
+    if not unknown:
+        return namespace
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    flags = [option for action in parser._actions for option in action.option_strings]
+    for argument in unknown:
+        if argument.startswith("-"):
+            close = difflib.get_close_matches(argument.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if close:
+                message += f"; did you mean {close[0]}?"
+            break
+    raise ConfigError(f"{message} (see python {parser.prog} --help)")
 
 
 def flat_values(config: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from utils.cli import device_flag, parse_size, stderr_is_terminal
 from utils.errors import ConfigError
-from utils.flags import Range, flag, parse_flags
+from utils.flags import FlagParser, Range, flag, parse_flags
 from utils.hardware import PRECISIONS
 from utils.inference.export import EXPORT_FORMATS
 from utils.inference.file_plan import MASK_FORMATS
@@ -142,8 +142,11 @@ def parse_predict_config(argv: Sequence[str] | None, doc: str) -> PredictConfig:
     """predict.py's flags as a checked ``PredictConfig``; ``doc`` is the script's docstring (its summary and examples
     make the help)."""
     summary, examples = doc.split("\n\n")[:2]
-    parser = argparse.ArgumentParser(
-        description=summary, epilog=f"examples:\n{examples}", formatter_class=argparse.RawTextHelpFormatter
+    parser = FlagParser(
+        prog="predict.py",
+        description=summary,
+        epilog=f"examples:\n{examples}",
+        formatter_class=argparse.RawTextHelpFormatter,
     )
     config = parse_flags(parser, PredictConfig, argv)
     config.validate()
@@ -153,6 +156,7 @@ def parse_predict_config(argv: Sequence[str] | None, doc: str) -> PredictConfig:
 def parse_evaluate_config(argv: Sequence[str] | None, doc: str) -> EvaluateConfig:
     """evaluate.py's flags as a checked ``EvaluateConfig``; ``doc`` is the script's docstring (its first paragraph is
     the summary)."""
-    config = parse_flags(argparse.ArgumentParser(description=doc.split("\n\n")[0]), EvaluateConfig, argv)
+    parser = FlagParser(prog="evaluate.py", description=doc.split("\n\n")[0])
+    config = parse_flags(parser, EvaluateConfig, argv)
     config.validate()
     return config

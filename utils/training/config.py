@@ -8,7 +8,6 @@ the flag and say what to change; argparse's own errors are turned into the same 
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +18,18 @@ from utils.class_names import parse_class_names
 from utils.cli import device_flag
 from utils.datasets.splits import SPLIT_BY_IMAGE, SPLIT_RULES, check_split_flags
 from utils.errors import ConfigError
-from utils.flags import Range, add_flags, build_config, check_ranges, flag, flat_values, require_number, section
+from utils.flags import (
+    FlagParser,
+    Range,
+    add_flags,
+    build_config,
+    check_ranges,
+    flag,
+    flat_values,
+    parse_known_flags,
+    require_number,
+    section,
+)
 from utils.hardware import PRECISIONS
 from utils.machine_bounds import check_model_fits, check_threads, check_workers
 from utils.training.config_file import add_config_flag, apply_config_file
@@ -273,15 +283,8 @@ class TrainConfig:
         return build_config(cls, values)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage and exiting, so every error is one line."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see python train.py --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = FlagParser(
         prog="train.py",
         description="Train a UNet for semantic segmentation on one device or with DistributedDataParallel.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -297,26 +300,10 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse ``argv`` (default: sys.argv[1:]) into a validated TrainConfig; ``--config FILE`` under the flags."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    namespace, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise ConfigError(unknown_arguments_message(parser, unknown))
+    namespace = parse_known_flags(parser, argv)
     config = TrainConfig.from_dict(apply_config_file(parser, argv, vars(namespace), TrainConfig))
     validate_config(config)
     return config
-
-
-def unknown_arguments_message(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
-    """'unrecognized arguments: ...', with the closest real flag for the first unknown one ("did you mean")."""
-    message = f"unrecognized arguments: {' '.join(unknown)}"
-    flags = [option for action in parser._actions for option in action.option_strings]
-    for argument in unknown:
-        if argument.startswith("-"):
-            name = argument.split("=", 1)[0]
-            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
-            if close:
-                message += f"; did you mean {close[0]}?"
-            break
-    return f"{message} (see python train.py --help)"
 
 
 def validate_config(config: TrainConfig) -> None:
