@@ -167,10 +167,10 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
         else:
             options["type"] = record.value_type or item.kind
             options["default"] = copy.copy(item.default)  # argparse hands it out: no list shared between parses
-            if item.repeatable:
-                options["nargs" if record.nargs is not None else "action"] = record.nargs or "append"
-            elif record.nargs is not None:
+            if record.nargs is not None:
                 options["nargs"] = record.nargs
+            elif item.repeatable:
+                options["action"] = "append"
             if record.choices is not None:
                 options["choices"] = record.choices
             if record.metavar is not None:
