@@ -32,8 +32,7 @@ from utils.datasets.splits import validation_positions
 from utils.errors import DatasetError
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.hardware import pick_device, warn_if_emulated
-from utils.inference.cli import parse_evaluate_config
-from utils.inference.config import EvaluateConfig
+from utils.inference.config import EvaluateConfig, parse_evaluate_config
 from utils.inference.score_file import check_json_path, write_json
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, format_table, keep_items
 from utils.launch.runner import run_main

@@ -31,8 +31,7 @@ import torch
 from unet import UNet
 from utils.cli import setup_logging
 from utils.hardware import pick_device, warn_if_emulated
-from utils.inference.cli import parse_predict_config
-from utils.inference.config import PredictConfig
+from utils.inference.config import PredictConfig, parse_predict_config
 from utils.inference.engine import PredictionInputs, predict_items
 from utils.inference.file_plan import (
     check_writable,

@@ -104,7 +104,7 @@ def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome)
     if outcome.reached_max_steps:
         logger.info(
             "Stopped after --max-steps %d; %s holds the state (continue with --resume auto and a larger --max-steps)",
-            config.max_steps,
+            config.optimisation.max_steps,
             outcome.checkpoint or "the newest checkpoint of the run folder",
         )
         return 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 from tests.conftest import REPO_ROOT
+from utils.flags import FlagField, flag_fields
 from utils.training.config import TrainConfig
-from utils.training.flags import FlagField, flag_fields
 
 FLAGS_DOC = REPO_ROOT / "docs" / "TRAINING.md"
 DOC_NAME = "docs/TRAINING.md"

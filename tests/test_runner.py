@@ -75,7 +75,7 @@ def test_ranks_other_than_0_log_errors_only() -> None:
 @pytest.mark.parametrize("text", ["auto", "cpu", "cuda", "cuda:1", "mps"])
 def test_device_is_spelled_the_same_in_every_script(text: str) -> None:
     assert device_flag(text) == text
-    assert parse_config(["--device", text]).device == text
+    assert parse_config(["--device", text]).performance.device == text
 
 
 @pytest.mark.parametrize("text", ["gpu", "cuda:", "cuda:x", "xla"])

@@ -15,10 +15,6 @@ from typing import TextIO
 from utils.errors import ConfigError, user_message
 from utils.hardware import DEVICES
 
-DEVICE_HELP = (
-    "auto, cpu, cuda, cuda:N or mps (auto: cuda:LOCAL_RANK if there is CUDA, else mps for one process, else cpu)"
-)
-
 
 def setup_logging(rank: int, world_size: int) -> None:
     """INFO on rank 0; rank-prefixed lines when there are several processes.

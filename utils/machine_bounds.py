@@ -1,6 +1,6 @@
 """Upper bounds that come from the machine rather than from a flag's meaning: threads, loader workers, model size.
 
-A flag's ``Range`` (``utils.training.flags``) knows what a value means; how many threads or processes this machine
+A flag's ``Range`` (``utils.flags``) knows what a value means; how many threads or processes this machine
 can run, or whether a model fits its memory, only the machine knows. Each check here runs before anything is built
 or created (no run folder, no model), and its error names the flag, the bound and where the bound comes from.
 """

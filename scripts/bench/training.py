@@ -373,8 +373,8 @@ def _time_train_step(step: TrainStep, loader: Any, model_args: dict[str, Any], s
     from unet import build_model
     from utils.training.objective import segmentation_loss
 
-    device, precision, n_classes = step.device, step.config.precision, step.config.n_classes
-    batches = _held_batches(loader, device, channels_last=step.config.channels_last)
+    device, precision, n_classes = step.device, step.precision, step.config.model.classes
+    batches = _held_batches(loader, device, channels_last=step.config.performance.channels_last)
     batch_size, _, height, width = batches[0]["image"].shape
 
     def loss_fn(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

@@ -199,7 +199,7 @@ def main(argv: list[str]) -> None:
         model = parts.raw_model
         _warm_up(model, loader, ctx.device, parts.precision)
         counted = _Counted(loader) if loader is not None else None
-        options = {"n_classes": trainer.config.classes, "precision": parts.precision, "progress": False}
+        options = {"n_classes": trainer.config.model.classes, "precision": parts.precision, "progress": False}
         barrier(ctx)
         started = time.perf_counter()
         # The same calls as Validator.validate (utils/training/validation.py), less the reporting.

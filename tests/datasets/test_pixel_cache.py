@@ -259,13 +259,12 @@ def test_channels_must_be_one_or_three(photos, tmp_path) -> None:
 
 
 def test_training_data_from_a_mixed_folder_with_the_cache(tmp_path) -> None:
-    from utils.training.build_loaders import data_config
     from utils.training.config import parse_config
     from utils.training.data import build_data
 
     photos = write_photos(tmp_path / "data", grey=(2,))
     folders = ["--imgs", str(photos[0]), "--masks", str(photos[1]), "--pixel-cache", str(tmp_path / "pixels")]
-    config = data_config(parse_config([*folders, "--scale", "0.5", "--validation", "34", "--augment"]))
+    config = parse_config([*folders, "--scale", "0.5", "--validation", "34", "--augment"])
     data = build_data(config, world_size=1)
     assert data.n_channels == 3 and data.train_dataset.pixel_cache is not None
     assert data.item_seconds is None and not (tmp_path / "pixels").exists(), "nothing is decoded before it is needed"

@@ -126,3 +126,17 @@ def test_each_folder_is_listed_once(carvana_data, tmp_path, monkeypatch):
     assert run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks),
                         "-s", "0.5") == 0  # fmt: skip
     assert listed == ["image", "mask"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-m", "m.pth"], "the following arguments are required: --imgs, --masks (see python evaluate.py --help)"),
+        (["--imgs", "i", "--masks", "m", "--jsno", "s.json"], "--jsno s.json; did you mean --json?"),
+        (["--imgs", "i", "--masks", "m", "--scale", "2"], "--scale must be a finite number in (0, 1], got 2"),
+        (["--imgs", "i", "--masks", "m", "-b", "0"], "--batch-size must be at least 1"),
+    ],
+)
+def test_bad_flags_are_one_line_as_train_py_words_them(capsys, argv, message):
+    assert evaluate_cli.main(argv) == USER_ERROR_EXIT_CODE
+    assert message in one_error_line(capsys.readouterr().err)

@@ -57,7 +57,7 @@ def test_the_summary_names_a_few_folders_and_counts_the_rest():
 def test_evaluate_names_its_json_and_its_bar_says_evaluating(
     self_labelled_masks, carvana_data, tmp_path, capsys, monkeypatch
 ):
-    monkeypatch.setattr("utils.inference.cli.stderr_is_terminal", lambda: True)  # bars are drawn on a terminal only
+    monkeypatch.setattr("utils.inference.config.stderr_is_terminal", lambda: True)  # bars are drawn on a terminal only
     checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 255])
     masks = self_labelled_masks(checkpoint)
     capsys.readouterr()

@@ -235,9 +235,11 @@ def test_an_output_folder_that_cannot_be_written_is_one_clear_error(tmp_path, im
         (["-o", "a.png", "b.png"], "--output got 2 paths for 1 input images"),
         (["-o", "a.jpg"], "masks must be lossless"),
         (["--tile", "50"], "--tile 50"),
-        (["--scale", "0"], "--scale 0.0"),
+        (["--scale", "0"], "--scale must be a finite number in (0, 1], got 0"),
         (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
         (["-n"], "--no-save with no --viz"),
+        (["--tile-overlapp", "0.2"], "did you mean --tile-overlap? (see python predict.py --help)"),
+        (["--mask-threshold", "2"], "--mask-threshold must be a finite number in [0, 1], got 2"),
         (["--classes", "3"], "--classes asks for 3"),
     ],
 )

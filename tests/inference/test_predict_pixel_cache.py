@@ -12,7 +12,7 @@ from tests.datasets.test_pixel_cache import HEIGHT, WIDTH, write_photos
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.pixel_cache import IMAGE
 from utils.errors import ConfigError
-from utils.inference.cli import parse_predict_config
+from utils.inference.config import parse_predict_config
 from utils.inference.engine import PredictionInputs, _file_info
 
 

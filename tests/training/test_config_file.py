@@ -27,13 +27,17 @@ def test_file_values_apply_and_the_command_line_overrides_them(tmp_path: Path) -
         "epochs: 7\nbatch-size: 3\nlearning_rate: 1e-4\nignore_values: [255]\namp: true\nexp_name: from-file\n",
     )
     config = parse_config(["--config", str(path), "--epochs", "2", "--ignore-value", "0"])
-    assert config.epochs == 2  # the command line wins
-    assert config.batch_size == 3 and config.amp is True and config.exp_name == "from-file"
-    assert config.learning_rate == pytest.approx(1e-4)  # YAML reads 1e-4 as text: still the number meant
-    assert config.ignore_values == [0]  # a repeatable flag replaces the file's list, it does not add to it
+    assert config.optimisation.epochs == 2  # the command line wins
+    assert (
+        config.optimisation.batch_size == 3
+        and config.performance.amp is True
+        and config.checkpoint.exp_name == "from-file"
+    )
+    assert config.optimisation.learning_rate == pytest.approx(1e-4)  # YAML reads 1e-4 as text: still the number meant
+    assert config.data.ignore_values == [0]  # a repeatable flag replaces the file's list, it does not add to it
     # Without the flags, the file's values; without the file, the defaults.
-    assert parse_config(["--config", str(path)]).ignore_values == [255]
-    assert parse_config([]).epochs == TrainConfig().epochs
+    assert parse_config(["--config", str(path)]).data.ignore_values == [255]
+    assert parse_config([]).optimisation.epochs == TrainConfig().optimisation.epochs
 
 
 def test_unknown_keys_and_wrong_types_are_refused_naming_the_file(tmp_path: Path) -> None:

@@ -16,13 +16,13 @@ STEPS_PER_EPOCH = 8
 
 
 def test_the_count_on_hand_values() -> None:
-    flags = parse_config(["--patience", "2", "--min-delta", "0.01"])
+    flags = parse_config(["--patience", "2", "--min-delta", "0.01"]).optimisation
     assert early_stop.validations_without_improvement(flags, 0.5, -math.inf, 0) == 0  # the first always improves
     assert early_stop.validations_without_improvement(flags, 0.505, 0.5, 0) == 1  # not by more than min_delta
     assert early_stop.validations_without_improvement(flags, 0.511, 0.5, 1) == 0
     assert early_stop.validations_without_improvement(flags, 0.4, 0.5, 1) == 2
     assert not early_stop.should_stop(flags, 1) and early_stop.should_stop(flags, 2)
-    assert not early_stop.should_stop(parse_config([]), 100)  # patience 0: off
+    assert not early_stop.should_stop(parse_config([]).optimisation, 100)  # patience 0: off
     assert early_stop.reason(flags, 0.51234, 3) == (
         "early stopping: no improvement of validation Dice above 0.01 in 2 validations; best 0.5123 at epoch 3"
     )

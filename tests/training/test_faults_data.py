@@ -17,7 +17,6 @@ from tests.conftest import SyntheticData, TrainRunner, finish, load_checkpoint, 
 from tests.helpers import one_error_line
 from utils.datasets.dataset import BasicDataset
 from utils.errors import DatasetError
-from utils.training.build_loaders import data_config
 from utils.training.config import parse_config
 from utils.training.data import build_data
 from utils.training.sampler import ResumableDistributedSampler
@@ -33,7 +32,7 @@ def _copy_with_a_truncated_image(
     copy = SyntheticData(root / "imgs", root / "masks", data.n_images)
     shutil.copytree(data.imgs, copy.imgs)
     shutil.copytree(data.masks, copy.masks)
-    settings = data_config(parse_config(["--imgs", str(copy.imgs), "--masks", str(copy.masks), "-s", "1", "-v", "25"]))
+    settings = parse_config(["--imgs", str(copy.imgs), "--masks", str(copy.masks), "-s", "1", "-v", "25"])
     built = build_data(settings, world_size=1)
     subset = built.val_set if split == "validation" else built.train_set
     position = -1  # not the first training item: set-up loads that one to time the loaders

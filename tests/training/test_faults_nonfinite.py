@@ -14,7 +14,6 @@ import train
 from tests.conftest import TrainRunner, load_checkpoint
 from tests.helpers import one_error_line, read_metrics
 from unet import UNet
-from utils.training.build_optimization import optimizer_config
 from utils.training.config import parse_config
 from utils.training.nonfinite import NonFiniteStepGuard
 from utils.training.objective import build_optimizer, segmentation_loss
@@ -33,7 +32,7 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def test_a_step_with_nan_gradients_changes_neither_weights_nor_statistics(optimizer: str, grad_clip: float) -> None:
     torch.manual_seed(0)
     model = UNet(3, 1, base_channels=8)
-    settings = optimizer_config(parse_config(["--optimizer", optimizer, "-l", "1e-3"]))
+    settings = parse_config(["--optimizer", optimizer, "-l", "1e-3"]).optimisation
     sgd = build_optimizer(settings, model.parameters())
     guard = NonFiniteStepGuard(model, sgd, torch.device("cpu"))
     images = torch.rand(2, 3, 32, 48)
@@ -73,7 +72,9 @@ def absurd_learning_rate(monkeypatch: pytest.MonkeyPatch):
 
     def use(learning_rate: float) -> None:
         def parse_with_rate(argv):
-            return dataclasses.replace(parse_config(argv), learning_rate=learning_rate)
+            config = parse_config(argv)
+            optimisation = dataclasses.replace(config.optimisation, learning_rate=learning_rate)
+            return dataclasses.replace(config, optimisation=optimisation)
 
         monkeypatch.setattr(train, "parse_config", parse_with_rate)
 

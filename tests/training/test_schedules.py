@@ -7,10 +7,8 @@ import torch
 
 from tests.conftest import TrainRunner, assert_same_training_state, load_checkpoint
 from tests.helpers import read_metrics
-from utils.training.build_optimization import optimizer_config
-from utils.training.config import parse_config
+from utils.training.config import OptimisationSection, parse_config
 from utils.training.objective import (
-    OptimizerConfig,
     PlateauAfterWarmup,
     build_scheduler,
     planned_lr_factor,
@@ -51,7 +49,7 @@ def test_the_schedule_after_the_warmup_spans_the_remaining_steps() -> None:
     assert planned_lr_factor(25, shape="cosine", total_steps=100) == pytest.approx(0.5 * (1 + 2**-0.5))
 
 
-def lrs_of(scheduler_config: OptimizerConfig, steps: int, total_steps: int = 20) -> list[float]:
+def lrs_of(scheduler_config: OptimisationSection, steps: int, total_steps: int = 20) -> list[float]:
     parameter = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([parameter], lr=0.1)
     scheduler = build_scheduler(scheduler_config, optimizer, total_steps)
@@ -64,7 +62,7 @@ def lrs_of(scheduler_config: OptimizerConfig, steps: int, total_steps: int = 20)
 
 
 def test_the_torch_schedulers_follow_the_pure_functions() -> None:
-    config = optimizer_config(parse_config(["-l", "0.1", "--scheduler", "poly", "--warmup-steps", "4"]))
+    config = parse_config(["-l", "0.1", "--scheduler", "poly", "--warmup-steps", "4"]).optimisation
     expected = [0.1 * planned_lr_factor(k, shape="poly", total_steps=20, warmup_steps=4) for k in range(21)]
     assert lrs_of(config, 21) == pytest.approx(expected)
     assert expected[:5] == pytest.approx([0.02, 0.04, 0.06, 0.08, 0.1]) and expected[20] == 0.0
@@ -73,7 +71,7 @@ def test_the_torch_schedulers_follow_the_pure_functions() -> None:
 def test_plateau_after_warmup_warms_up_then_reduces_only_after_it() -> None:
     parameter = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([parameter], lr=0.1)
-    settings = optimizer_config(parse_config(["-l", "0.1", "--scheduler", "plateau", "--warmup-steps", "4"]))
+    settings = parse_config(["-l", "0.1", "--scheduler", "plateau", "--warmup-steps", "4"]).optimisation
     scheduler = build_scheduler(settings, optimizer, 0)
     assert isinstance(scheduler, PlateauAfterWarmup)
     seen = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import pytest
 
@@ -16,34 +15,46 @@ def test_documented_flags_and_short_forms() -> None:
         ["-e", "7", "-b", "3", "-l", "2e-4", "-f", "w.pth", "-s", "0.25", "-v", "20", "-c", "3", "--amp",
          "--bilinear", "--exp_name", "run1", "--save_every", "2", "--start_from", "4"]
     )  # fmt: skip
-    assert (config.epochs, config.batch_size, config.learning_rate, config.load) == (7, 3, 2e-4, "w.pth")
-    assert (config.scale, config.validation, config.classes) == (0.25, 20.0, 3)
-    assert config.amp and config.bilinear
-    assert (config.exp_name, config.save_every, config.start_from) == ("run1", 2, 4)
+    assert (
+        config.optimisation.epochs,
+        config.optimisation.batch_size,
+        config.optimisation.learning_rate,
+        config.checkpoint.load,
+    ) == (7, 3, 2e-4, "w.pth")
+    assert (config.data.scale, config.data.validation, config.model.classes) == (0.25, 20.0, 3)
+    assert config.performance.amp and config.model.bilinear
+    assert (config.checkpoint.exp_name, config.checkpoint.save_every, config.checkpoint.start_from) == ("run1", 2, 4)
     # Underscored flags of the documented DDP script also accept dashes.
-    assert parse_config(["--exp-name", "x", "--save-every", "3"]).save_every == 3
+    assert parse_config(["--exp-name", "x", "--save-every", "3"]).checkpoint.save_every == 3
 
 
 def test_defaults_are_milesials_flags_with_this_projects_optimizer_and_schedule() -> None:
     config = parse_config([])
     # milesial/Pytorch-UNet's train.py defaults:
-    assert (config.epochs, config.batch_size, config.learning_rate, config.scale) == (5, 1, 1e-5, 0.5)
-    assert (config.validation, config.classes) == (10.0, 2)
+    assert (
+        config.optimisation.epochs,
+        config.optimisation.batch_size,
+        config.optimisation.learning_rate,
+        config.data.scale,
+    ) == (5, 1, 1e-5, 0.5)
+    assert (config.data.validation, config.model.classes) == (10.0, 2)
     # This project's own: AdamW with a cosine schedule (milesial's RMSprop + ReduceLROnPlateau is
     # --optimizer rmsprop --scheduler plateau).
-    assert (config.optimizer, config.scheduler) == ("adamw", "cosine")
-    assert config.wandb == "disabled" and config.resume is None and config.grad_clip == 1.0
+    assert (config.optimisation.optimizer, config.optimisation.scheduler) == ("adamw", "cosine")
+    assert (
+        config.logging.wandb == "disabled" and config.checkpoint.resume is None and config.optimisation.grad_clip == 1.0
+    )
 
 
 def test_resume_without_value_means_auto() -> None:
-    assert parse_config(["--resume"]).resume == "auto"
-    assert parse_config(["--resume", "ck/last.pth"]).resume == "ck/last.pth"
+    assert parse_config(["--resume"]).checkpoint.resume == "auto"
+    assert parse_config(["--resume", "ck/last.pth"]).checkpoint.resume == "ck/last.pth"
 
 
 @pytest.mark.parametrize("flag", ["--local-rank=1", "--local_rank=1"])
 def test_legacy_launcher_local_rank_argument(flag: str) -> None:
     # torch.distributed.launch appends --local-rank (older versions --local_rank) unless --use-env.
-    assert parse_config(["--ddp_mode", flag]).local_rank == 1
+    assert parse_config(["--ddp_mode", flag]).launch.local_rank == 1
 
 
 @pytest.mark.parametrize(
@@ -92,14 +103,18 @@ def test_invalid_flags_name_the_flag(argv: list[str], match: str) -> None:
 def test_epochs_count_from_start_from_as_the_ddp_script() -> None:
     # --start_from 9 --epochs 5 trains epochs 9..13 (it used to be refused: --epochs was the last epoch's number).
     config = parse_config(["--start_from", "9", "-e", "5"])
-    assert (config.start_from, config.epochs) == (9, 5)
-    assert parse_config(["--start_from", "2", "-e", "1"]).epochs == 1
+    assert (config.checkpoint.start_from, config.optimisation.epochs) == (9, 5)
+    assert parse_config(["--start_from", "2", "-e", "1"]).optimisation.epochs == 1
 
 
 def test_largest_accepted_values() -> None:
     config = parse_config(["-l", "1", "--weight-decay", "1", "--momentum", "0.99", "--seed", str(2**32 - 1)])
-    assert (config.learning_rate, config.weight_decay, config.seed) == (1.0, 1.0, 2**32 - 1)
-    assert parse_config(["--dist-timeout", "604800", "--grad-clip", "0"]).dist_timeout == 604800
+    assert (config.optimisation.learning_rate, config.optimisation.weight_decay, config.data.seed) == (
+        1.0,
+        1.0,
+        2**32 - 1,
+    )
+    assert parse_config(["--dist-timeout", "604800", "--grad-clip", "0"]).launch.dist_timeout == 604800
 
 
 @pytest.mark.parametrize(
@@ -117,14 +132,15 @@ def test_abbreviations_are_refused_and_typos_get_a_suggestion(argv: list[str], m
 
 
 def test_help_is_grouped() -> None:
-    from utils.training.config import HELP_GROUPS, build_parser
+    from utils.training.config import build_parser
 
     text = build_parser().format_help()
-    positions = [text.index(f"\n{group}:\n") for group in HELP_GROUPS]
+    help_groups = ("data", "model", "optimisation", "distributed", "checkpoints", "logging", "performance")
+    positions = [text.index(f"\n{group}:\n") for group in help_groups]
     assert positions == sorted(positions)
     # Each flag is listed under its group: the text between a group's title and the next one's.
     ends = [*positions[1:], len(text)]
-    sections = {group: text[start:end] for group, start, end in zip(HELP_GROUPS, positions, ends, strict=True)}
+    sections = {group: text[start:end] for group, start, end in zip(help_groups, positions, ends, strict=True)}
     for group, flag in [
         ("data", "--imgs"),
         ("model", "--base-channels"),
@@ -138,13 +154,7 @@ def test_help_is_grouped() -> None:
     assert "options:" in text and "--help" in text.split("\ndata:\n")[0]
 
 
-# Component configs and the builders that fill them from the flags. A field named like a flag (or renamed here) mirrors
-# it; any other field is derived from flags by its builder and checked by hand below.
-COMPONENT_RENAMES = {"name": "optimizer", "n_classes": "classes"}
-# Named like their flags but resolved before the builder sees them (--precision follows --amp and the device;
-# --class-weights auto needs the training masks): derived too.
-RESOLVED_FIELDS = {"precision", "class_weights"}
-# Every mirrored flag away from its default, valid together (a resnet encoder for --freeze-encoder-epochs).
+# Every flag away from its default, valid together (a resnet encoder for --freeze-encoder-epochs).
 NON_DEFAULT_ARGV = [
     "--imgs", "i", "--masks", "m", "-s", "0.25", "-v", "20", "-c", "3", "--augment", "--seed", "7", "-b", "3",
     "--pixel-cache", "px", "--ignore-value", "255", "--ignore-value", "254", "--split-by", "prefix",
@@ -158,47 +168,59 @@ NON_DEFAULT_ARGV = [
 ]  # fmt: skip
 
 
-def _built_components(argv: list[str]) -> dict[type, Any]:
-    from utils.training.build_loaders import data_config
-    from utils.training.build_optimization import optimizer_config, step_config
+def test_each_flag_sits_in_the_section_of_its_help_group_and_as_dict_is_the_flat_record() -> None:
+    from utils.flags import flag_fields
 
-    config = parse_config(argv)
-    built = [
-        data_config(config),
-        optimizer_config(config),
-        step_config(config, "bf16", (1.0, 2.0, 3.0)),
-    ]
-    return {type(component): component for component in built}
-
-
-def test_component_configs_repeat_no_flag_default_and_their_builders_pass_the_flags() -> None:
-    # A component's config has no defaults of its own: the flag's is the one default, so they can never disagree.
     config = parse_config(NON_DEFAULT_ARGV)
-    defaults = TrainConfig()
-    mirrored = 0
-    for component_type, component in _built_components(NON_DEFAULT_ARGV).items():
-        for field in dataclasses.fields(component_type):
-            assert field.default is dataclasses.MISSING, (component_type.__name__, field.name)
-            assert field.default_factory is dataclasses.MISSING, (component_type.__name__, field.name)
-            source = COMPONENT_RENAMES.get(field.name, field.name)
-            if not hasattr(defaults, source) or field.name in RESOLVED_FIELDS:
-                continue  # derived from flags: checked below
-            flag_value = getattr(config, source)
-            assert flag_value != getattr(defaults, source), f"NON_DEFAULT_ARGV leaves {source} at its default"
-            expected = tuple(flag_value) if isinstance(flag_value, list) else flag_value
-            assert getattr(component, field.name) == expected, (component_type.__name__, field.name)
-            mirrored += 1
-    assert mirrored == 14 + 6 + 3  # data, optimizer, step
+    items = list(flag_fields(TrainConfig))
+    titles = {"launch": "distributed", "checkpoint": "checkpoints"}
+    assert all(titles.get(item.section, item.section) == item.title for item in items)
+    assert (config.optimisation.batch_size, config.data.seed, config.launch.val_mode) == (3, 7, "sharded")
+    # Checkpoints store one flat dict keyed by field name (old checkpoints and config.yaml files are read by it).
+    flat = config.as_dict()
+    assert list(flat) == [item.dest for item in items] and len(flat) == len({item.dest for item in items})
+    assert flat["batch_size"] == 3 and flat["ignore_values"] == [255, 254]
+    assert TrainConfig.from_dict(flat) == config
+    # A record from before a flag existed (or with a key that is no flag any more) takes the defaults.
+    assert TrainConfig.from_dict({"epochs": 9, "gone": 1}) == dataclasses.replace(
+        TrainConfig(), optimisation=dataclasses.replace(TrainConfig().optimisation, epochs=9)
+    )
 
 
-def test_component_configs_derive_their_other_fields_from_the_flags() -> None:
-    from utils.training.data import DataConfig
-    from utils.training.step import StepConfig
+def test_help_texts_are_the_field_docstrings() -> None:
+    from utils.training.config import build_parser
 
-    components = _built_components(NON_DEFAULT_ARGV)
-    step = components[StepConfig]
-    assert (step.precision, step.class_weights) == ("bf16", (1.0, 2.0, 3.0))  # resolved by the caller
-    assert step.freeze_encoder_before_epoch == 4 - 1 + 2  # --start_from 4 --freeze-encoder-epochs 2
-    defaults = _built_components([])
-    assert defaults[StepConfig].freeze_encoder_before_epoch == 0
-    assert defaults[DataConfig].ignore_values == ()
+    text = " ".join(build_parser().format_help().split())
+    assert "--batch-size BATCH_SIZE, -b BATCH_SIZE Batch size per process (default: 1)" in text
+    assert "--seed SEED Seed of initialisation, data order and augmentation (0..4294967295) (default: 0)" in text
+
+
+def test_the_step_freezes_the_encoder_for_the_epochs_counted_from_start_from() -> None:
+    import torch
+
+    from unet import UNet
+    from utils.training.step import TrainStep
+
+    model = UNet(3, 2, base_channels=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(argv: list[str]) -> TrainStep:
+        options = {"model": model, "raw_model": model, "optimizer": optimizer, "scheduler": None, "scaler": None}
+        return TrainStep(
+            parse_config(argv), precision="bf16", class_weights=None, device=torch.device("cpu"), **options
+        )
+
+    resnet = ["--encoder", "resnet18"]
+    assert step([*resnet, "--freeze-encoder-epochs", "2", "--start_from", "4"]).freeze_encoder_before_epoch == 4 - 1 + 2
+    assert step([]).freeze_encoder_before_epoch == 0 and step([]).precision == "bf16"
+
+
+def test_the_flags_a_resume_must_repeat_are_marked_on_the_flags() -> None:
+    from utils.flags import flag_fields
+
+    marked = {item.flag.name for item in flag_fields(TrainConfig) if item.flag.must_match}
+    assert marked == {
+        "--optimizer", "--scheduler", "--learning-rate", "--weight-decay", "--momentum", "--warmup-steps",
+        "--class-weights", "--scale", "--validation", "--seed", "--ignore-value", "--oversample-foreground",
+        "--augment",
+    }  # fmt: skip

@@ -61,6 +61,7 @@ def test_the_ddp_scripts_load_start_from_save_every_pattern(
     caplog.clear()
     assert runner.main("stopped", "--resume", "auto", "-e", "1", "--save_every", "2", "--log-every", "4") == 0
     assert "--resume continues the run's plan, epochs 5..7" in caplog.text
+    assert "this command's --start_from 1 --epochs 1 are ignored" in caplog.text
     stopped = runner.run_dir("stopped")
     assert_same_training_state(run_dir / "last.pth", stopped / "last.pth")
     assert sorted(p.name for p in stopped.glob("checkpoint_epoch*.pth")) == ["checkpoint_epoch6.pth"]

@@ -1,66 +1,111 @@
-"""The typed configurations of ``predict.py`` and ``evaluate.py``, each validated once, up front."""
+"""The flags of ``predict.py`` and ``evaluate.py``: each a typed config whose fields are its flags (``utils.flags``),
+checked once, when the command line is parsed.
+
+The flags both scripts share are the fields of ``InferenceConfig``, declared once so they keep one meaning.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from utils.cli import device_flag, parse_size, stderr_is_terminal
 from utils.errors import ConfigError
+from utils.flags import FlagParser, Range, flag, parse_flags
+from utils.hardware import PRECISIONS
+from utils.inference.export import EXPORT_FORMATS
 from utils.inference.file_plan import MASK_FORMATS
-from utils.inference.flags import check_compute_flags
-from utils.inference.tiling import TileSettings
+from utils.inference.tiling import DEFAULT_TILE_OVERLAP, TileSettings
+from utils.machine_bounds import check_workers
 
 # Probability above which a one-logit model's pixel is foreground (milesial's -t default).
 DEFAULT_MASK_THRESHOLD = 0.5
 
 
-@dataclass
-class PredictConfig:
-    """Everything ``predict.py`` needs, validated once by ``validate``."""
+def _height_width(text: str) -> tuple[int, int]:
+    width, height = parse_size(text, "--export-size")
+    return height, width
 
-    model: Path = Path("MODEL.pth")
-    """Checkpoint: ours, a milesial state_dict with ``mask_values``, or a DDP ``module.``-prefixed one."""
-    inputs: list[str] = field(default_factory=list)
-    """Image files, folders (their supported images, not recursive) or glob patterns."""
-    outputs: list[Path] | None = None
-    """One output file per input file; default ``<name>_OUT.png`` beside each input or in ``output_dir``."""
-    output_dir: Path | None = None
-    viz: bool = False
-    """Write ``<name>_VIZ.png``: the prediction over the image (truth | prediction with ``masks_dir``)."""
-    masks_dir: Path | None = None
-    no_save: bool = False
-    mask_threshold: float = DEFAULT_MASK_THRESHOLD
-    scale: float | None = None
-    """Resize factor; None: the checkpoint's training scale (``utils.model_spec.resolve_scale``)."""
-    bilinear: bool = False
-    """milesial's flag; the checkpoint decides the architecture, a contradicting flag is an error."""
-    classes: int | None = None
-    """milesial's flag; the checkpoint decides the architecture, a contradicting flag is an error."""
-    batch_size: int = 4
-    precision: str = "fp32"
-    device: str = "auto"
-    workers: int = 2
-    pixel_cache: Path | None = None
-    """--pixel-cache: read (and fill) the decoded, resized inputs there, as training's --pixel-cache does."""
-    tile: int | None = None
-    tile_overlap: float = 0.5
-    """Fraction shared by neighbouring windows; 0.5 is nnU-Net's step of half a window."""
-    tta: bool = False
-    """Average the logits of the image and its flips (4 passes)."""
-    export_format: str | None = None
-    export_path: Path | None = None
-    export_size: tuple[int, int] = (256, 256)
-    """``(height, width)`` of the sample input used for ``--export``."""
-    progress: bool = True
+
+@dataclass
+class InferenceConfig:
+    """The flags of both scripts: the checkpoint, how its inputs are prepared, and the compute."""
+
+    model: Path = flag(Path("MODEL.pth"), "--model", "-m", metavar="FILE")
+    """checkpoint to load (MODEL.pth)"""
+    scale: float | None = flag(None, "--scale", "-s", range=Range(0, 1, low_open=True))
+    """downscaling factor of the images (default: the checkpoint's training scale; 0.5 if it records none)"""
+    bilinear: bool = flag(False, "--bilinear")
+    """expect bilinear upsampling (the checkpoint decides; a mismatch is an error)"""
+    classes: int | None = flag(None, "--classes", "-c", range=Range(1, note=" (1 = binary with one logit)"))
+    """expected number of classes (the checkpoint decides; a mismatch is an error)"""
+    batch_size: int = flag(4, "--batch-size", "-b", range=Range(1))
+    """images per forward pass (4); images of different sizes go into different batches"""
+    precision: str = flag("fp32", "--precision", choices=tuple(sorted(PRECISIONS)))
+    """forward-pass precision"""
+    device: str = flag("auto", "--device", value_type=device_flag)
+    """auto, cpu, cuda, cuda:N or mps (auto: cuda:LOCAL_RANK if there is CUDA, else mps for one process, else cpu)"""
+    workers: int = flag(2, "--workers", "-j", range=Range(0))
+    """worker processes that read and decode the images (2; 0: in the main process)"""
+    no_progress: bool = flag(False, "--no-progress")
+    """no progress bar (there is none when stderr is not a terminal)"""
+
+    @property
+    def progress(self) -> bool:
+        return not self.no_progress and stderr_is_terminal()
 
     def validate(self) -> None:
+        """The rules between flags and the machine's bounds (each flag's range is checked by ``parse_flags``)."""
+        check_workers(self.workers, "--workers")
+
+
+@dataclass
+class PredictConfig(InferenceConfig):
+    """Everything ``predict.py`` needs."""
+
+    inputs: list[str] = flag([], "--input", "-i", metavar="INPUT", nargs="+")
+    """image files, folders or glob patterns"""
+    outputs: list[Path] | None = flag(None, "--output", "-o", metavar="OUTPUT", nargs="+")
+    """output file per input file"""
+    output_dir: Path | None = flag(None, "--output-dir", metavar="DIR")
+    """write <name>_OUT.png files into DIR"""
+    viz: bool = flag(False, "--viz", "-v")
+    """write <name>_VIZ.png overlays of the predictions"""
+    masks_dir: Path | None = flag(None, "--masks", metavar="DIR")
+    """true masks: --viz shows truth | prediction side by side"""
+    no_save: bool = flag(False, "--no-save", "-n")
+    """do not write the masks (with --viz)"""
+    mask_threshold: float = flag(DEFAULT_MASK_THRESHOLD, "--mask-threshold", "-t", range=Range(0, 1))
+    """probability above which a pixel is foreground (one-logit models; 0.5)"""
+    tile: int | None = flag(None, "--tile", metavar="SIZE")
+    """sliding-window inference with SIZE x SIZE windows (network pixels, multiple of 16)"""
+    tile_overlap: float = flag(DEFAULT_TILE_OVERLAP, "--tile-overlap")
+    """fraction shared by neighbouring windows (0.5: nnU-Net's step of half a window)"""
+    tta: bool = flag(False, "--tta")
+    """average the logits of the image and its flips (4 passes, nnU-Net's TTA)"""
+    export: list[str] | None = flag(None, "--export", nargs=2, metavar=("FORMAT", "PATH"))
+    """write the model as onnx or torchscript to PATH and check it"""
+    export_size: tuple[int, int] = flag((256, 256), "--export-size", metavar="WxH", value_type=_height_width)
+    """sample input size for --export (256x256)"""
+    pixel_cache: Path | None = flag(None, "--pixel-cache", metavar="DIR")
+    """read the resized inputs from train.py's --pixel-cache DIR (same --scale), filling it on a miss"""
+
+    @property
+    def export_format(self) -> str | None:
+        return self.export[0] if self.export else None
+
+    @property
+    def export_path(self) -> Path | None:
+        return Path(self.export[1]) if self.export else None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.export_format is not None and self.export_format not in EXPORT_FORMATS:
+            raise ConfigError(f"--export {self.export_format}: choose one of {', '.join(EXPORT_FORMATS)}")
         if not self.inputs and self.export_format is None:
             raise ConfigError("no input given: pass images with --input/-i (or use --export FORMAT PATH)")
-        check_compute_flags(self.scale, self.batch_size, self.workers, workers_job="decode")
-        if not 0.0 <= self.mask_threshold <= 1.0:
-            raise ConfigError(f"--mask-threshold {self.mask_threshold}: use a probability in [0, 1]")
-        if self.classes is not None and self.classes < 1:
-            raise ConfigError(f"--classes {self.classes}: use 1 (binary, one logit) or more")
         if self.no_save and not self.viz:
             raise ConfigError("--no-save with no --viz would write nothing; drop --no-save or add --viz")
         if self.outputs is not None and self.output_dir is not None:
@@ -80,28 +125,38 @@ class PredictConfig:
 
 
 @dataclass
-class EvaluateConfig:
-    """Everything ``evaluate.py`` needs, validated once by ``validate``."""
+class EvaluateConfig(InferenceConfig):
+    """Everything ``evaluate.py`` needs."""
 
-    model: Path
-    images_dir: Path
-    masks_dir: Path
-    scale: float | None = None
-    """Resize factor of images and masks, in (0, 1]; None: the checkpoint's training scale."""
-    batch_size: int = 4
-    """Images per forward pass; images of different sizes go into different batches."""
-    precision: str = "fp32"
-    device: str = "auto"
-    workers: int = 2
-    json_path: Path | None = None
-    """Also write the scores as JSON here."""
-    split_path: Path | None = None
-    """A run's ``split.json``: score only its validation images (``utils.datasets.splits``)."""
-    bilinear: bool = False
-    """milesial's flag; the checkpoint decides the architecture, a contradicting flag is an error."""
-    classes: int | None = None
-    """milesial's flag; the checkpoint decides the architecture, a contradicting flag is an error."""
-    progress: bool = True
+    images_dir: Path = flag(None, "--imgs", metavar="DIR", required=True)
+    """folder of images"""
+    masks_dir: Path = flag(None, "--masks", metavar="DIR", required=True)
+    """folder of true masks"""
+    json_path: Path | None = flag(None, "--json", metavar="FILE")
+    """also write the scores as JSON to FILE"""
+    split_path: Path | None = flag(None, "--split", metavar="FILE")
+    """score only the validation images of a run's split.json (from --imgs/--masks)"""
 
-    def validate(self) -> None:
-        check_compute_flags(self.scale, self.batch_size, self.workers, workers_job="load")
+
+def parse_predict_config(argv: Sequence[str] | None, doc: str) -> PredictConfig:
+    """predict.py's flags as a checked ``PredictConfig``; ``doc`` is the script's docstring (its summary and examples
+    make the help)."""
+    summary, examples = doc.split("\n\n")[:2]
+    parser = FlagParser(
+        prog="predict.py",
+        description=summary,
+        epilog=f"examples:\n{examples}",
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    config = parse_flags(parser, PredictConfig, argv)
+    config.validate()
+    return config
+
+
+def parse_evaluate_config(argv: Sequence[str] | None, doc: str) -> EvaluateConfig:
+    """evaluate.py's flags as a checked ``EvaluateConfig``; ``doc`` is the script's docstring (its first paragraph is
+    the summary)."""
+    parser = FlagParser(prog="evaluate.py", description=doc.split("\n\n")[0])
+    config = parse_flags(parser, EvaluateConfig, argv)
+    config.validate()
+    return config

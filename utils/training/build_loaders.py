@@ -1,4 +1,4 @@
-"""The data side of a training run from the flags: the ``DataConfig``, the sampler and the two loaders.
+"""The data side of a training run from the flags: the sampler and the two loaders.
 
 Built by ``utils.training.setup.build_parts`` on every rank: the sampler deals each rank its share of the epoch's
 order (``utils.training.sampler``); only global rank 0 validates, so only it has a validation loader.
@@ -16,7 +16,7 @@ from utils.hardware import available_cpus, threads_per_process
 from utils.launch.process_group import DistributedContext
 from utils.shared_memory import SharedMemoryGuard, check_room
 from utils.training.config import TrainConfig
-from utils.training.data import DataConfig, TrainData, build_train_loader, build_val_loader, default_num_workers
+from utils.training.data import TrainData, build_train_loader, build_val_loader, default_num_workers
 from utils.training.sampler import ResumableDistributedSampler
 
 WORKERS_FIX = "--num-workers 0"
@@ -33,42 +33,24 @@ class Loaders:
     """Loader processes per rank, each loader."""
 
 
-def data_config(config: TrainConfig) -> DataConfig:
-    return DataConfig(
-        imgs=config.imgs,
-        masks=config.masks,
-        scale=config.scale,
-        validation=config.validation,
-        classes=config.classes,
-        augment=config.augment,
-        seed=config.seed,
-        batch_size=config.batch_size,
-        pixel_cache=config.pixel_cache,
-        ignore_values=tuple(config.ignore_values),
-        split_by=config.split_by,
-        group_pattern=config.group_pattern,
-        folds=config.folds,
-        fold=config.fold,
-    )
-
-
-def build_loaders(config: TrainConfig, settings: DataConfig, ctx: DistributedContext, data: TrainData) -> Loaders:
-    """This rank's sampler and loaders over ``data`` (built from ``settings``)."""
-    if config.oversample_foreground and not data.train_foreground:
+def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData) -> Loaders:
+    """This rank's sampler and loaders over ``data``."""
+    oversample = config.data.oversample_foreground
+    if oversample and not data.train_foreground:
         raise ConfigError(
-            f"--oversample-foreground {config.oversample_foreground:g}: none of the {len(data.train_set)} training "
+            f"--oversample-foreground {oversample:g}: none of the {len(data.train_set)} training "
             f"images contains a non-background class; drop the flag or check --masks"
         )
     sampler = ResumableDistributedSampler(
         len(data.train_set),
         rank=ctx.rank,
         world_size=ctx.world_size,
-        seed=settings.seed,
+        seed=config.data.seed,
         shuffle=True,
         foreground=data.train_foreground,
-        oversample_foreground=config.oversample_foreground,
+        oversample_foreground=oversample,
     )
-    num_workers = config.num_workers
+    num_workers = config.performance.num_workers
     if num_workers is None:
         # The cost per item is measured (two items decoded) only where the default uses it: on CUDA.
         item_seconds, item_pixels = data.item_cost() if ctx.device.type == "cuda" else (None, None)
@@ -78,20 +60,20 @@ def build_loaders(config: TrainConfig, settings: DataConfig, ctx: DistributedCon
     if num_workers and len(data.train_set):  # the ranks of this machine share its /dev/shm
         check_room(
             data.train_set[0],
-            batch_size=config.batch_size,
+            batch_size=config.optimisation.batch_size,
             workers=num_workers,
             workers_fix=WORKERS_FIX,
             processes=ctx.local_world_size,
         )
     pin = ctx.device.type == "cuda"
-    train = build_train_loader(data.train_set, sampler, settings, num_workers=num_workers, pin=pin)
+    train = build_train_loader(data.train_set, sampler, config, num_workers=num_workers, pin=pin)
     val = None
-    if config.val_mode == "sharded" and ctx.is_distributed:
+    if config.launch.val_mode == "sharded" and ctx.is_distributed:
         # Every rank validates its own part (utils.evaluation.shard_range); the scores are all-reduced.
         shard = Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size))
-        val = build_val_loader(shard, settings, num_workers=num_workers, pin=pin)
+        val = build_val_loader(shard, config, num_workers=num_workers, pin=pin)
     elif ctx.is_main:
-        val = build_val_loader(data.val_set, settings, num_workers=num_workers, pin=pin)
+        val = build_val_loader(data.val_set, config, num_workers=num_workers, pin=pin)
     # A worker that cannot share its batch (a small /dev/shm) becomes one Error: line naming the fix.
     return Loaders(
         sampler=sampler,

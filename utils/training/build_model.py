@@ -39,11 +39,11 @@ def build_model(
     read from ``resume_path``, else --load, else --encoder-weights for the encoder), and its constructor arguments."""
     unet_args = UNetArgs(
         n_channels=data.n_channels,
-        n_classes=config.classes,
-        bilinear=config.bilinear,
-        base_channels=config.base_channels,
-        encoder=config.encoder,
-        deep_supervision=config.deep_supervision,
+        n_classes=config.model.classes,
+        bilinear=config.model.bilinear,
+        base_channels=config.model.base_channels,
+        encoder=config.model.encoder,
+        deep_supervision=config.model.deep_supervision,
     )
     model_args = unet_args.as_dict()
     # Every argument is compared with a file's, the optional ones too (as_dict leaves out their defaults).
@@ -54,21 +54,21 @@ def build_model(
         _check_same_dataset(state.dataset, data, resume_path)
         _load_weights(model, state.weights, wanted_args, resume_path, "--resume")
         _warn_mask_values(state.mask_values, data.mask_values, resume_path)
-    elif config.load:
-        loaded = read_model_weights(config.load)
-        _load_weights(model, loaded, wanted_args, config.load, "--load")
-        _warn_mask_values(loaded.mask_values, data.mask_values, config.load)
-        logger.info("Model weights loaded from %s", config.load)
-    elif config.encoder_weights:
-        load_encoder_weights(model.encoder, config.encoder_weights, config.encoder)
-    if config.checkpointing:
+    elif config.checkpoint.load:
+        loaded = read_model_weights(config.checkpoint.load)
+        _load_weights(model, loaded, wanted_args, config.checkpoint.load, "--load")
+        _warn_mask_values(loaded.mask_values, data.mask_values, config.checkpoint.load)
+        logger.info("Model weights loaded from %s", config.checkpoint.load)
+    elif config.model.encoder_weights:
+        load_encoder_weights(model.encoder, config.model.encoder_weights, config.model.encoder)
+    if config.performance.checkpointing:
         model.use_checkpointing()
-    if config.sync_bn:
+    if config.launch.sync_bn:
         if ctx.is_distributed:
             model = convert_sync_batchnorm(model, ctx.device)
         else:
             logger.warning("--sync-bn has no effect with a single process")
-    memory_format = torch.channels_last if config.channels_last else torch.preserve_format
+    memory_format = torch.channels_last if config.performance.channels_last else torch.preserve_format
     model.to(device=ctx.device, memory_format=memory_format)
     return model, model_args
 

@@ -14,17 +14,11 @@ from typing import Any
 import torch
 
 from utils.errors import ConfigError
-from utils.training.config import TrainConfig, parse_class_weights
+from utils.training.config import OptimisationSection, TrainConfig, parse_class_weights
 from utils.training.data import TrainData
-from utils.training.objective import (
-    OptimizerConfig,
-    auto_class_weights,
-    build_optimizer,
-    build_scheduler,
-    steps_every_update,
-)
+from utils.training.objective import auto_class_weights, build_optimizer, build_scheduler, steps_every_update
 from utils.training.state import TrainingState
-from utils.training.step import StepConfig, TrainStep
+from utils.training.step import TrainStep
 
 logger = logging.getLogger(__name__)
 
@@ -39,19 +33,8 @@ class Optimization:
     """fp16 only: the gradient scaler."""
 
 
-def optimizer_config(config: TrainConfig) -> OptimizerConfig:
-    return OptimizerConfig(
-        name=config.optimizer,
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        momentum=config.momentum,
-        scheduler=config.scheduler,
-        warmup_steps=config.warmup_steps,
-    )
-
-
 def build_optimization(
-    config: TrainConfig,
+    config: OptimisationSection,
     parameters: Iterable[torch.nn.Parameter],
     *,
     total_steps: int,
@@ -59,18 +42,17 @@ def build_optimization(
     state: TrainingState | None,
 ) -> Optimization:
     """Optimizer, schedule (planned over ``total_steps``) and scaler, with their state from ``state`` if resumed."""
-    settings = optimizer_config(config)
-    if state is None and settings.warmup_steps >= total_steps and settings.scheduler != "plateau":
+    if state is None and config.warmup_steps >= total_steps and config.scheduler != "plateau":
         logger.warning(
             "--warmup-steps %d is not shorter than the run's %d optimizer steps: the learning rate never reaches the "
             "%s schedule",
-            settings.warmup_steps,
+            config.warmup_steps,
             total_steps,
-            settings.scheduler,
+            config.scheduler,
         )
-    optimizer = build_optimizer(settings, parameters)
+    optimizer = build_optimizer(config, parameters)
     # Planned for the run's epochs; a resumed run's scheduler state brings back the plan it was made with.
-    scheduler = build_scheduler(settings, optimizer, total_steps)
+    scheduler = build_scheduler(config, optimizer, total_steps)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     if state is not None:
         optimizer.load_state_dict(state.optimizer)
@@ -92,37 +74,27 @@ def build_step(
 ) -> TrainStep:
     """The optimizer step over ``model`` (what the forward pass calls; ``raw_model`` unwrapped)."""
     return TrainStep(
-        step_config(config, precision, class_weights_of(config, data)),
+        config,
+        precision=precision,
+        class_weights=class_weights_of(config, data),
         model=model,
         raw_model=raw_model,
         optimizer=optimization.optimizer,
         # ReduceLROnPlateau steps on validation Dice, in the loop; only its warmup (if any) steps after every update.
-        scheduler=optimization.scheduler if steps_every_update(optimizer_config(config)) else None,
+        scheduler=optimization.scheduler if steps_every_update(config.optimisation) else None,
         scaler=optimization.scaler,
         device=device,
     )
 
 
-def step_config(config: TrainConfig, precision: str, class_weights: tuple[float, ...] | None) -> StepConfig:
-    return StepConfig(
-        n_classes=config.classes,
-        precision=precision,
-        grad_clip=config.grad_clip,
-        channels_last=config.channels_last,
-        class_weights=class_weights,
-        freeze_encoder_before_epoch=config.start_from - 1 + config.freeze_encoder_epochs
-        if config.freeze_encoder_epochs
-        else 0,
-    )
-
-
 def class_weights_of(config: TrainConfig, data: TrainData) -> tuple[float, ...] | None:
     """--class-weights as numbers: given, or 'auto' from the training images' class pixel counts (None: off)."""
-    if config.class_weights is None:
+    text, classes = config.optimisation.class_weights, config.model.classes
+    if text is None:
         return None
-    weights = parse_class_weights(config.class_weights, config.classes)
+    weights = parse_class_weights(text, classes)
     if weights is None:
-        counts = list(data.train_class_pixels) + [0] * (max(config.classes, 2) - len(data.train_class_pixels))
+        counts = list(data.train_class_pixels) + [0] * (max(classes, 2) - len(data.train_class_pixels))
         if sum(counts) == 0:
             raise ConfigError("--class-weights auto found no labelled pixels in the training masks; give the weights")
         weights = tuple(auto_class_weights(counts))

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from utils.errors import ConfigError
-from utils.training.flags import FlagField, flag_fields
+from utils.flags import FlagField, flag_fields
 
 CONFIG_FLAG = "--config"
 CONFIG_DEST = "config_file"

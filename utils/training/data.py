@@ -28,6 +28,7 @@ from utils.datasets.splits import (
 )
 from utils.errors import ConfigError
 from utils.shared_memory import loader_timeout
+from utils.training.config import DataSection, TrainConfig
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 
 logger = logging.getLogger(__name__)
@@ -37,45 +38,6 @@ MAX_DEFAULT_WORKERS = 16
 # 959x640 (2.7 TFLOP per image, forward + backward) at about 180 images/s at half its dense bf16 peak, ~1.1e8
 # pixels/s; smaller inputs go proportionally faster. Overestimating costs only idle workers' memory.
 GPU_PIXELS_PER_SECOND = 1.2e8
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where the images are and how they are prepared and split (from --imgs, --masks, -s, -v, -c, --augment).
-
-    No field has a default: ``build_loaders.data_config`` fills every one from the flags, whose defaults are the only
-    ones."""
-
-    imgs: str
-    masks: str
-    scale: float
-    validation: float
-    """Percent of the images held out for validation."""
-    classes: int
-    augment: bool
-    seed: int
-    """Seed of the augmentation (the split has its own fixed seed, SPLIT_SEED)."""
-    batch_size: int
-    """Images per process per batch, for the loaders and the check that every rank gets a batch."""
-    pixel_cache: str | None
-    """Folder of decoded, resized pixels (--pixel-cache), filled by the loaders of the first epoch; None: no cache."""
-    ignore_values: tuple[int, ...]
-    """Void mask values (--ignore-value): not classes, their pixels are ``IGNORE_INDEX`` in the masks."""
-    split_by: str
-    """--split-by: ``image`` (seeded random over images) or ``prefix`` (groups stay on one side)."""
-    group_pattern: str | None
-    folds: int
-    fold: int
-
-    def split_rule(self) -> SplitRule:
-        return SplitRule(
-            by=self.split_by,
-            group_pattern=self.group_pattern,
-            validation=self.validation,
-            folds=self.folds,
-            fold=self.fold,
-            seed=SPLIT_SEED,
-        )
 
 
 @dataclass
@@ -110,28 +72,30 @@ class TrainData:
         return self.item_seconds, self.item_pixels
 
 
-def build_data(config: DataConfig, *, world_size: int) -> TrainData:
-    """Datasets and split; a DatasetError/ConfigError names the folder or flag when the data cannot be used."""
+def build_data(config: TrainConfig, *, world_size: int) -> TrainData:
+    """Datasets and split (from ``config.data``, the classes, --batch-size and --pixel-cache); a
+    DatasetError/ConfigError names the folder or flag when the data cannot be used."""
+    data, batch_size = config.data, config.optimisation.batch_size
     # mask_suffix=None: detected from the same folder index the dataset builds (the folders are read once).
     plain = BasicDataset(
-        config.imgs,
-        config.masks,
-        config.scale,
+        data.imgs,
+        data.masks,
+        data.scale,
         None,
-        n_classes=config.classes,
-        seed=config.seed,
-        pixel_cache_dir=config.pixel_cache,
-        ignore_values=config.ignore_values,
+        n_classes=config.model.classes,
+        seed=data.seed,
+        pixel_cache_dir=config.performance.pixel_cache,
+        ignore_values=tuple(data.ignore_values),
     )
     # The split is defined on the unaugmented dataset; the training subset reads the same files through an augmenting
     # twin that shares its index and scan.
-    augmented = plain.with_augmentation(config.seed) if config.augment else plain
-    train_positions, val_positions = split_data(plain.ids, config)
+    augmented = plain.with_augmentation(data.seed) if data.augment else plain
+    train_positions, val_positions = split_data(plain.ids, data)
     n_train = len(train_positions)
-    per_rank = BatchPlan(n_train=n_train, batch_size=config.batch_size, world_size=world_size).images_per_rank()
-    if config.batch_size > per_rank:
+    per_rank = BatchPlan(n_train=n_train, batch_size=batch_size, world_size=world_size).images_per_rank()
+    if batch_size > per_rank:
         raise ConfigError(
-            f"--batch-size {config.batch_size} is larger than the {per_rank} training images each of the "
+            f"--batch-size {batch_size} is larger than the {per_rank} training images each of the "
             f"{world_size} process(es) gets ({n_train} in total); use --batch-size {per_rank} or less"
         )
     train_set = Subset(augmented, train_positions)
@@ -143,13 +107,25 @@ def build_data(config: DataConfig, *, world_size: int) -> TrainData:
         n_channels=plain.channels,
         train_class_pixels=plain.class_pixel_counts(train_set.indices),
         train_foreground=[position for position, index in enumerate(train_set.indices) if plain.has_foreground(index)],
-        split=make_record(plain.ids, config.split_rule(), train_positions, val_positions),
+        split=make_record(plain.ids, split_rule(data), train_positions, val_positions),
     )
 
 
-def split_data(ids: list[str], config: DataConfig) -> tuple[list[int], list[int]]:
+def split_rule(config: DataSection) -> SplitRule:
+    """The split flags as the rule ``utils.datasets.splits`` applies (with its own fixed seed, not --seed)."""
+    return SplitRule(
+        by=config.split_by,
+        group_pattern=config.group_pattern,
+        validation=config.validation,
+        folds=config.folds,
+        fold=config.fold,
+        seed=SPLIT_SEED,
+    )
+
+
+def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int]]:
     """(train, validation) positions of the dataset's ids under the split flags; a ConfigError when a side is empty."""
-    rule = config.split_rule()
+    rule = split_rule(config)
     train, validation = split_positions(ids, rule)
     if not train or not validation:
         if rule.by == SPLIT_BY_IMAGE and not rule.folds:
@@ -219,11 +195,11 @@ def default_num_workers(
 
 
 def build_train_loader(
-    train_set: Dataset, sampler: ResumableDistributedSampler, config: DataConfig, *, num_workers: int, pin: bool
+    train_set: Dataset, sampler: ResumableDistributedSampler, config: TrainConfig, *, num_workers: int, pin: bool
 ) -> DataLoader:
     return DataLoader(
         train_set,
-        batch_size=config.batch_size,
+        batch_size=config.optimisation.batch_size,
         sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin,
@@ -234,22 +210,22 @@ def build_train_loader(
         worker_init_fn=_init_loader_worker if num_workers else None,
         timeout=loader_timeout(num_workers),  # a batch lost in /dev/shm is an error, not a hang (shared_memory)
         # A private generator: creating an iterator draws a base seed, which must not consume the global RNG.
-        generator=torch.Generator().manual_seed(config.seed),
+        generator=torch.Generator().manual_seed(config.data.seed),
     )
 
 
-def build_val_loader(val_set: Dataset, config: DataConfig, *, num_workers: int, pin: bool) -> DataLoader:
+def build_val_loader(val_set: Dataset, config: TrainConfig, *, num_workers: int, pin: bool) -> DataLoader:
     """Every validation image, in a fixed order (no drop_last: milesial's dropped the last partial batch)."""
     return DataLoader(
         val_set,
-        batch_size=config.batch_size,
+        batch_size=config.optimisation.batch_size,
         shuffle=False,
         num_workers=num_workers,
         pin_memory=pin,
         drop_last=False,
         worker_init_fn=_init_loader_worker if num_workers else None,
         timeout=loader_timeout(num_workers),
-        generator=torch.Generator().manual_seed(config.seed),
+        generator=torch.Generator().manual_seed(config.data.seed),
     )
 
 

@@ -126,7 +126,7 @@ class Trainer:
         self._plan = parts.batch_plan
         self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
         # Read on global rank 0 only; the other ranks learn its decision through the stop agreement.
-        self._save_timer = SaveTimer(config.save_every_minutes)
+        self._save_timer = SaveTimer(config.checkpoint.save_every_minutes)
 
     # ---------------------------------------------------------------------------------------------------- public
 
@@ -161,11 +161,14 @@ class Trainer:
         epoch_files = epoch_files_written(
             epochs_done=self.position.epoch,
             last_epoch=self.last_epoch,
-            save_every=self.config.save_every,
-            keep_last=self.config.keep_last,
+            save_every=self.config.checkpoint.save_every,
+            keep_last=self.config.checkpoint.keep_last,
         )
         return checkpoint_budget(
-            self.parts.raw_model, self.step.optimizer, epoch_files=epoch_files, keep_best=self.config.keep_best
+            self.parts.raw_model,
+            self.step.optimizer,
+            epoch_files=epoch_files,
+            keep_best=self.config.checkpoint.keep_best,
         )
 
     def close(self) -> None:
@@ -244,53 +247,53 @@ class Trainer:
                 # Saved as "every batch trained, not validated": the resumed run repeats the validation.
                 self.position.epoch, self.position.step_in_epoch = epoch, trained_steps
                 return self._stop_for_signal(stop.signum)
-            if self.config.scheduler == "plateau":
+            if self.config.optimisation.scheduler == "plateau":
                 self.parts.scheduler.step(dice)
             self.position.validations_without_improvement = early_stop.validations_without_improvement(
-                self.config, dice, self.position.best_dice, self.position.validations_without_improvement
+                self.config.optimisation, dice, self.position.best_dice, self.position.validations_without_improvement
             )
             improved = dice > self.position.best_dice
             if improved:
                 self.position.best_dice, self.position.best_epoch = dice, epoch_number
-            if self.config.keep_best:
+            if self.config.checkpoint.keep_best:
                 ranking = [list(entry) for entry in previous_ranking]
-                place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.keep_best)
+                place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.checkpoint.keep_best)
                 self.position.best_ranking = ranking
         self.run_log.epoch_line(epoch_number=epoch_number, global_step=self.position.global_step)
         targets = [self.run_folder.last]
-        if self.config.save_every and epoch_number % self.config.save_every == 0:
+        if self.config.checkpoint.save_every and epoch_number % self.config.checkpoint.save_every == 0:
             targets.append(self.run_folder.epoch_checkpoint(epoch_number))
         if improved:
             targets.append(self.run_folder.best)
         make_room = None
         if place is not None:
             targets.append(self.run_folder.ranked_best(place))
-            make_room = functools.partial(self.run_folder.make_room_for_best, place, self.config.keep_best)
+            make_room = functools.partial(self.run_folder.make_room_for_best, place, self.config.checkpoint.keep_best)
         if not self._save(targets, before_write=make_room):
             self.position.best_ranking = previous_ranking  # the files did not move
-        if self.ctx.is_main and self.config.keep_last:
-            for path in self.run_folder.prune_epoch_checkpoints(self.config.keep_last):
-                logger.info("Removed %s (--keep-last %d)", path.name, self.config.keep_last)
+        if self.ctx.is_main and self.config.checkpoint.keep_last:
+            for path in self.run_folder.prune_epoch_checkpoints(self.config.checkpoint.keep_last):
+                logger.info("Removed %s (--keep-last %d)", path.name, self.config.checkpoint.keep_last)
         stale = self.position.validations_without_improvement
-        if early_stop.should_stop(self.config, stale) and epoch_number < self.last_epoch:
-            reason = early_stop.reason(self.config, self.position.best_dice, self.position.best_epoch)
+        if early_stop.should_stop(self.config.optimisation, stale) and epoch_number < self.last_epoch:
+            reason = early_stop.reason(self.config.optimisation, self.position.best_dice, self.position.best_epoch)
             return TrainOutcome(self.position, checkpoint=self.run_folder.last, stopped_early=reason)
         return None
 
     def _should_validate(self, epoch_number: int) -> bool:
-        return epoch_number % self.config.val_every == 0 or epoch_number == self.last_epoch
+        return epoch_number % self.config.logging.val_every == 0 or epoch_number == self.last_epoch
 
     # ---------------------------------------------------------------------------------------------------- steps
 
     def _after_step(self, epoch: int) -> TrainOutcome | None:
         """Logging, step checkpoints, and the stop decisions due at this optimizer-step boundary."""
         step = self.position.global_step
-        if step % self.config.log_every == 0:
+        if step % self.config.logging.log_every == 0:
             # The only host synchronisation of the loop: one small all-reduce and read every --log-every steps.
             self.run_log.add_losses(self.step.take_losses())
             self._check_skipped_steps()
             self.run_log.log_train(epoch=epoch, position=self.position, lr=self.step.optimizer.param_groups[0]["lr"])
-        if self.config.save_every_steps and step % self.config.save_every_steps == 0:
+        if self.config.checkpoint.save_every_steps and step % self.config.checkpoint.save_every_steps == 0:
             self._save([self.run_folder.last])
         signum = self._stop.poll(save_due=self.ctx.is_main and self._save_timer.due())
         if self._stop.save_agreed and not signum and self._last_saved_at != (step, self.position.epoch):
@@ -304,7 +307,9 @@ class Trainer:
         return None
 
     def _max_steps_reached(self) -> bool:
-        return bool(self.config.max_steps) and self.position.global_step >= self.config.max_steps
+        return (
+            bool(self.config.optimisation.max_steps) and self.position.global_step >= self.config.optimisation.max_steps
+        )
 
     # ---------------------------------------------------------------------------------------------------- stops
 
@@ -330,7 +335,7 @@ class Trainer:
         raise raised_on_every_rank(error)
 
     def _stop_for_max_steps(self) -> TrainOutcome:
-        logger.info("Reached --max-steps %d", self.config.max_steps)
+        logger.info("Reached --max-steps %d", self.config.optimisation.max_steps)
         last = self.run_folder.last
         saved = self._last_saved_at == (self.position.global_step, self.position.epoch) or self._save([last])
         return TrainOutcome(self.position, reached_max_steps=True, checkpoint=last if saved else None)
@@ -353,7 +358,7 @@ class Trainer:
                 report.skipped,
                 step,
             )
-        limit = self.config.max_nonfinite_steps
+        limit = self.config.optimisation.max_nonfinite_steps
         if limit and report.longest_run >= limit:
             diverged = UserError(
                 f"training diverged: {report.longest_run} optimizer steps in a row (up to step {step}) had NaN or inf "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from torch import Tensor, optim
 
 from utils.datasets.mask_values import IGNORE_INDEX
 from utils.dice_score import dice_coeff, multiclass_dice_coeff
+
+if TYPE_CHECKING:  # the config takes its choices from here
+    from utils.training.config import OptimisationSection
 
 OPTIMIZERS = ("adamw", "rmsprop")
 SCHEDULERS = ("cosine", "poly", "plateau")
@@ -39,23 +42,6 @@ PLATEAU_PATIENCE = 5
 CLASS_WEIGHTS_AUTO = "auto"
 # --class-weights auto: no class weighs more than this many times the most frequent one.
 MAX_CLASS_WEIGHT_RATIO = 10.0
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """The optimizer and schedule of a run (from --optimizer, -l, --weight-decay, --momentum, --scheduler).
-
-    No field has a default: ``build_optimization.optimizer_config`` fills every one from the flags, whose defaults
-    are the only ones."""
-
-    name: str
-    learning_rate: float
-    weight_decay: float
-    momentum: float
-    """RMSprop only."""
-    scheduler: str
-    warmup_steps: int
-    """Optimizer steps of linear warmup before the schedule (0 = none)."""
 
 
 def segmentation_loss(logits: Tensor, masks: Tensor, n_classes: int, class_weights: Tensor | None = None) -> Tensor:
@@ -172,8 +158,8 @@ def planned_lr_factor(step: int, *, shape: str, total_steps: int, warmup_steps: 
     return decay(step - warmup_steps, remaining)
 
 
-def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter]) -> optim.Optimizer:
-    if config.name == "rmsprop":
+def build_optimizer(config: OptimisationSection, parameters: Iterable[torch.nn.Parameter]) -> optim.Optimizer:
+    if config.optimizer == "rmsprop":
         return optim.RMSprop(
             parameters,
             lr=config.learning_rate,
@@ -234,7 +220,7 @@ class PlateauAfterWarmup:
         self.plateau.load_state_dict(state["plateau"])
 
 
-def build_scheduler(config: OptimizerConfig, optimizer: optim.Optimizer, total_steps: int) -> Any:
+def build_scheduler(config: OptimisationSection, optimizer: optim.Optimizer, total_steps: int) -> Any:
     """Cosine and poly: pure functions of the step count (stepped per optimizer step) over the steps planned when
     the run started (``total_steps``, from ``BatchPlan``; ``load_state_dict`` restores a checkpoint's plan), after
     ``warmup_steps`` of linear warmup. Plateau: stepped with the validation Dice (after the warmup, if any)."""
@@ -246,6 +232,6 @@ def build_scheduler(config: OptimizerConfig, optimizer: optim.Optimizer, total_s
     return optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def steps_every_update(config: OptimizerConfig) -> bool:
+def steps_every_update(config: OptimisationSection) -> bool:
     """Whether the scheduler steps after every optimizer update (all but a plain plateau schedule do)."""
     return config.scheduler != "plateau" or config.warmup_steps > 0

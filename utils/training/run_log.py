@@ -84,11 +84,11 @@ class RunLog:
         self.ctx = ctx
         self.enabled = ctx.is_main
         self.run_folder = run_folder
-        self.bars = bars_wanted(is_main=ctx.is_main, no_progress=config.no_progress)
+        self.bars = bars_wanted(is_main=ctx.is_main, no_progress=config.logging.no_progress)
         self._log_lines = ctx.is_main and not self.bars
         self._plan = plan
         self._last_epoch = last_epoch
-        self._max_steps = config.max_steps
+        self._max_steps = config.optimisation.max_steps
         # Losses summed over ranks as [sum, count]: since the last train line (a window may span an epoch's end), and
         # of this epoch (for the epoch line's mean).
         self._window, self._epoch = [0.0, 0.0], [0.0, 0.0]
@@ -102,9 +102,9 @@ class RunLog:
         # Appending keeps the history of a resumed run in the same file; the curves keep the last value per step.
         # A torn last line (a crash mid-write) is ended first, so it cannot swallow the next record.
         self._metrics_file = open_for_append(run_folder.metrics)
-        if config.tensorboard:
+        if config.logging.tensorboard:
             self._tensorboard = _start_tensorboard(run_folder, resumed_step)
-        if config.wandb != "disabled":
+        if config.logging.wandb != "disabled":
             self._wandb_run = _start_wandb(run_folder, config)
 
     # ------------------------------------------------------------------------------------------------ training
@@ -326,14 +326,16 @@ def _start_wandb(run_folder: RunFolder, config: TrainConfig) -> Any:
     try:
         import wandb
     except ImportError:
-        logger.warning("--wandb %s but wandb is not installed; continuing without it (pip install wandb)", config.wandb)
+        logger.warning(
+            "--wandb %s but wandb is not installed; continuing without it (pip install wandb)", config.logging.wandb
+        )
         return None
     try:
         return wandb.init(
             project=WANDB_PROJECT,
-            name=config.exp_name,
+            name=config.checkpoint.exp_name,
             config=config.as_dict(),
-            mode=config.wandb,
+            mode=config.logging.wandb,
             dir=str(run_folder.path),
         )
     except Exception as error:  # wandb raises many kinds (network, auth); none should stop training

@@ -1,9 +1,8 @@
 """Wiring a training run from the parsed flags: the builders that read ``TrainConfig`` are called from here.
 
-``build_parts`` wires three builders, each of which turns the flags into its component's own config and objects:
-the model (``utils.training.build_model``), the optimisation (``utils.training.build_optimization``) and the loaders
-(``utils.training.build_loaders``). ``DataConfig`` and the batch arithmetic (``BatchPlan``) are made once here and
-handed down.
+``build_parts`` wires three builders, each handed the config sections it reads: the model
+(``utils.training.build_model``), the optimisation (``utils.training.build_optimization``) and the loaders
+(``utils.training.build_loaders``). The batch arithmetic (``BatchPlan``) is made once here and handed down.
 
 Every rank builds its own copy (per the PyTorch DDP tutorial: each rank loads the checkpoint before wrapping the model
 in DDP). Decisions that depend on the run folder (which checkpoint to resume, whether the folder is taken) are made
@@ -24,11 +23,12 @@ import torch
 
 from utils.allocator import reuse_large_buffers
 from utils.errors import ConfigError
+from utils.flags import flag_fields
 from utils.hardware import resolve_precision, warn_if_emulated
 from utils.launch.environments import LaunchPlan, plan_launch
 from utils.launch.process_group import DistributedContext, agree_on_errors, setup
 from utils.launch.signals import InterruptFlag
-from utils.training.build_loaders import build_loaders, data_config
+from utils.training.build_loaders import build_loaders
 from utils.training.build_model import build_model, wrap_for_training
 from utils.training.build_optimization import build_optimization, build_step
 from utils.training.config import TrainConfig
@@ -46,32 +46,10 @@ from utils.wording import count
 
 logger = logging.getLogger(__name__)
 
-# Flags a resume must repeat: the optimizer restores its own learning rate, weight decay and momentum from the
-# checkpoint (a new value would be logged but not used), the data flags decide which images are trained and which
-# validate (a larger --validation would move trained images into the validation set), and the objective's flags
-# (class weights, void values, oversampling, augmentation) decide what the loss measures. A change either way counts,
-# unset -> set included. Every other flag takes its new value; the model's own arguments are checked by
-# utils.model_spec. docs/RELIABILITY.md, "Resume and stop".
-_MUST_MATCH_FLAGS = {
-    "optimizer": "--optimizer",
-    "scheduler": "--scheduler",
-    "learning_rate": "--learning-rate",
-    "weight_decay": "--weight-decay",
-    "momentum": "--momentum",
-    "scale": "--scale",
-    "validation": "--validation",
-    "seed": "--seed",
-    "ignore_values": "--ignore-value",
-    "oversample_foreground": "--oversample-foreground",
-    "class_weights": "--class-weights",
-    "warmup_steps": "--warmup-steps",
-    "augment": "--augment",
-}
-
 
 def launch_plan(config: TrainConfig, argv: list[str]) -> LaunchPlan:
     """How this process takes part in the run: from the launcher's environment and the distributed flags."""
-    return plan_launch(config, argv=argv)
+    return plan_launch(config.launch, argv=argv)
 
 
 def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:
@@ -80,15 +58,21 @@ def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:
     # for reuse instead of faulting in fresh pages each time (utils.allocator; 1.2-1.3x bf16 images/s on the 2-core
     # machine of docs/PERFORMANCE.md).
     reuse_large_buffers()
-    return setup(plan, device_request=config.device, timeout_s=config.dist_timeout, threads=config.threads)
+    return setup(
+        plan,
+        device_request=config.performance.device,
+        timeout_s=config.launch.dist_timeout,
+        threads=config.performance.threads,
+    )
 
 
 def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: InterruptFlag) -> Trainer:
-    series = RunSeries(config.checkpoint_dir, series_name(config.exp_name, config.fold if config.folds else None))
-    choice = agree_on_run(ctx, config.resume, series)
+    folder, data = config.checkpoint, config.data
+    series = RunSeries(folder.checkpoint_dir, series_name(folder.exp_name, data.fold if data.folds else None))
+    choice = agree_on_run(ctx, folder.resume, series)
     run_folder = choice.folder
     try:
-        configure_reproducibility(config.seed, deterministic=config.deterministic)
+        configure_reproducibility(data.seed, deterministic=config.optimisation.deterministic)
         parts = agree_on_errors(
             ctx, lambda: build_parts(config, ctx, choice.resume_path, choice.payload, run_folder=run_folder)
         )
@@ -139,7 +123,8 @@ def planned_run_args(config: TrainConfig, state: TrainingState | None) -> dict[s
     saved = state.run_args if state is not None else {}
     if "epochs" in saved and "start_from" in saved:
         plan = {"epochs": int(saved["epochs"]), "start_from": int(saved["start_from"])}
-        if (config.epochs, config.start_from) != (plan["epochs"], plan["start_from"]):
+        asked = (config.checkpoint.start_from, config.optimisation.epochs)
+        if asked != (plan["start_from"], plan["epochs"]):
             first, last = epoch_range(plan)
             logger.warning(
                 "--resume continues the run's plan, epochs %d..%d (--start_from %d --epochs %d); this command's "
@@ -148,8 +133,7 @@ def planned_run_args(config: TrainConfig, state: TrainingState | None) -> dict[s
                 last,
                 plan["start_from"],
                 plan["epochs"],
-                config.start_from,
-                config.epochs,
+                *asked,
             )
         run_args.update(plan)
     return run_args
@@ -212,9 +196,8 @@ def build_parts(
         state = TrainingState.of(payload, resume_path)
         logger.info("Resuming from %s", resume_path)
         _check_resume_flags(config, state, resume_path)
-    data_settings = data_config(config)
-    data = build_data(data_settings, world_size=ctx.world_size)
-    precision = resolve_precision(config.precision, config.amp, ctx.device.type)
+    data = build_data(config, world_size=ctx.world_size)
+    precision = resolve_precision(config.performance.precision, config.performance.amp, ctx.device.type)
     warn_if_emulated(ctx.device, precision)
     model, model_args = build_model(config, ctx, data, resume_path, state)
     # After build_model, whose check of the dataset's files names the likelier cause of a changed split.
@@ -222,25 +205,25 @@ def build_parts(
     record_split(data.split, run_folder.split, saved_digest=saved_digest, resume_path=resume_path, write=ctx.is_main)
     plan = BatchPlan(
         n_train=len(data.train_set),
-        batch_size=config.batch_size,
+        batch_size=config.optimisation.batch_size,
         world_size=ctx.world_size,
-        grad_accum=config.grad_accum,
+        grad_accum=config.optimisation.grad_accum,
     )
     run_args = planned_run_args(config, state)
     optimization = build_optimization(
-        config,
+        config.optimisation,
         model.parameters(),
         total_steps=plan.total_steps(int(run_args["epochs"])),
         precision=precision,
         state=state,
     )
-    position, resume_images = TrainPosition(epoch=config.start_from - 1), 0
+    position, resume_images = TrainPosition(epoch=config.checkpoint.start_from - 1), 0
     if state is not None:
         position, resume_images = _resume_position(plan, state)
     step = build_step(
         config,
         optimization,
-        model=wrap_for_training(model, ctx, compile_model=config.compile),
+        model=wrap_for_training(model, ctx, compile_model=config.performance.compile),
         raw_model=model,
         data=data,
         precision=precision,
@@ -248,9 +231,13 @@ def build_parts(
     )
     # After DDP's wrapping, which broadcasts rank 0's weights: every rank's average starts from the same ones.
     ema = build_weight_average(
-        config.ema, model, optimization.optimizer, state.ema if state is not None else None, resumed=state is not None
+        config.optimisation.ema,
+        model,
+        optimization.optimizer,
+        state.ema if state is not None else None,
+        resumed=state is not None,
     )
-    loaders = build_loaders(config, data_settings, ctx, data)
+    loaders = build_loaders(config, ctx, data)
     _log_run_summary(config, ctx, data, plan, precision, loaders.num_workers, epoch_range(run_args), run_folder)
     return TrainParts(
         raw_model=model,
@@ -288,16 +275,25 @@ def _resume_position(plan: BatchPlan, state: TrainingState) -> tuple[TrainPositi
 def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
     """Refuse a resume whose objective or data flags differ from the run's, set or unset alike.
 
+    Which flags a resume must repeat is marked on each (``must_match``): the optimizer restores its own learning rate,
+    weight decay and momentum from the checkpoint (a new value would be logged but not used), the data flags decide
+    which images are trained and which validate (a larger --validation would move trained images into the validation
+    set), and the objective's flags (class weights, void values, oversampling, augmentation) decide what the loss
+    measures. Every other flag takes its new value; the model's own arguments are checked by utils.model_spec.
+    docs/RELIABILITY.md, "Resume and stop".
+
     A flag missing from the checkpoint's record (saved before the flag existed) counts as its default, the behaviour
     that run had; a checkpoint recording no flags at all is not checked.
     """
     saved_args = state.run_args
     if not saved_args:
         return
-    defaults = TrainConfig().as_dict()
-    for key, flag in _MUST_MATCH_FLAGS.items():
-        saved = saved_args.get(key, defaults[key])
-        wanted = getattr(config, key)
+    wanted_args = config.as_dict()
+    for item in flag_fields(TrainConfig):
+        if not item.flag.must_match:
+            continue
+        flag = item.flag.name
+        saved, wanted = saved_args.get(item.dest, item.default), wanted_args[item.dest]
         if _as_recorded(saved) != _as_recorded(wanted):
             raise ConfigError(
                 f"{path} was trained with {_describe_flag(flag, saved)} but this run asks for "
@@ -374,10 +370,10 @@ def _log_run_summary(
         count(plan.world_size, "process", "processes"),
         plan.grad_accum,
         plan.images_per_step,
-        config.learning_rate,
+        config.optimisation.learning_rate,
         len(data.train_set),
         len(data.val_set),
-        config.scale,
+        config.data.scale,
         precision,
         ctx.device,
         count(torch.get_num_threads(), "CPU thread"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,27 +17,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from utils.hardware import autocast
+from utils.training.config import TrainConfig
 from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
 from utils.training.objective import supervised_loss
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """How each step runs (from --classes, --precision/--amp, --grad-clip, --channels-last).
-
-    No field has a default: ``build_optimization.step_config`` fills every one from the flags (resolved), whose
-    defaults are the only ones."""
-
-    n_classes: int
-    precision: str
-    grad_clip: float
-    """Clip the global gradient norm to this value (0 = off)."""
-    channels_last: bool
-    class_weights: tuple[float, ...] | None
-    """Cross-entropy weight of each class (--class-weights, resolved); None = unweighted."""
-    freeze_encoder_before_epoch: int
-    """The model's ``encoder`` is not updated in epochs (0-based indices) before this one (--freeze-encoder-epochs
-    counted from --start_from)."""
 
 
 class TrainStep:
@@ -46,8 +27,10 @@ class TrainStep:
 
     def __init__(
         self,
-        config: StepConfig,
+        config: TrainConfig,
         *,
+        precision: str,
+        class_weights: tuple[float, ...] | None,
         model: nn.Module,
         raw_model: nn.Module,
         optimizer: torch.optim.Optimizer,
@@ -55,9 +38,16 @@ class TrainStep:
         scaler: torch.amp.GradScaler | None,
         device: torch.device,
     ) -> None:
-        """``model`` is what the forward pass calls (``raw_model`` wrapped in DDP and/or compiled); ``scheduler`` is
-        stepped after every update (None when something else steps it, e.g. ReduceLROnPlateau on validation Dice)."""
+        """``precision``: the autocast precision resolved from --precision/--amp and the device; ``class_weights``:
+        --class-weights resolved (None = unweighted). ``model`` is what the forward pass calls (``raw_model`` wrapped
+        in DDP and/or compiled); ``scheduler`` is stepped after every update (None when something else steps it, e.g.
+        ReduceLROnPlateau on validation Dice)."""
         self.config = config
+        self.precision = precision
+        # The encoder is not updated in the epochs (0-based) before this one: --freeze-encoder-epochs counted from
+        # --start_from.
+        freeze = config.model.freeze_encoder_epochs
+        self.freeze_encoder_before_epoch = config.checkpoint.start_from - 1 + freeze if freeze else 0
         self.model = model
         self.raw_model = raw_model
         self.optimizer = optimizer
@@ -65,22 +55,20 @@ class TrainStep:
         self.scaler = scaler
         self.device = device
         self._ddp = _find_ddp(model)
-        self._memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
-        self._class_weights = (
-            None if config.class_weights is None else torch.tensor(config.class_weights, device=device)
-        )
+        self._memory_format = torch.channels_last if config.performance.channels_last else torch.contiguous_format
+        self._class_weights = None if class_weights is None else torch.tensor(class_weights, device=device)
         # fp16 runs leave skipping to GradScaler (see utils.training.nonfinite).
         self.guard = NonFiniteStepGuard(raw_model, optimizer, device) if scaler is None else None
         # Sum and count of the finite losses since the last read (a skipped step's NaN would hide the others').
         self._loss_sum = torch.zeros((), device=device)
         self._loss_count = torch.zeros((), device=device)
-        encoder = getattr(raw_model, "encoder", None) if config.freeze_encoder_before_epoch else None
+        encoder = getattr(raw_model, "encoder", None) if self.freeze_encoder_before_epoch else None
         self._encoder_parameters = list(encoder.parameters()) if encoder is not None else []
         self._encoder_frozen = bool(self._encoder_parameters)
 
     def set_epoch(self, epoch: int) -> None:
         """Call before each epoch (numbered from 0): the encoder is frozen before ``freeze_encoder_before_epoch``."""
-        self._encoder_frozen = bool(self._encoder_parameters) and epoch < self.config.freeze_encoder_before_epoch
+        self._encoder_frozen = bool(self._encoder_parameters) and epoch < self.freeze_encoder_before_epoch
 
     def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> None:
         """One whole optimizer step over ``micro_batches`` (gradients all-reduced on the last one only)."""
@@ -101,9 +89,9 @@ class TrainStep:
         # DDP all-reduces gradients only on the micro-batch that closes an accumulation group.
         no_sync = self._ddp.no_sync() if self._ddp is not None and not sync_gradients else contextlib.nullcontext()
         with no_sync:
-            with autocast(self.device, self.config.precision):
+            with autocast(self.device, self.precision):
                 logits = self.model(images)
-                loss = supervised_loss(logits, masks, self.config.n_classes, self._class_weights)
+                loss = supervised_loss(logits, masks, self.config.model.classes, self._class_weights)
             scaled = loss / group_size
             if self.scaler is not None:
                 self.scaler.scale(scaled).backward()
@@ -123,12 +111,12 @@ class TrainStep:
             for parameter in self._encoder_parameters:
                 parameter.grad = None
         if self.guard is not None:
-            self.guard.step(self.config.grad_clip)
+            self.guard.step(self.config.optimisation.grad_clip)
         else:
             assert self.scaler is not None
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            if self.config.grad_clip:
-                nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.config.grad_clip)
+            if self.config.optimisation.grad_clip:
+                nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.config.optimisation.grad_clip)
             self.scaler.step(self.optimizer)  # skips the step itself when the gradients are not finite
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

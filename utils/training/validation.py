@@ -86,8 +86,8 @@ class Validator:
         self.ctx = ctx
         self.model = model
         self.loader = loader
-        self.sharded = config.val_mode == "sharded" and ctx.is_distributed
-        self._n_classes = config.classes
+        self.sharded = config.launch.val_mode == "sharded" and ctx.is_distributed
+        self._n_classes = config.model.classes
         self._precision = precision
         self._interrupts = interrupts
         self._run_log = run_log

@@ -1,0 +1,281 @@
+"""How a config field becomes a command-line flag: declared once, beside the field, for every entry script.
+
+A field is declared as ``epochs: int = flag(5, "--epochs", "-e", range=Range(1))`` followed by its docstring: its
+name, type (the annotation), default, spellings and allowed range are in that line, and the docstring is its help
+text. A config is either flat (``PredictConfig``) or made of sections (``TrainConfig.optimisation``, declared with
+``section``), whose flags are listed under the section's help title. ``add_flags`` makes the argparse arguments,
+``build_config`` the config from argparse's flat result, ``check_ranges`` the range errors; train.py's flags table in
+docs/TRAINING.md is tested against the same fields (``tests/test_readme_flags.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import textwrap
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from utils.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number may take; the error names the flag, the bounds and the value.
+
+    Floats must also be finite. ``note`` follows the bounds in the message (" seconds", " (0 = off)"); ``zero`` says
+    what 0 means for a count whose 0 is a setting ("--keep-last must be 0 (keep all) or positive"); ``what`` names the
+    kind of value for a bounded integer ("a mask value").
+    """
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+    zero: str = ""
+    what: str = ""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The command-line side of one config field (its name, type and default are the field's, its help the
+    field's docstring)."""
+
+    names: tuple[str, ...]
+    range: Range | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | tuple[str, ...] | None = None
+    const: str | None = None
+    """The value of the flag given without one (``--resume`` alone means ``auto``)."""
+    value_type: Callable[[str], Any] | None = None
+    """A parser for the value other than the annotation's type (``--device``)."""
+    nargs: str | int | None = None
+    """For a list field: its values follow the flag (``-i a.jpg b.jpg``) instead of repeating it."""
+    required: bool = False
+    must_match: bool = False
+    """A resumed run must repeat the value its checkpoint was trained with (``utils.training.setup``)."""
+
+    @property
+    def name(self) -> str:
+        """The spelling error messages use."""
+        return self.names[0]
+
+
+def flag(default: Any, *names: str, **options: Any) -> Any:
+    """A dataclass field with ``default`` that is the flag ``names`` (``options``: the other ``Flag`` fields)."""
+    record = Flag(names=names, **options)
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"flag": record})
+    return dataclasses.field(default=default, metadata={"flag": record})
+
+
+def section(section_class: type, title: str) -> Any:
+    """A field holding ``section_class``, whose flags ``--help`` lists under ``title``."""
+    return dataclasses.field(default_factory=section_class, metadata={"section": title})
+
+
+@dataclass(frozen=True)
+class FlagField:
+    """One flag with what its field says: destination, value type, default and help."""
+
+    dest: str
+    """The field's name, unique across a config's sections: argparse's destination and the flat dict's key."""
+    kind: type
+    """int, float, str, bool or Path; for a list field the type of one value."""
+    repeatable: bool
+    default: Any
+    flag: Flag
+    help: str
+    section: str | None
+    """The section field holding it (``optimisation``), None in a flat config."""
+    title: str | None
+    """The section's help title."""
+
+
+def flag_fields(config_class: type) -> Iterator[FlagField]:
+    """The flags of ``config_class`` and of its sections, in field order."""
+    for field in dataclasses.fields(config_class):
+        if "section" in field.metadata:
+            section_class = typing.get_type_hints(config_class)[field.name]
+            for item in _own_flags(section_class):
+                yield dataclasses.replace(item, section=field.name, title=field.metadata["section"])
+    yield from _own_flags(config_class)
+
+
+@functools.cache
+def _own_flags(config_class: type) -> tuple[FlagField, ...]:
+    hints = typing.get_type_hints(config_class)
+    docs: dict[str, str] = {}
+    for klass in reversed(config_class.__mro__):  # a field declared in a base class has its docstring there
+        if dataclasses.is_dataclass(klass):
+            docs.update(_field_docstrings(klass))
+    items = []
+    for field in dataclasses.fields(config_class):
+        record = field.metadata.get("flag")
+        if record is None:
+            continue
+        kind, repeatable = _value_type(hints[field.name])
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        items.append(FlagField(field.name, kind, repeatable, default, record, docs[field.name], None, None))
+    return tuple(items)
+
+
+def _field_docstrings(config_class: type) -> dict[str, str]:
+    """``{field: its docstring on one line}``: the string under each annotated field of the class's source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(config_class))).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for statement, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            text = " ".join(following.value.value.split())
+            # A docstring is a sentence; the help line is not (argparse appends "(default: ...)").
+            docs[statement.target.id] = text.removesuffix(".")
+    return docs
+
+
+def _value_type(hint: Any) -> tuple[type, bool]:
+    """``int | None`` -> (int, False); ``list[int]`` and ``list[int] | None`` -> (int, True)."""
+    if type(None) in typing.get_args(hint):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], True
+    return hint, False
+
+
+def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
+    """Add every flag of ``config_class`` to ``parser``, each section's under its help title."""
+    groups: dict[str, Any] = {}
+    for item in flag_fields(config_class):
+        record = item.flag
+        options: dict[str, Any] = {"dest": item.dest, "help": item.help.replace("%", "%%")}
+        if item.kind is bool:
+            options["action"] = "store_true"
+        else:
+            options["type"] = record.value_type or item.kind
+            options["default"] = copy.copy(item.default)  # argparse hands it out: no list shared between parses
+            if record.nargs is not None:
+                options["nargs"] = record.nargs
+            elif item.repeatable:
+                options["action"] = "append"
+            if record.choices is not None:
+                options["choices"] = record.choices
+            if record.metavar is not None:
+                options["metavar"] = record.metavar
+            if record.const is not None:
+                options["nargs"], options["const"] = "?", record.const
+            if record.required:
+                options["required"] = True
+        if item.title is not None and item.title not in groups:
+            groups[item.title] = parser.add_argument_group(item.title)
+        (groups[item.title] if item.title is not None else parser).add_argument(*record.names, **options)
+
+
+def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
+    """``config_class`` from a flat ``{dest: value}`` (argparse's result, a checkpoint's ``args``); a missing
+    value takes its default, a key that is no flag is left out."""
+    hints = typing.get_type_hints(config_class)
+    arguments = {}
+    for field in dataclasses.fields(config_class):
+        if "section" in field.metadata:
+            arguments[field.name] = build_config(hints[field.name], values)
+        elif "flag" in field.metadata and field.name in values:
+            arguments[field.name] = values[field.name]
+    return config_class(**arguments)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting, so every error is one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see python {self.prog} --help)")
+
+
+def parse_flags(parser: argparse.ArgumentParser, config_class: type, argv: Sequence[str] | None) -> Any:
+    """``config_class`` from ``argv`` (default: sys.argv[1:]) through ``parser``, each value inside its range."""
+    add_flags(parser, config_class)
+    config = build_config(config_class, vars(parse_known_flags(parser, argv)))
+    check_ranges(config)
+    return config
+
+
+def parse_known_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser``'s result for ``argv``; an unknown flag is a ConfigError naming the closest real one."""
+    namespace, unknown = parser.parse_known_args(argv)
+    if not unknown:
+        return namespace
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    flags = [option for action in parser._actions for option in action.option_strings]
+    for argument in unknown:
+        if argument.startswith("-"):
+            close = difflib.get_close_matches(argument.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if close:
+                message += f"; did you mean {close[0]}?"
+            break
+    raise ConfigError(f"{message} (see python {parser.prog} --help)")
+
+
+def flat_values(config: Any) -> dict[str, Any]:
+    """The flags of ``config`` as one flat ``{dest: value}``, in field order (the inverse of ``build_config``)."""
+    values = {}
+    for item in flag_fields(type(config)):
+        holder = getattr(config, item.section) if item.section is not None else config
+        values[item.dest] = getattr(holder, item.dest)
+    return values
+
+
+def check_ranges(config: Any) -> None:
+    """Every value of ``config`` inside its flag's ``Range``, else one ``ConfigError`` naming the flag."""
+    values = flat_values(config)
+    for item in flag_fields(type(config)):
+        if item.flag.range is None:
+            continue
+        value = values[item.dest]
+        for one in value if item.repeatable else [value]:
+            if one is None:
+                continue
+            if item.kind is float:
+                require_number(one, item.flag.name, item.flag.range)
+            else:
+                _require_count(one, item.flag.name, item.flag.range)
+
+
+def require_number(value: float, flag_name: str, bounds: Range) -> None:
+    """``value`` is finite and inside ``bounds``, else one error naming the flag, the interval and the value."""
+    low, high = bounds.low, bounds.high
+    above_low = value > low if bounds.low_open else value >= low
+    below_high = value < high if bounds.high_open else value <= high
+    if math.isfinite(value) and above_low and below_high:
+        return
+    if math.isinf(high):
+        where = f"{'above' if bounds.low_open else 'at least'} {low:g}"
+    else:
+        where = f"in {'(' if bounds.low_open else '['}{low:g}, {high:g}{')' if bounds.high_open else ']'}"
+    raise ConfigError(f"{flag_name} must be a finite number {where}{bounds.note}, got {value:g}")
+
+
+def _require_count(value: int, flag_name: str, bounds: Range) -> None:
+    if bounds.low <= value <= bounds.high:
+        return
+    low, high = int(bounds.low), bounds.high
+    if not math.isinf(high):
+        what = f"{bounds.what} " if bounds.what else ""
+        raise ConfigError(f"{flag_name} must be {what}in {low}..{int(high)}, got {value}")
+    if bounds.zero:
+        raise ConfigError(f"{flag_name} must be 0 ({bounds.zero}) or positive")
+    if low == 0:
+        raise ConfigError(f"{flag_name} must not be negative, got {value}")
+    raise ConfigError(f"{flag_name} must be at least {low}{bounds.note}")
