@@ -1,4 +1,5 @@
-"""Prediction: decoding inputs in loader workers, batching images of equal size, optional tiling, logits to classes.
+"""Prediction: the model and its preparation, decoding inputs in loader workers, batching images of equal size,
+optional tiling, logits to classes.
 
 ``predict_items`` is the loop behind ``predict.py``: images are decoded and resized in ``DataLoader`` workers (so
 decoding overlaps the forward passes), grouped into batches of equal network-input size (images of mixed sizes
@@ -16,6 +17,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,19 +26,56 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from unet import UNet
+from utils import model_spec
 from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
 from utils.datasets.pixel_cache import IMAGE, PixelCache
 from utils.datasets.preparation import image_tensor, resized_image, unit_float
+from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
-from utils.inference.forward import forward_logits
+from utils.inference.config import DEFAULT_MASK_THRESHOLD, PredictConfig
+from utils.inference.export import Preprocessing
 from utils.inference.memory import MemoryPlanner
-from utils.inference.tiling import TileSettings, predict_logits_tiled
+from utils.inference.outputs import check_mask_values, default_mask_values
+from utils.inference.tiling import TileSettings, forward_logits, predict_logits_tiled
 from utils.shared_memory import SharedMemoryGuard, check_room, loader_timeout
 
 logger = logging.getLogger(__name__)
 
 WORKERS_FIX = "--workers 0 (-j 0)"
 """predict.py's flag that keeps decoding in the main process (see utils.shared_memory)."""
+
+
+def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
+    """The checkpoint's model (eval mode, on the CPU) and how predict.py prepares images for it and writes its classes:
+    the image scale, the mask value of each class, void values and class names (empty when the checkpoint has none)."""
+    model, spec = model_spec.load_model(
+        config.model, expected={"n_classes": config.classes, "bilinear": True if config.bilinear else None}
+    )
+    scale = model_spec.resolve_scale(spec, config.scale, config.model)
+    mask_values = spec.mask_values
+    if mask_values is None:
+        mask_values = default_mask_values(model.n_classes)
+        logger.warning("%s stores no mask_values; writing classes as %s", config.model, mask_values)
+    check_mask_values(mask_values, model.n_classes)
+    void = sorted(set(spec.ignore_values) & {v for v in mask_values if isinstance(v, int)})
+    if void:
+        # A class written as a void value would read back as "not labelled": never write one.
+        raise CheckpointError(
+            f"{config.model} maps classes to mask value(s) {void} that it was trained to ignore (--ignore-value); "
+            "its mask_values are inconsistent, retrain or fix the checkpoint"
+        )
+    logger.info("Model %s: %s, mask values %s, scale %s", config.model, model.constructor_args(), mask_values, scale)
+    if model.n_classes > 1 and config.mask_threshold != DEFAULT_MASK_THRESHOLD:
+        logger.warning(
+            "--mask-threshold %s is ignored: %s has %d output classes and each pixel gets its most likely class "
+            "(the threshold applies to one-logit models, --classes 1)",
+            config.mask_threshold,
+            config.model,
+            model.n_classes,
+        )
+    preprocessing = Preprocessing(scale, mask_values, model.n_channels, spec.ignore_values, spec.class_names)
+    return model.eval(), preprocessing
 
 
 @dataclass
@@ -159,37 +198,47 @@ def _describe(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
-def keep_as_list(items: list[InputItem]) -> list[InputItem]:
-    """DataLoader collate function: images of different sizes cannot be stacked yet."""
+def keep_as_list(items: list[Any]) -> list[Any]:
+    """DataLoader collate function: keep the items apart (images of different sizes cannot be stacked yet).
+
+    It runs in loader worker processes: a module-level function pickles under any start method.
+    """
     return items
 
 
 class ShapeBuckets:
     """Collects items by image shape and releases full batches, so interleaved sizes still make full batches.
 
-    At most ``max_pending`` items wait; beyond that the fullest bucket is released early (many distinct sizes would
-    otherwise hold every image in memory).
+    Nothing is resized or padded. At most ``max_pending`` items wait; beyond that the fullest bucket is released
+    early (many distinct sizes would otherwise hold every image in memory). ``shape_of`` tells an item's image shape
+    (default: a decoded ``InputItem``'s; ``evaluate.py`` buckets its dataset's dicts).
     """
 
-    def __init__(self, batch_size: int, max_pending: int | None = None) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        max_pending: int | None = None,
+        shape_of: Callable[[Any], tuple[int, ...]] = lambda item: tuple(item.image.shape),
+    ) -> None:
         self.batch_size = batch_size
         self.max_pending = max_pending if max_pending is not None else 4 * batch_size
-        self._buckets: dict[tuple[int, ...], list[InputItem]] = {}
+        self.shape_of = shape_of
+        self._buckets: dict[tuple[int, ...], list[Any]] = {}
 
-    def add(self, item: InputItem) -> list[list[InputItem]]:
+    def add(self, item: Any) -> list[list[Any]]:
         """Add one decoded item; returns the batches that are ready (possibly none)."""
-        assert item.image is not None
-        bucket = self._buckets.setdefault(tuple(item.image.shape), [])
+        shape = self.shape_of(item)
+        bucket = self._buckets.setdefault(shape, [])
         bucket.append(item)
         ready = []
         if len(bucket) == self.batch_size:
-            ready.append(self._buckets.pop(tuple(item.image.shape)))
+            ready.append(self._buckets.pop(shape))
         if sum(len(bucket) for bucket in self._buckets.values()) > self.max_pending:
             fullest = max(self._buckets, key=lambda shape: len(self._buckets[shape]))
             ready.append(self._buckets.pop(fullest))
         return ready
 
-    def flush(self) -> list[list[InputItem]]:
+    def flush(self) -> list[list[Any]]:
         """All remaining partial batches."""
         ready = list(self._buckets.values())
         self._buckets.clear()
@@ -256,7 +305,7 @@ def predict_items(
         timeout=loader_timeout(workers),
     )
     buckets = ShapeBuckets(batch_size)
-    planner = memory if memory is not None else MemoryPlanner.for_device(device)
+    planner = memory if memory is not None else MemoryPlanner(device=device)
 
     def run(batch: list[InputItem]) -> list[Prediction]:
         batch_tile = tile

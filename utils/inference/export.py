@@ -29,13 +29,16 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from utils.checkpoint import InferenceRecord, load_checkpoint_file
 from utils.errors import UserError
-from utils.output_files import replacing
+from utils.output_files import check_outputs, replacing
+
+if TYPE_CHECKING:
+    from utils.inference.config import PredictConfig
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +91,6 @@ class Preprocessing:
             "as mask_values[class]"
         )
         return entries
-
-
-def checkpoint_preprocessing(checkpoint: Path, mask_values: Sequence, scale: float, channels: int) -> Preprocessing:
-    """The record of the model in ``checkpoint`` as predict.py prepares images for it (``scale`` and ``mask_values``
-    resolved as it resolves them); void values and class names from the file's ``InferenceRecord``."""
-    record = InferenceRecord.of(load_checkpoint_file(checkpoint))
-    return Preprocessing(scale, list(mask_values), channels, record.ignore_values, record.class_names)
 
 
 @dataclass
@@ -153,6 +149,22 @@ def export_model(
             report = _export_onnx(model, temporary, sample, other, preprocessing, _weights_file(path))
     report.path = path
     return report
+
+
+def run_export(model: nn.Module, config: PredictConfig, preprocessing: Preprocessing) -> None:
+    """predict.py's ``--export``: the file may replace neither the checkpoint nor a TorchScript archive it cannot
+    recognise as an export (``check_outputs``); it carries ``preprocessing`` (in an ONNX file's metadata)."""
+    assert config.export_format is not None and config.export_path is not None
+    check_outputs(
+        [(config.export_path, "--export")],
+        {config.model: "the checkpoint"},
+        writes_images=False,
+        replaces_torchscript=config.export_format == "torchscript",
+    )
+    report = export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
+    report_fields = (report.format, report.path, report.checked_with)
+    difference = "n/a" if report.max_abs_difference is None else f"{report.max_abs_difference:.3g}"
+    logger.info("Exported %s to %s (checked with %s, max |difference| %s)", *report_fields, difference)
 
 
 @contextlib.contextmanager

@@ -1,9 +1,14 @@
-"""Sliding-window inference as nnU-Net does it: half-window steps, Gaussian importance weights, optional flips.
+"""Forward passes of prediction: one pass, flips averaged (``--tta``), and sliding windows (``--tile``), as nnU-Net
+does them in 2D.
 
-Windows start on multiples of 16 (the UNet pools four times by 2), so every window sees the whole image's pooling
-grid; neighbours overlap by half a window by default (nnU-Net's step of 0.5). Each window's logits are weighted by
-a Gaussian centred on the window with sigma = window / 8 (nnU-Net's importance map): centres, where the window holds
-the most context, count most, and the blended logit is the weighted mean over the windows covering a pixel.
+Test-time augmentation: the image, its horizontal flip, its vertical flip and both, each flipped back after the model,
+their logits averaged (4 passes). Whole images and windows share ``forward_logits``.
+
+Sliding windows start on multiples of 16 (the UNet pools four times by 2), so every window sees the whole image's
+pooling grid; neighbours overlap by half a window by default (nnU-Net's step of 0.5). Each window's logits are
+weighted by a Gaussian centred on the window with sigma = window / 8 (nnU-Net's importance map): centres, where the
+window holds the most context, count most, and the blended logit is the weighted mean over the windows covering a
+pixel.
 
 How close this is to whole-image prediction: a window that covers the whole image gives exactly the whole-image
 logits; otherwise a UNet's receptive field (about 200 pixels) exceeds any window margin, so logits differ slightly
@@ -20,7 +25,25 @@ import torch
 from torch import Tensor, nn
 
 from utils.errors import ConfigError
-from utils.inference.forward import forward_logits
+from utils.evaluation import run_model
+
+# Spatial axes of [N, C, H, W] flipped by each test-time pass; () is the image itself.
+TTA_FLIPS: tuple[tuple[int, ...], ...] = ((), (3,), (2,), (2, 3))
+
+
+def forward_logits(model: nn.Module, images: Tensor, precision: str, tta: bool = False) -> Tensor:
+    """float32 logits ``[N, K, H, W]`` of ``images``; with ``tta`` the mean over ``TTA_FLIPS``."""
+    if not tta:
+        return run_model(model, images, precision)
+    total: Tensor | None = None
+    for dims in TTA_FLIPS:
+        flipped = images.flip(dims) if dims else images
+        logits = run_model(model, flipped, precision)
+        logits = logits.flip(dims) if dims else logits
+        total = logits if total is None else total.add_(logits)
+    assert total is not None
+    return total / len(TTA_FLIPS)
+
 
 # The UNet pools four times by 2: windows that start on multiples of this see the whole image's pooling grid.
 DOWNSAMPLING = 16
@@ -39,7 +62,7 @@ class TileSettings:
     overlap: float = DEFAULT_TILE_OVERLAP
     """Fraction of the window shared with each neighbour, in [0, 0.5]; 0.5 is a step of half a window."""
     tta: bool = False
-    """Average each window's logits over its flips (``utils.inference.forward``)."""
+    """Average each window's logits over its flips (``forward_logits``)."""
 
     def __post_init__(self) -> None:
         if self.size < 2 * DOWNSAMPLING or self.size % DOWNSAMPLING:
