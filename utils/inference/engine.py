@@ -12,9 +12,10 @@ Tiled inference (``TileSettings``, for images too large to run whole) lives in `
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
     if mask_values is None:
         mask_values = default_mask_values(model.n_classes)
         logger.warning("%s stores no mask_values; writing classes as %s", config.model, mask_values)
-    check_mask_values(mask_values, model.n_classes)
+    check_mask_values(mask_values)
     void = sorted(set(spec.ignore_values) & {v for v in mask_values if isinstance(v, int)})
     if void:
         # A class written as a void value would read back as "not labelled": never write one.
@@ -143,42 +144,40 @@ class PredictionInputs(Dataset):
 
     def __getitem__(self, index: int) -> InputItem:
         path = self.paths[index]
-        if self.pixel_cache is not None:
-            return self._cached_item(index, path)
         try:
-            with load_image(path, any_size=self.any_size) as pil_image:
-                # The training pipeline's conversion and resize, so predictions see what the model was trained on.
-                own_channels = mode_channels(pil_image.mode)
-                converted_from = own_channels if own_channels != self.n_channels else None
-                image = image_tensor(pil_image, self.scale, self._convert_to)
-                if image.shape[0] != self.n_channels:
-                    raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
-                original = _display_pixels(pil_image) if self.keep_original else None
-                original_size = (pil_image.height, pil_image.width)
-        except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
-            return InputItem(index, path, error=f"cannot read image {path}: {_describe(error)}")
-        return InputItem(index, path, image, original_size, original, converted_from=converted_from)
-
-    def _cached_item(self, index: int, path: Path) -> InputItem:
-        """The item from the pixel cache (the header gives the original size), decoded and stored on a miss."""
-        assert self.pixel_cache is not None
-        try:
-            info = _file_info(path)
-            width, height, own_channels = image_header(path)
-            cached = self.pixel_cache.read(info, IMAGE)
-            if cached is None:
-                with load_image(path, any_size=self.any_size) as pil_image:
-                    pixels = resized_image(pil_image, self.scale, self._convert_to)
-                if pixels.dtype == torch.uint8:  # 16-bit and float images are not cached (see the cache's docs)
-                    self.pixel_cache.write(info, IMAGE, pixels.permute(1, 2, 0).numpy())
-            else:
-                pixels = torch.from_numpy(np.array(cached)).permute(2, 0, 1)
-            if pixels.shape[0] != self.n_channels:
-                raise ValueError(f"it has {pixels.shape[0]} channel(s) but the model expects {self.n_channels}")
+            read = self._cached if self.pixel_cache is not None else self._decoded
+            image, original_size, own_channels, original = read(path)
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
             return InputItem(index, path, error=f"cannot read image {path}: {_describe(error)}")
         converted_from = own_channels if own_channels != self.n_channels else None
-        return InputItem(index, path, unit_float(pixels), (height, width), converted_from=converted_from)
+        return InputItem(index, path, image, original_size, original, converted_from=converted_from)
+
+    def _decoded(self, path: Path) -> tuple[Tensor, tuple[int, int], int, Tensor | None]:
+        with load_image(path, any_size=self.any_size) as pil_image:
+            # The training pipeline's conversion and resize, so predictions see what the model was trained on.
+            image = self._checked(image_tensor(pil_image, self.scale, self._convert_to))
+            original = _display_pixels(pil_image) if self.keep_original else None
+            return image, (pil_image.height, pil_image.width), mode_channels(pil_image.mode), original
+
+    def _cached(self, path: Path) -> tuple[Tensor, tuple[int, int], int, None]:
+        """From the pixel cache (the header gives the original size), decoded and stored on a miss."""
+        assert self.pixel_cache is not None
+        info = _file_info(path)
+        width, height, own_channels = image_header(path)
+        cached = self.pixel_cache.read(info, IMAGE)
+        if cached is None:
+            with load_image(path, any_size=self.any_size) as pil_image:
+                pixels = resized_image(pil_image, self.scale, self._convert_to)
+            if pixels.dtype == torch.uint8:  # 16-bit and float images are not cached (see the cache's docs)
+                self.pixel_cache.write(info, IMAGE, pixels.permute(1, 2, 0).numpy())
+        else:
+            pixels = torch.from_numpy(np.array(cached)).permute(2, 0, 1)
+        return unit_float(self._checked(pixels)), (height, width), own_channels, None
+
+    def _checked(self, image: Tensor) -> Tensor:
+        if image.shape[0] != self.n_channels:
+            raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
+        return image
 
 
 def _file_info(path: Path) -> FileInfo:
@@ -262,8 +261,15 @@ def predict_batch(
     tile: TileSettings | None = None,
     tile_batch_size: int = 4,
     tta: bool = False,
+    memory: MemoryPlanner | None = None,
 ) -> list[Prediction]:
-    """Predict a batch of items whose network-input images all have the same shape."""
+    """Predict a batch of items whose network-input images all have the same shape.
+
+    Without ``tile``, ``memory`` (when given) decides whether the whole-image pass fits, else which windows to use.
+    """
+    if tile is None and memory is not None:
+        shape = tuple(items[0].image.shape)  # type: ignore[union-attr] - decoded items only
+        tile = memory.tile_if_needed(model, len(items), shape, tta, window_batch=tile_batch_size)
     images = torch.stack([item.image for item in items]).to(device, non_blocking=True)
     if tile is None:
         logits = forward_logits(model, images, precision, tta)
@@ -305,28 +311,30 @@ def predict_items(
         timeout=loader_timeout(workers),
     )
     buckets = ShapeBuckets(batch_size)
-    planner = memory if memory is not None else MemoryPlanner(device=device)
+    run = functools.partial(
+        predict_batch,
+        model,
+        device=device,
+        precision=precision,
+        threshold=threshold,
+        tile=tile,
+        tile_batch_size=batch_size,
+        tta=tta,
+        memory=memory if memory is not None else MemoryPlanner(device=device),
+    )
 
-    def run(batch: list[InputItem]) -> list[Prediction]:
-        batch_tile = tile
-        if batch_tile is None:
-            assert batch[0].image is not None
-            shape = tuple(batch[0].image.shape)
-            batch_tile = planner.tile_if_needed(model, len(batch), shape, tta, window_batch=batch_size)
-        return predict_batch(
-            model,
-            batch,
-            device,
-            precision=precision,
-            threshold=threshold,
-            tile=batch_tile,
-            tile_batch_size=batch_size,
-            tta=tta,
-        )
+    def batches() -> Iterator[list[Prediction]]:
+        for loaded in SharedMemoryGuard(loader, WORKERS_FIX):
+            for item in loaded:
+                if item.error is not None:
+                    yield [Prediction(item, error=item.error)]
+                else:
+                    yield from map(run, buckets.add(item))
+        yield from map(run, buckets.flush())
 
     converted: dict[int, int] = {}
     with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not progress) as bar:
-        for predictions in _run_batches(SharedMemoryGuard(loader, WORKERS_FIX), buckets, run):
+        for predictions in batches():
             for prediction in predictions:
                 if prediction.item.converted_from is not None:
                     converted[prediction.item.converted_from] = converted.get(prediction.item.converted_from, 0) + 1
@@ -337,19 +345,3 @@ def predict_items(
         logger.warning(
             "%d %s image(s) were converted to %s for the %d-channel model", count, kind, target, dataset.n_channels
         )
-
-
-def _run_batches(
-    loader: Iterable[list[InputItem]],
-    buckets: ShapeBuckets,
-    run: Callable[[list[InputItem]], list[Prediction]],
-) -> Iterator[list[Prediction]]:
-    for loaded in loader:
-        for item in loaded:
-            if item.error is not None:
-                yield [Prediction(item, error=item.error)]
-                continue
-            for batch in buckets.add(item):
-                yield run(batch)
-    for batch in buckets.flush():
-        yield run(batch)
