@@ -34,7 +34,7 @@ float64 rounding.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -178,55 +178,39 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-@dataclass
 class SegmentationMetrics:
     """Accumulates per-image Dice and IoU per class; ``n_classes`` counts background (2 for binary models)."""
 
-    n_classes: int
-    _dice_sum: Tensor = field(init=False)
-    _iou_sum: Tensor = field(init=False)
-    _counts_sum: Tensor = field(init=False)
-    """True positives, false positives and false negatives per class, summed over images: ``[3, n_classes]``."""
-    _n_images: int = field(init=False, default=0)
-
-    def __post_init__(self) -> None:
-        self._dice_sum = torch.zeros(self.n_classes, dtype=torch.float64)
-        self._iou_sum = torch.zeros(self.n_classes, dtype=torch.float64)
-        self._counts_sum = torch.zeros(3, self.n_classes, dtype=torch.float64)
+    def __init__(self, n_classes: int) -> None:
+        self.n_classes = n_classes
+        # Per class, summed over images: the Dice, the IoU, then true positives, false positives, false negatives.
+        self._sums = torch.zeros(5, n_classes, dtype=torch.float64)
+        self._n_images = 0
 
     def update(self, pred: Tensor, target: Tensor) -> None:
         """Add a ``[B, H, W]`` batch of predicted and true class indices."""
         counts = confusion_counts(pred, target, self.n_classes)
-        self._dice_sum += dice_from_counts(*counts).sum(dim=0)
-        self._iou_sum += iou_from_counts(*counts).sum(dim=0)
-        self._counts_sum += torch.stack([count.sum(dim=0) for count in counts])
+        per_image = [dice_from_counts(*counts), iou_from_counts(*counts), *counts]
+        self._sums += torch.stack([values.sum(dim=0) for values in per_image])
         self._n_images += pred.shape[0]
 
     def reduce(self, reduce_sums: Callable[[Tensor], Tensor]) -> None:
         """Replace every sum by ``reduce_sums`` of it (the sum over ranks): one float64 vector, one collective."""
-        k = self.n_classes
-        packed = torch.cat(
-            [
-                self._dice_sum,
-                self._iou_sum,
-                self._counts_sum.flatten(),
-                torch.tensor([self._n_images], dtype=torch.float64),
-            ]
-        )
+        packed = torch.cat([self._sums.flatten(), torch.tensor([self._n_images], dtype=torch.float64)])
         total = reduce_sums(packed).cpu()
-        self._dice_sum, self._iou_sum = total[:k].clone(), total[k : 2 * k].clone()
-        self._counts_sum = total[2 * k : 5 * k].reshape(3, k).clone()
-        self._n_images = int(round(float(total[5 * k])))
+        self._sums = total[:-1].reshape(5, self.n_classes).clone()
+        self._n_images = int(round(float(total[-1])))
 
     def compute(self) -> EvalResult:
         if self._n_images == 0:
             raise ValueError("no images were evaluated: the validation set is empty")
+        dice_sum, iou_sum, *counts_sum = self._sums
         return EvalResult(
-            per_class_dice=(self._dice_sum / self._n_images).tolist(),
-            per_class_iou=(self._iou_sum / self._n_images).tolist(),
+            per_class_dice=(dice_sum / self._n_images).tolist(),
+            per_class_iou=(iou_sum / self._n_images).tolist(),
             n_images=self._n_images,
-            micro_per_class_dice=dice_from_counts(*self._counts_sum).tolist(),
-            micro_per_class_iou=iou_from_counts(*self._counts_sum).tolist(),
+            micro_per_class_dice=dice_from_counts(*counts_sum).tolist(),
+            micro_per_class_iou=iou_from_counts(*counts_sum).tolist(),
         )
 
 

@@ -284,27 +284,18 @@ def _write_metadata(path: Path, preprocessing: Preprocessing | None, weights_fil
     """Add the preprocessing record; an export with external data gets its weights under the final file's name."""
     import onnx
 
-    if weights_file is None:
-        proto = onnx.load(str(path))
-        _set_metadata(proto, preprocessing)
-        onnx.save(proto, str(path))
-        return
-    # The exporter named the side file after the temporary name: write it again under the final one.
-    exporter_weights = _weights_file(path)
     proto = onnx.load(str(path))
-    _set_metadata(proto, preprocessing)
-    onnx.save_model(
-        proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=weights_file.name
-    )
-    exporter_weights.unlink(missing_ok=True)
-
-
-def _set_metadata(proto: object, preprocessing: Preprocessing | None) -> None:
-    import onnx
-
     if preprocessing is not None:
         props = {prop.key: prop.value for prop in proto.metadata_props}
         onnx.helper.set_model_props(proto, {**props, **preprocessing.metadata()})
+    if weights_file is None:
+        onnx.save(proto, str(path))
+        return
+    # The exporter named the side file after the temporary name: write it again under the final one.
+    onnx.save_model(
+        proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=weights_file.name
+    )
+    _weights_file(path).unlink(missing_ok=True)
 
 
 def _check_onnx(model: nn.Module, path: Path, sample: Tensor, other: Tensor) -> ExportReport:
