@@ -148,7 +148,7 @@ class PredictionInputs(Dataset):
             read = self._cached if self.pixel_cache is not None else self._decoded
             image, original_size, own_channels, original = read(path)
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
-            return InputItem(index, path, error=f"cannot read image {path}: {_describe(error)}")
+            return InputItem(index, path, error=f"cannot read image {path}: {str(error) or type(error).__name__}")
         converted_from = own_channels if own_channels != self.n_channels else None
         return InputItem(index, path, image, original_size, original, converted_from=converted_from)
 
@@ -156,7 +156,8 @@ class PredictionInputs(Dataset):
         with load_image(path, any_size=self.any_size) as pil_image:
             # The training pipeline's conversion and resize, so predictions see what the model was trained on.
             image = self._checked(image_tensor(pil_image, self.scale, self._convert_to))
-            original = _display_pixels(pil_image) if self.keep_original else None
+            # Full size for --viz, converted like the model's input (palette, 16-bit, ... handled).
+            original = image_tensor(pil_image, 1.0).mul_(255).round_().to(torch.uint8) if self.keep_original else None
             return image, (pil_image.height, pil_image.width), mode_channels(pil_image.mode), original
 
     def _cached(self, path: Path) -> tuple[Tensor, tuple[int, int], int, None]:
@@ -186,15 +187,6 @@ def _file_info(path: Path) -> FileInfo:
     stat = os.stat(absolute)
     ext = os.path.splitext(absolute)[1].lower()
     return FileInfo(absolute, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
-
-
-def _display_pixels(pil_image) -> Tensor:
-    """``[C, H, W]`` uint8 at full size, converted like the model's input (palette, 16-bit, ... handled)."""
-    return image_tensor(pil_image, 1.0).mul_(255).round_().to(torch.uint8)
-
-
-def _describe(error: BaseException) -> str:
-    return str(error) or type(error).__name__
 
 
 def keep_as_list(items: list[Any]) -> list[Any]:

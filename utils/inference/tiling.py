@@ -113,38 +113,26 @@ def predict_logits_tiled(
         # One window is the whole image: its logits, exactly.
         return forward_logits(model, images, precision, tile.tta)
     row_weights, col_weights = span_weights(row_spans, tile.size), span_weights(col_spans, tile.size)
-    windows = [
-        (image_index, row, col)
-        for image_index in range(images.shape[0])
-        for row in range(len(row_spans))
-        for col in range(len(col_spans))
-    ]
     # Windows of one shape are batched together; there are at most four shapes (the last row/column run longer).
     by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    for window in windows:
-        (top, bottom), (left, right) = row_spans[window[1]], col_spans[window[2]]
-        by_shape.setdefault((bottom - top, right - left), []).append(window)
-
-    weight_sum = torch.zeros(height, width)
-    for (top, bottom), row_weight in zip(row_spans, row_weights, strict=True):
-        for (left, right), col_weight in zip(col_spans, col_weights, strict=True):
-            weight_sum[top:bottom, left:right] += row_weight[:, None] * col_weight[None, :]
-
+    for image_index in range(images.shape[0]):
+        for row, (top, bottom) in enumerate(row_spans):
+            for col, (left, right) in enumerate(col_spans):
+                by_shape.setdefault((bottom - top, right - left), []).append((image_index, row, col))
+    # The blended logit is the weighted mean: logits times weight, and the weights, summed over the windows.
     logit_sum: Tensor | None = None
+    weight_sum = torch.zeros(images.shape[0], 1, height, width, device=images.device)
     for group in by_shape.values():
         for chunk_start in range(0, len(group), batch_size):
             chunk = group[chunk_start : chunk_start + batch_size]
-            crops = torch.stack([_crop(images[i], row_spans[r], col_spans[c]) for i, r, c in chunk])
+            crops = torch.stack([images[i, :, slice(*row_spans[r]), slice(*col_spans[c])] for i, r, c in chunk])
             logits = forward_logits(model, crops, precision, tile.tta)
             if logit_sum is None:
                 logit_sum = torch.zeros(images.shape[0], logits.shape[1], height, width, device=images.device)
             for (image_index, row, col), window_logits in zip(chunk, logits, strict=True):
-                (top, bottom), (left, right) = row_spans[row], col_spans[col]
+                rows, cols = slice(*row_spans[row]), slice(*col_spans[col])
                 weight = (row_weights[row][:, None] * col_weights[col][None, :]).to(images.device)
-                logit_sum[image_index, :, top:bottom, left:right] += window_logits * weight
+                logit_sum[image_index, :, rows, cols] += window_logits * weight
+                weight_sum[image_index, :, rows, cols] += weight
     assert logit_sum is not None
-    return logit_sum / weight_sum.to(images.device)
-
-
-def _crop(image: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
-    return image[:, rows[0] : rows[1], cols[0] : cols[1]]
+    return logit_sum / weight_sum
