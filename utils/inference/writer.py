@@ -52,11 +52,9 @@ class Writer:
                 write_file(plan.mask, mask.save, f"the mask of {prediction.item.path}")
             if self.save_viz:
                 self._write_viz(prediction, plan.viz)
-        except OutputError as error:
-            if error.location_failure:
-                raise
-            return f"{prediction.item.path}: could not write its output: {error}"
         except (OSError, ValueError, UserError) as error:
+            if isinstance(error, OutputError) and error.location_failure:
+                raise
             return f"{prediction.item.path}: could not write its output: {error}"
         return None
 
