@@ -98,11 +98,11 @@ class InputItem:
 
 @dataclass
 class Prediction:
-    """Class indices ``[H, W]`` for one input at its original size, or why there are none."""
+    """Class indices ``[H, W]`` for one input at its original size; none when the input could not be read (its
+    ``item.error`` says why)."""
 
     item: InputItem
     classes: np.ndarray | None = None
-    error: str | None = None
 
 
 class PredictionInputs(Dataset):
@@ -287,7 +287,7 @@ def predict_items(
     tta: bool = False,
     memory: MemoryPlanner | None = None,
 ) -> Iterator[Prediction]:
-    """Yield one ``Prediction`` per input (in completion order, not input order); failures carry ``error``.
+    """Yield one ``Prediction`` per input (in completion order, not input order); unreadable inputs carry ``error``.
 
     Without ``tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch
     whose whole-image pass would not fit runs in windows the planner sizes, with one warning.
@@ -319,7 +319,7 @@ def predict_items(
         for loaded in SharedMemoryGuard(loader, WORKERS_FIX):
             for item in loaded:
                 if item.error is not None:
-                    yield [Prediction(item, error=item.error)]
+                    yield [Prediction(item)]
                 else:
                     yield from map(run, buckets.add(item))
         yield from map(run, buckets.flush())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import io
 import json
@@ -74,14 +75,7 @@ class Preprocessing:
 
     def metadata(self) -> dict[str, str]:
         """``metadata_props`` entries: keys prefixed ``unet_ddp.``, values JSON (plain text for the two layouts)."""
-        record = {
-            "scale": self.scale,
-            "mask_values": list(self.mask_values),
-            "channels": self.channels,
-            "ignore_values": list(self.ignore_values),
-            "class_names": list(self.class_names),
-        }
-        entries = {f"{METADATA_PREFIX}{key}": json.dumps(value) for key, value in record.items()}
+        entries = {f"{METADATA_PREFIX}{key}": json.dumps(value) for key, value in dataclasses.asdict(self).items()}
         entries[f"{METADATA_PREFIX}input"] = (
             f"image: float32 [N, {self.channels}, H, W], pixel values / 255 (RGB order for 3 channels), resized by "
             f"scale; H and W multiples of {SIZE_MULTIPLE} (pad, then crop the logits)"

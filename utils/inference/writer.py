@@ -95,9 +95,9 @@ def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: 
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer")
     try:
         for prediction in predictions:
-            if prediction.error is not None:
-                logger.error("%s", prediction.error)
-                failures.append(prediction.error)
+            if prediction.item.error is not None:
+                logger.error("%s", prediction.item.error)
+                failures.append(prediction.item.error)
                 continue
             pending.append(pool.submit(writer.write, prediction, plans[prediction.item.index]))
             while len(pending) > MAX_PENDING_WRITES:
