@@ -19,8 +19,8 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 from torchvision.utils import draw_segmentation_masks
 
-from utils.datasets.dataset import BasicDataset
 from utils.datasets.image_files import load_image
+from utils.datasets.preparation import mask_classes
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def load_truth_classes(mask_path: Path, mask_values: Sequence, size: tuple[int, 
             size[0],
         )
         mask_image = mask_image.resize((size[1], size[0]), Image.NEAREST)
-    return np.asarray(BasicDataset.preprocess(list(mask_values), mask_image, 1.0, is_mask=True), dtype=np.int64)
+    return np.asarray(mask_classes(mask_image, 1.0, list(mask_values)), dtype=np.int64)
 
 
 def render_visualization(
