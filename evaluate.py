@@ -33,8 +33,8 @@ from utils.errors import DatasetError
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.hardware import pick_device, warn_if_emulated
 from utils.inference.config import EvaluateConfig, parse_evaluate_config
-from utils.inference.score_file import check_json_path, write_json
-from utils.inference.scoring import SizeGroupedBatches, align_mask_values, format_table, keep_items
+from utils.inference.engine import keep_as_list
+from utils.inference.scoring import SizeGroupedBatches, align_mask_values, check_json_path, format_table, write_json
 from utils.launch.runner import run_main
 from utils.launch.signals import startup_done
 from utils.shared_memory import SharedMemoryGuard, check_room, loader_timeout
@@ -83,7 +83,7 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
         batch_size=config.batch_size,
         shuffle=False,
         num_workers=config.workers,
-        collate_fn=keep_items,
+        collate_fn=keep_as_list,
         pin_memory=device.type == "cuda",
         timeout=loader_timeout(config.workers),
     )

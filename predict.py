@@ -32,7 +32,8 @@ from unet import UNet
 from utils.cli import setup_logging
 from utils.hardware import pick_device, warn_if_emulated
 from utils.inference.config import PredictConfig, parse_predict_config
-from utils.inference.engine import PredictionInputs, predict_items
+from utils.inference.engine import PredictionInputs, load_predictor, predict_items
+from utils.inference.export import run_export
 from utils.inference.file_plan import (
     check_writable,
     collect_inputs,
@@ -42,9 +43,7 @@ from utils.inference.file_plan import (
     prediction_outputs,
 )
 from utils.inference.overlays import class_colours
-from utils.inference.prediction_model import export, load_model
-from utils.inference.report import prediction_summary
-from utils.inference.writer import Writer, write_predictions
+from utils.inference.writer import Writer, prediction_summary, write_predictions
 from utils.launch.runner import run_main
 from utils.launch.signals import startup_done
 from utils.output_files import check_outputs
@@ -119,13 +118,13 @@ def run(config: PredictConfig) -> int:
     """Export and/or predict as ``config`` says; returns the exit status (see the module docstring)."""
     device = pick_device(config.device)
     warn_if_emulated(device, config.precision)
-    model, mask_values, scale, class_names = load_model(config)
-    config = dataclasses.replace(config, scale=scale)
+    model, preprocessing = load_predictor(config)
+    config = dataclasses.replace(config, scale=preprocessing.scale)
     if config.export_format is not None:
-        export(model, config, mask_values)
+        run_export(model, config, preprocessing)
         if not config.inputs:
             return 0
-    return predict_files(model, mask_values, config, device, class_names)
+    return predict_files(model, preprocessing.mask_values, config, device, preprocessing.class_names)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,15 +7,16 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from unet import UNet
-from utils.dice_score import (
+from utils.evaluation import (
+    SegmentationMetrics,
     confusion_counts,
     dice_coeff,
     dice_from_counts,
     dice_loss,
+    evaluate_segmentation,
     iou_from_counts,
     multiclass_dice_coeff,
 )
-from utils.evaluation import SegmentationMetrics, evaluate_segmentation
 
 
 def test_dice_coeff_perfect_disjoint_and_empty() -> None:

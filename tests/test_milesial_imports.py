@@ -40,10 +40,27 @@ def test_evaluate_script_re_exports_the_scorer() -> None:
     assert evaluate.evaluate is scorer
 
 
-def test_data_loading_only_re_exports_and_nothing_in_the_project_imports_through_it() -> None:
+def _importers_of(module: str) -> list[str]:
+    """The project's files (this test's aside) that import ``module`` or a name from it."""
     import ast
     from pathlib import Path
 
+    root = Path(__file__).resolve().parents[1]
+    allowed = {root / Path(*module.split(".")).with_suffix(".py"), Path(__file__).resolve()}
+    importers = []
+    for path in sorted(root.glob("**/*.py")):
+        if ".venv" in path.parts or path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+            if module in names:
+                importers.append(str(path.relative_to(root)))
+    return importers
+
+
+def test_data_loading_only_re_exports_and_nothing_in_the_project_imports_through_it() -> None:
     from utils import data_loading
     from utils.datasets import dataset, image_files, mask_values
 
@@ -61,20 +78,16 @@ def test_data_loading_only_re_exports_and_nothing_in_the_project_imports_through
     assert sorted(data_loading.__all__) == sorted(homes)
     for name, home in homes.items():
         assert getattr(data_loading, name) is getattr(home, name), name
+    assert _importers_of("utils.data_loading") == []
 
-    root = Path(__file__).resolve().parents[1]
-    allowed = {root / "utils" / "data_loading.py", Path(__file__).resolve()}
-    importers = []
-    for path in sorted(root.glob("**/*.py")):
-        if ".venv" in path.parts or path in allowed:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
-            if "utils.data_loading" in names:
-                importers.append(str(path.relative_to(root)))
-    assert importers == []
+
+def test_dice_score_only_re_exports_the_dice_maths_and_nothing_in_the_project_imports_through_it() -> None:
+    from utils import dice_score, evaluation
+
+    for name in dice_score.__all__:
+        assert getattr(dice_score, name) is getattr(evaluation, name), name
+    assert {"dice_coeff", "dice_loss", "multiclass_dice_coeff"} <= set(dice_score.__all__)
+    assert _importers_of("utils.dice_score") == []
 
 
 # Every import of milesial's own train.py and predict.py (its current master); they must run unchanged against this

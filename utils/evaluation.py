@@ -1,4 +1,9 @@
-"""Validation: per-class Dice and IoU of a model over a data loader.
+"""Dice and IoU: the soft Dice of the training loss, the count-based scores of validation, and scoring over a loader.
+
+The soft Dice functions (``dice_coeff``, ``multiclass_dice_coeff``, ``dice_loss``) keep milesial/Pytorch-UNet's
+signatures and semantics; ``utils.dice_score`` re-exports them under milesial's import path. Evaluation builds on
+per-image, per-class true-positive / false-positive / false-negative counts (``confusion_counts``), so a score is
+always within [0, 1].
 
 Two reductions, named as in segmentation_models_pytorch's metrics:
 
@@ -29,29 +34,104 @@ float64 rounding.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from utils.dice_score import confusion_counts, dice_from_counts, iou_from_counts
 from utils.hardware import autocast, resolve_precision
+
+
+def dice_coeff(input: Tensor, target: Tensor, reduce_batch_first: bool = False, epsilon: float = 1e-6) -> Tensor:
+    """Soft Dice of ``input`` against ``target`` (same shape, values in [0, 1]).
+
+    With ``reduce_batch_first`` a ``[B, H, W]`` batch counts as one volume; otherwise each ``[H, W]`` map gets its own
+    Dice and the mean is returned. Two empty maps score 1.
+    """
+    if input.size() != target.size():
+        raise ValueError(f"dice_coeff: input {tuple(input.shape)} and target {tuple(target.shape)} differ in shape")
+    if reduce_batch_first and input.dim() != 3:
+        raise ValueError("dice_coeff: reduce_batch_first needs a [B, H, W] input")
+    sum_dim = (-1, -2, -3) if reduce_batch_first else (-1, -2)
+    intersection = 2 * (input * target).sum(dim=sum_dim)
+    sets_sum = input.sum(dim=sum_dim) + target.sum(dim=sum_dim)
+    # Both maps empty: the intersection (0) replaces the sum so the ratio becomes epsilon / epsilon = 1.
+    sets_sum = torch.where(sets_sum == 0, intersection, sets_sum)
+    return ((intersection + epsilon) / (sets_sum + epsilon)).mean()
+
+
+def multiclass_dice_coeff(
+    input: Tensor, target: Tensor, reduce_batch_first: bool = False, epsilon: float = 1e-6
+) -> Tensor:
+    """Mean soft Dice over the classes of one-hot ``[B, C, H, W]`` tensors."""
+    return dice_coeff(input.flatten(0, 1), target.flatten(0, 1), reduce_batch_first, epsilon)
+
+
+def dice_loss(input: Tensor, target: Tensor, multiclass: bool = False) -> Tensor:
+    """``1 - Dice`` over the whole batch: the Dice term of the training loss."""
+    score = multiclass_dice_coeff if multiclass else dice_coeff
+    return 1 - score(input, target, reduce_batch_first=True)
+
+
+def confusion_counts(pred: Tensor, target: Tensor, n_classes: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-image, per-class true-positive, false-positive and false-negative pixel counts.
+
+    ``pred`` and ``target`` are ``[B, H, W]`` class indices in ``0..n_classes-1``; each result is ``[B, n_classes]``
+    (float64, exact for any image size that fits in memory). Pixels whose target is negative (void,
+    ``IGNORE_INDEX``) are counted nowhere, whatever was predicted there.
+    """
+    if pred.shape != target.shape or pred.dim() != 3:
+        raise ValueError(
+            f"confusion_counts needs two [B, H, W] tensors, got {tuple(pred.shape)}, {tuple(target.shape)}"
+        )
+    batch = pred.shape[0]
+    # Encode (truth, prediction) pairs as one index and count them with bincount: one pass, no one-hot tensors.
+    target, pred = target.reshape(batch, -1).long().cpu(), pred.reshape(batch, -1).long().cpu()
+    # Void pixels go to one extra bin per image, dropped below.
+    bins = n_classes * n_classes + 1
+    pair = torch.where(target >= 0, target * n_classes + pred, bins - 1)
+    offsets = torch.arange(batch).unsqueeze(1) * bins
+    confusion = torch.bincount((pair + offsets).flatten(), minlength=batch * bins)
+    confusion = confusion.reshape(batch, bins)[:, :-1].reshape(batch, n_classes, n_classes).double()
+    true_pos = confusion.diagonal(dim1=1, dim2=2)
+    false_pos = confusion.sum(dim=1) - true_pos
+    false_neg = confusion.sum(dim=2) - true_pos
+    return true_pos, false_pos, false_neg
+
+
+def dice_from_counts(true_pos: Tensor, false_pos: Tensor, false_neg: Tensor) -> Tensor:
+    """Dice = 2TP / (2TP + FP + FN), elementwise; 1 where the class is absent from prediction and truth."""
+    denominator = 2 * true_pos + false_pos + false_neg
+    return torch.where(denominator > 0, 2 * true_pos / denominator.clamp_min(1), torch.ones_like(denominator))
+
+
+def iou_from_counts(true_pos: Tensor, false_pos: Tensor, false_neg: Tensor) -> Tensor:
+    """IoU = TP / (TP + FP + FN), elementwise; 1 where the class is absent from prediction and truth."""
+    denominator = true_pos + false_pos + false_neg
+    return torch.where(denominator > 0, true_pos / denominator.clamp_min(1), torch.ones_like(denominator))
 
 
 @dataclass
 class EvalResult:
     """Scores over a dataset; per-class lists are indexed by class (0 = background)."""
 
-    dice: float
-    iou: float
     per_class_dice: list[float]
     per_class_iou: list[float]
     n_images: int
-    micro_per_class_dice: list[float] = field(default_factory=list)
+    micro_per_class_dice: list[float]
     """Per class, from the pixel counts summed over the dataset (the micro reduction)."""
-    micro_per_class_iou: list[float] = field(default_factory=list)
+    micro_per_class_iou: list[float]
+
+    @property
+    def dice(self) -> float:
+        """The headline: the macro Dice averaged over the foreground classes."""
+        return self.reductions()["macro"]["dice"]
+
+    @property
+    def iou(self) -> float:
+        return self.reductions()["macro"]["iou"]
 
     def reductions(self) -> dict[str, dict[str, Any]]:
         """Both reductions, each per class and averaged with and without background, saying which is which."""
@@ -98,61 +178,39 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-@dataclass
 class SegmentationMetrics:
     """Accumulates per-image Dice and IoU per class; ``n_classes`` counts background (2 for binary models)."""
 
-    n_classes: int
-    _dice_sum: Tensor = field(init=False)
-    _iou_sum: Tensor = field(init=False)
-    _counts_sum: Tensor = field(init=False)
-    """True positives, false positives and false negatives per class, summed over images: ``[3, n_classes]``."""
-    _n_images: int = field(init=False, default=0)
-
-    def __post_init__(self) -> None:
-        self._dice_sum = torch.zeros(self.n_classes, dtype=torch.float64)
-        self._iou_sum = torch.zeros(self.n_classes, dtype=torch.float64)
-        self._counts_sum = torch.zeros(3, self.n_classes, dtype=torch.float64)
+    def __init__(self, n_classes: int) -> None:
+        self.n_classes = n_classes
+        # Per class, summed over images: the Dice, the IoU, then true positives, false positives, false negatives.
+        self._sums = torch.zeros(5, n_classes, dtype=torch.float64)
+        self._n_images = 0
 
     def update(self, pred: Tensor, target: Tensor) -> None:
         """Add a ``[B, H, W]`` batch of predicted and true class indices."""
         counts = confusion_counts(pred, target, self.n_classes)
-        self._dice_sum += dice_from_counts(*counts).sum(dim=0)
-        self._iou_sum += iou_from_counts(*counts).sum(dim=0)
-        self._counts_sum += torch.stack([count.sum(dim=0) for count in counts])
+        per_image = [dice_from_counts(*counts), iou_from_counts(*counts), *counts]
+        self._sums += torch.stack([values.sum(dim=0) for values in per_image])
         self._n_images += pred.shape[0]
 
     def reduce(self, reduce_sums: Callable[[Tensor], Tensor]) -> None:
         """Replace every sum by ``reduce_sums`` of it (the sum over ranks): one float64 vector, one collective."""
-        k = self.n_classes
-        packed = torch.cat(
-            [
-                self._dice_sum,
-                self._iou_sum,
-                self._counts_sum.flatten(),
-                torch.tensor([self._n_images], dtype=torch.float64),
-            ]
-        )
+        packed = torch.cat([self._sums.flatten(), torch.tensor([self._n_images], dtype=torch.float64)])
         total = reduce_sums(packed).cpu()
-        self._dice_sum, self._iou_sum = total[:k].clone(), total[k : 2 * k].clone()
-        self._counts_sum = total[2 * k : 5 * k].reshape(3, k).clone()
-        self._n_images = int(round(float(total[5 * k])))
+        self._sums = total[:-1].reshape(5, self.n_classes).clone()
+        self._n_images = int(round(float(total[-1])))
 
     def compute(self) -> EvalResult:
         if self._n_images == 0:
             raise ValueError("no images were evaluated: the validation set is empty")
-        per_class_dice = (self._dice_sum / self._n_images).tolist()
-        per_class_iou = (self._iou_sum / self._n_images).tolist()
-        # With one class only (a degenerate model) there is no foreground; report that class itself.
-        foreground = slice(1, None) if self.n_classes > 1 else slice(None)
+        dice_sum, iou_sum, *counts_sum = self._sums
         return EvalResult(
-            dice=float(torch.tensor(per_class_dice[foreground]).mean()),
-            iou=float(torch.tensor(per_class_iou[foreground]).mean()),
-            per_class_dice=per_class_dice,
-            per_class_iou=per_class_iou,
+            per_class_dice=(dice_sum / self._n_images).tolist(),
+            per_class_iou=(iou_sum / self._n_images).tolist(),
             n_images=self._n_images,
-            micro_per_class_dice=dice_from_counts(*self._counts_sum).tolist(),
-            micro_per_class_iou=iou_from_counts(*self._counts_sum).tolist(),
+            micro_per_class_dice=dice_from_counts(*counts_sum).tolist(),
+            micro_per_class_iou=iou_from_counts(*counts_sum).tolist(),
         )
 
 
@@ -171,28 +229,6 @@ def run_model(model: nn.Module, images: Tensor, precision: str) -> Tensor:
 
 
 @torch.inference_mode()
-def evaluate_segmentation(
-    model: nn.Module,
-    dataloader: Iterable[dict[str, Tensor]],
-    device: torch.device,
-    *,
-    n_classes: int,
-    precision: str = "fp32",
-    progress: bool = True,
-    description: str = "Validation",
-) -> EvalResult:
-    """Score ``model`` (the unwrapped module, never a DDP wrapper) on every batch of ``dataloader``.
-
-    ``description`` labels the progress bar: training validates, ``evaluate.py`` evaluates.
-
-    The model is put in eval mode and its previous mode restored, so BatchNorm buffers are not touched.
-    """
-    return score_batches(
-        model, dataloader, device, n_classes=n_classes, precision=precision, progress=progress, description=description
-    ).compute()
-
-
-@torch.inference_mode()
 def score_batches(
     model: nn.Module,
     dataloader: Iterable[dict[str, Tensor]],
@@ -203,7 +239,12 @@ def score_batches(
     progress: bool = True,
     description: str = "Validation",
 ) -> SegmentationMetrics:
-    """The accumulated sums of ``evaluate_segmentation``, before scoring (a sharded validation reduces them first)."""
+    """Score ``model`` (the unwrapped module, never a DDP wrapper) on every batch of ``dataloader``: the sums, before
+    scoring (a sharded validation reduces them first). ``description`` labels the progress bar: training validates,
+    ``evaluate.py`` evaluates.
+
+    The model is put in eval mode and its previous mode restored, so BatchNorm buffers are not touched.
+    """
     was_training = model.training
     model.eval()
     metrics = SegmentationMetrics(n_classes=max(n_classes, 2))
@@ -215,6 +256,13 @@ def score_batches(
     finally:
         model.train(was_training)
     return metrics
+
+
+def evaluate_segmentation(
+    model: nn.Module, dataloader: Iterable[dict[str, Tensor]], device: torch.device, **options: Any
+) -> EvalResult:
+    """The ``EvalResult`` of ``score_batches`` (same arguments)."""
+    return score_batches(model, dataloader, device, **options).compute()
 
 
 def shard_range(n_items: int, *, rank: int, world_size: int) -> range:

@@ -9,7 +9,7 @@ from torch import nn
 
 import predict
 from tests.helpers import make_model, read_classes, save_checkpoint, write_images
-from utils.inference.forward import TTA_FLIPS, forward_logits
+from utils.inference.tiling import TTA_FLIPS, forward_logits
 
 
 class _PositionBias(nn.Module):

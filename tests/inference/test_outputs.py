@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from utils.checkpoint_checks import check_mask_values_of
 from utils.errors import CheckpointError
 from utils.inference.outputs import check_mask_values, default_mask_values, mask_to_image
 
@@ -57,13 +58,15 @@ def test_a_class_without_a_value_is_an_error():
         mask_to_image(THREE_CLASSES, [0, 255])
 
 
-def test_mask_values_must_name_every_predicted_class():
-    check_mask_values([0, 1], n_classes=1)
-    check_mask_values([0, 7, 9], n_classes=3)
-    with pytest.raises(CheckpointError, match="name 2 classes but the model predicts 3"):
-        check_mask_values([0, 1], n_classes=3)
+def test_mask_values_are_checked_where_the_checkpoint_is_read_and_wide_grey_values_before_writing():
+    # predict.py writes what the reader let through: one value per class, grey values and colours not mixed.
+    with pytest.raises(CheckpointError, match="name 2 values but the model predicts 3"):
+        check_mask_values_of([0, 1], 3, "m.pth")
     with pytest.raises(CheckpointError, match="mix grey values and colours"):
-        check_mask_values([0, [1, 2, 3]], n_classes=2)
+        check_mask_values_of([0, [1, 2, 3]], 2, "m.pth")
+    check_mask_values([0, 65535])
+    with pytest.raises(CheckpointError, match="does not fit a 16-bit PNG mask"):
+        check_mask_values([0, 65536])
 
 
 def test_default_values_follow_milesial_for_binary_models():

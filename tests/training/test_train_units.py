@@ -14,8 +14,8 @@ from PIL import Image
 from torch.utils.data import DistributedSampler
 
 from utils.checkpoint import save_checkpoint_atomic
-from utils.dice_score import dice_loss
 from utils.errors import CheckpointError
+from utils.evaluation import dice_loss
 from utils.launch.signals import InterruptFlag, signal_exit_code
 from utils.training.curves import build_figure, draw_curves, read_series
 from utils.training.objective import cosine_lr_factor, segmentation_loss

@@ -1,4 +1,5 @@
-"""Prediction: decoding inputs in loader workers, batching images of equal size, optional tiling, logits to classes.
+"""Prediction: the model and its preparation, decoding inputs in loader workers, batching images of equal size,
+optional tiling, logits to classes.
 
 ``predict_items`` is the loop behind ``predict.py``: images are decoded and resized in ``DataLoader`` workers (so
 decoding overlaps the forward passes), grouped into batches of equal network-input size (images of mixed sizes
@@ -11,11 +12,13 @@ Tiled inference (``TileSettings``, for images too large to run whole) lives in `
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,19 +27,56 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from unet import UNet
+from utils import model_spec
 from utils.datasets.dataset import image_tensor, resized_image, unit_float
 from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
 from utils.datasets.pixel_cache import IMAGE, PixelCache
+from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
-from utils.inference.forward import forward_logits
+from utils.inference.config import DEFAULT_MASK_THRESHOLD, PredictConfig
+from utils.inference.export import Preprocessing
 from utils.inference.memory import MemoryPlanner
-from utils.inference.tiling import TileSettings, predict_logits_tiled
+from utils.inference.outputs import check_mask_values, default_mask_values
+from utils.inference.tiling import TileSettings, forward_logits, predict_logits_tiled
 from utils.shared_memory import SharedMemoryGuard, check_room, loader_timeout
 
 logger = logging.getLogger(__name__)
 
 WORKERS_FIX = "--workers 0 (-j 0)"
 """predict.py's flag that keeps decoding in the main process (see utils.shared_memory)."""
+
+
+def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
+    """The checkpoint's model (eval mode, on the CPU) and how predict.py prepares images for it and writes its classes:
+    the image scale, the mask value of each class, void values and class names (empty when the checkpoint has none)."""
+    model, spec = model_spec.load_model(
+        config.model, expected={"n_classes": config.classes, "bilinear": True if config.bilinear else None}
+    )
+    scale = model_spec.resolve_scale(spec, config.scale, config.model)
+    mask_values = spec.mask_values
+    if mask_values is None:
+        mask_values = default_mask_values(model.n_classes)
+        logger.warning("%s stores no mask_values; writing classes as %s", config.model, mask_values)
+    check_mask_values(mask_values)
+    void = sorted(set(spec.ignore_values) & {v for v in mask_values if isinstance(v, int)})
+    if void:
+        # A class written as a void value would read back as "not labelled": never write one.
+        raise CheckpointError(
+            f"{config.model} maps classes to mask value(s) {void} that it was trained to ignore (--ignore-value); "
+            "its mask_values are inconsistent, retrain or fix the checkpoint"
+        )
+    logger.info("Model %s: %s, mask values %s, scale %s", config.model, model.constructor_args(), mask_values, scale)
+    if model.n_classes > 1 and config.mask_threshold != DEFAULT_MASK_THRESHOLD:
+        logger.warning(
+            "--mask-threshold %s is ignored: %s has %d output classes and each pixel gets its most likely class "
+            "(the threshold applies to one-logit models, --classes 1)",
+            config.mask_threshold,
+            config.model,
+            model.n_classes,
+        )
+    preprocessing = Preprocessing(scale, mask_values, model.n_channels, spec.ignore_values, spec.class_names)
+    return model.eval(), preprocessing
 
 
 @dataclass
@@ -58,11 +98,11 @@ class InputItem:
 
 @dataclass
 class Prediction:
-    """Class indices ``[H, W]`` for one input at its original size, or why there are none."""
+    """Class indices ``[H, W]`` for one input at its original size; none when the input could not be read (its
+    ``item.error`` says why)."""
 
     item: InputItem
     classes: np.ndarray | None = None
-    error: str | None = None
 
 
 class PredictionInputs(Dataset):
@@ -104,42 +144,41 @@ class PredictionInputs(Dataset):
 
     def __getitem__(self, index: int) -> InputItem:
         path = self.paths[index]
-        if self.pixel_cache is not None:
-            return self._cached_item(index, path)
         try:
-            with load_image(path, any_size=self.any_size) as pil_image:
-                # The training pipeline's conversion and resize, so predictions see what the model was trained on.
-                own_channels = mode_channels(pil_image.mode)
-                converted_from = own_channels if own_channels != self.n_channels else None
-                image = image_tensor(pil_image, self.scale, self._convert_to)
-                if image.shape[0] != self.n_channels:
-                    raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
-                original = _display_pixels(pil_image) if self.keep_original else None
-                original_size = (pil_image.height, pil_image.width)
+            read = self._cached if self.pixel_cache is not None else self._decoded
+            image, original_size, own_channels, original = read(path)
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
-            return InputItem(index, path, error=f"cannot read image {path}: {_describe(error)}")
+            return InputItem(index, path, error=f"cannot read image {path}: {str(error) or type(error).__name__}")
+        converted_from = own_channels if own_channels != self.n_channels else None
         return InputItem(index, path, image, original_size, original, converted_from=converted_from)
 
-    def _cached_item(self, index: int, path: Path) -> InputItem:
-        """The item from the pixel cache (the header gives the original size), decoded and stored on a miss."""
+    def _decoded(self, path: Path) -> tuple[Tensor, tuple[int, int], int, Tensor | None]:
+        with load_image(path, any_size=self.any_size) as pil_image:
+            # The training pipeline's conversion and resize, so predictions see what the model was trained on.
+            image = self._checked(image_tensor(pil_image, self.scale, self._convert_to))
+            # Full size for --viz, converted like the model's input (palette, 16-bit, ... handled).
+            original = image_tensor(pil_image, 1.0).mul_(255).round_().to(torch.uint8) if self.keep_original else None
+            return image, (pil_image.height, pil_image.width), mode_channels(pil_image.mode), original
+
+    def _cached(self, path: Path) -> tuple[Tensor, tuple[int, int], int, None]:
+        """From the pixel cache (the header gives the original size), decoded and stored on a miss."""
         assert self.pixel_cache is not None
-        try:
-            info = _file_info(path)
-            width, height, own_channels = image_header(path)
-            cached = self.pixel_cache.read(info, IMAGE)
-            if cached is None:
-                with load_image(path, any_size=self.any_size) as pil_image:
-                    pixels = resized_image(pil_image, self.scale, self._convert_to)
-                if pixels.dtype == torch.uint8:  # 16-bit and float images are not cached (see the cache's docs)
-                    self.pixel_cache.write(info, IMAGE, pixels.permute(1, 2, 0).numpy())
-            else:
-                pixels = torch.from_numpy(np.array(cached)).permute(2, 0, 1)
-            if pixels.shape[0] != self.n_channels:
-                raise ValueError(f"it has {pixels.shape[0]} channel(s) but the model expects {self.n_channels}")
-        except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
-            return InputItem(index, path, error=f"cannot read image {path}: {_describe(error)}")
-        converted_from = own_channels if own_channels != self.n_channels else None
-        return InputItem(index, path, unit_float(pixels), (height, width), converted_from=converted_from)
+        info = _file_info(path)
+        width, height, own_channels = image_header(path)
+        cached = self.pixel_cache.read(info, IMAGE)
+        if cached is None:
+            with load_image(path, any_size=self.any_size) as pil_image:
+                pixels = resized_image(pil_image, self.scale, self._convert_to)
+            if pixels.dtype == torch.uint8:  # 16-bit and float images are not cached (see the cache's docs)
+                self.pixel_cache.write(info, IMAGE, pixels.permute(1, 2, 0).numpy())
+        else:
+            pixels = torch.from_numpy(np.array(cached)).permute(2, 0, 1)
+        return unit_float(self._checked(pixels)), (height, width), own_channels, None
+
+    def _checked(self, image: Tensor) -> Tensor:
+        if image.shape[0] != self.n_channels:
+            raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
+        return image
 
 
 def _file_info(path: Path) -> FileInfo:
@@ -150,46 +189,47 @@ def _file_info(path: Path) -> FileInfo:
     return FileInfo(absolute, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
 
 
-def _display_pixels(pil_image) -> Tensor:
-    """``[C, H, W]`` uint8 at full size, converted like the model's input (palette, 16-bit, ... handled)."""
-    return image_tensor(pil_image, 1.0).mul_(255).round_().to(torch.uint8)
+def keep_as_list(items: list[Any]) -> list[Any]:
+    """DataLoader collate function: keep the items apart (images of different sizes cannot be stacked yet).
 
-
-def _describe(error: BaseException) -> str:
-    return str(error) or type(error).__name__
-
-
-def keep_as_list(items: list[InputItem]) -> list[InputItem]:
-    """DataLoader collate function: images of different sizes cannot be stacked yet."""
+    It runs in loader worker processes: a module-level function pickles under any start method.
+    """
     return items
 
 
 class ShapeBuckets:
     """Collects items by image shape and releases full batches, so interleaved sizes still make full batches.
 
-    At most ``max_pending`` items wait; beyond that the fullest bucket is released early (many distinct sizes would
-    otherwise hold every image in memory).
+    Nothing is resized or padded. At most ``max_pending`` items wait; beyond that the fullest bucket is released
+    early (many distinct sizes would otherwise hold every image in memory). ``shape_of`` tells an item's image shape
+    (default: a decoded ``InputItem``'s; ``evaluate.py`` buckets its dataset's dicts).
     """
 
-    def __init__(self, batch_size: int, max_pending: int | None = None) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        max_pending: int | None = None,
+        shape_of: Callable[[Any], tuple[int, ...]] = lambda item: tuple(item.image.shape),
+    ) -> None:
         self.batch_size = batch_size
         self.max_pending = max_pending if max_pending is not None else 4 * batch_size
-        self._buckets: dict[tuple[int, ...], list[InputItem]] = {}
+        self.shape_of = shape_of
+        self._buckets: dict[tuple[int, ...], list[Any]] = {}
 
-    def add(self, item: InputItem) -> list[list[InputItem]]:
+    def add(self, item: Any) -> list[list[Any]]:
         """Add one decoded item; returns the batches that are ready (possibly none)."""
-        assert item.image is not None
-        bucket = self._buckets.setdefault(tuple(item.image.shape), [])
+        shape = self.shape_of(item)
+        bucket = self._buckets.setdefault(shape, [])
         bucket.append(item)
         ready = []
         if len(bucket) == self.batch_size:
-            ready.append(self._buckets.pop(tuple(item.image.shape)))
+            ready.append(self._buckets.pop(shape))
         if sum(len(bucket) for bucket in self._buckets.values()) > self.max_pending:
             fullest = max(self._buckets, key=lambda shape: len(self._buckets[shape]))
             ready.append(self._buckets.pop(fullest))
         return ready
 
-    def flush(self) -> list[list[InputItem]]:
+    def flush(self) -> list[list[Any]]:
         """All remaining partial batches."""
         ready = list(self._buckets.values())
         self._buckets.clear()
@@ -213,8 +253,15 @@ def predict_batch(
     tile: TileSettings | None = None,
     tile_batch_size: int = 4,
     tta: bool = False,
+    memory: MemoryPlanner | None = None,
 ) -> list[Prediction]:
-    """Predict a batch of items whose network-input images all have the same shape."""
+    """Predict a batch of items whose network-input images all have the same shape.
+
+    Without ``tile``, ``memory`` (when given) decides whether the whole-image pass fits, else which windows to use.
+    """
+    if tile is None and memory is not None:
+        shape = tuple(items[0].image.shape)  # type: ignore[union-attr] - decoded items only
+        tile = memory.tile_if_needed(model, len(items), shape, tta, window_batch=tile_batch_size)
     images = torch.stack([item.image for item in items]).to(device, non_blocking=True)
     if tile is None:
         logits = forward_logits(model, images, precision, tta)
@@ -240,7 +287,7 @@ def predict_items(
     tta: bool = False,
     memory: MemoryPlanner | None = None,
 ) -> Iterator[Prediction]:
-    """Yield one ``Prediction`` per input (in completion order, not input order); failures carry ``error``.
+    """Yield one ``Prediction`` per input (in completion order, not input order); unreadable inputs carry ``error``.
 
     Without ``tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch
     whose whole-image pass would not fit runs in windows the planner sizes, with one warning.
@@ -256,28 +303,30 @@ def predict_items(
         timeout=loader_timeout(workers),
     )
     buckets = ShapeBuckets(batch_size)
-    planner = memory if memory is not None else MemoryPlanner.for_device(device)
+    run = functools.partial(
+        predict_batch,
+        model,
+        device=device,
+        precision=precision,
+        threshold=threshold,
+        tile=tile,
+        tile_batch_size=batch_size,
+        tta=tta,
+        memory=memory if memory is not None else MemoryPlanner(device=device),
+    )
 
-    def run(batch: list[InputItem]) -> list[Prediction]:
-        batch_tile = tile
-        if batch_tile is None:
-            assert batch[0].image is not None
-            shape = tuple(batch[0].image.shape)
-            batch_tile = planner.tile_if_needed(model, len(batch), shape, tta, window_batch=batch_size)
-        return predict_batch(
-            model,
-            batch,
-            device,
-            precision=precision,
-            threshold=threshold,
-            tile=batch_tile,
-            tile_batch_size=batch_size,
-            tta=tta,
-        )
+    def batches() -> Iterator[list[Prediction]]:
+        for loaded in SharedMemoryGuard(loader, WORKERS_FIX):
+            for item in loaded:
+                if item.error is not None:
+                    yield [Prediction(item)]
+                else:
+                    yield from map(run, buckets.add(item))
+        yield from map(run, buckets.flush())
 
     converted: dict[int, int] = {}
     with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not progress) as bar:
-        for predictions in _run_batches(SharedMemoryGuard(loader, WORKERS_FIX), buckets, run):
+        for predictions in batches():
             for prediction in predictions:
                 if prediction.item.converted_from is not None:
                     converted[prediction.item.converted_from] = converted.get(prediction.item.converted_from, 0) + 1
@@ -288,19 +337,3 @@ def predict_items(
         logger.warning(
             "%d %s image(s) were converted to %s for the %d-channel model", count, kind, target, dataset.n_channels
         )
-
-
-def _run_batches(
-    loader: Iterable[list[InputItem]],
-    buckets: ShapeBuckets,
-    run: Callable[[list[InputItem]], list[Prediction]],
-) -> Iterator[list[Prediction]]:
-    for loaded in loader:
-        for item in loaded:
-            if item.error is not None:
-                yield [Prediction(item, error=item.error)]
-                continue
-            for batch in buckets.add(item):
-                yield run(batch)
-    for batch in buckets.flush():
-        yield run(batch)

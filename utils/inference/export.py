@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import io
 import json
@@ -29,13 +30,16 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from utils.checkpoint import InferenceRecord, load_checkpoint_file
 from utils.errors import UserError
-from utils.output_files import replacing
+from utils.output_files import check_outputs, replacing
+
+if TYPE_CHECKING:
+    from utils.inference.config import PredictConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +75,7 @@ class Preprocessing:
 
     def metadata(self) -> dict[str, str]:
         """``metadata_props`` entries: keys prefixed ``unet_ddp.``, values JSON (plain text for the two layouts)."""
-        record = {
-            "scale": self.scale,
-            "mask_values": list(self.mask_values),
-            "channels": self.channels,
-            "ignore_values": list(self.ignore_values),
-            "class_names": list(self.class_names),
-        }
-        entries = {f"{METADATA_PREFIX}{key}": json.dumps(value) for key, value in record.items()}
+        entries = {f"{METADATA_PREFIX}{key}": json.dumps(value) for key, value in dataclasses.asdict(self).items()}
         entries[f"{METADATA_PREFIX}input"] = (
             f"image: float32 [N, {self.channels}, H, W], pixel values / 255 (RGB order for 3 channels), resized by "
             f"scale; H and W multiples of {SIZE_MULTIPLE} (pad, then crop the logits)"
@@ -88,13 +85,6 @@ class Preprocessing:
             "as mask_values[class]"
         )
         return entries
-
-
-def checkpoint_preprocessing(checkpoint: Path, mask_values: Sequence, scale: float, channels: int) -> Preprocessing:
-    """The record of the model in ``checkpoint`` as predict.py prepares images for it (``scale`` and ``mask_values``
-    resolved as it resolves them); void values and class names from the file's ``InferenceRecord``."""
-    record = InferenceRecord.of(load_checkpoint_file(checkpoint))
-    return Preprocessing(scale, list(mask_values), channels, record.ignore_values, record.class_names)
 
 
 @dataclass
@@ -153,6 +143,22 @@ def export_model(
             report = _export_onnx(model, temporary, sample, other, preprocessing, _weights_file(path))
     report.path = path
     return report
+
+
+def run_export(model: nn.Module, config: PredictConfig, preprocessing: Preprocessing) -> None:
+    """predict.py's ``--export``: the file may replace neither the checkpoint nor a TorchScript archive it cannot
+    recognise as an export (``check_outputs``); it carries ``preprocessing`` (in an ONNX file's metadata)."""
+    assert config.export_format is not None and config.export_path is not None
+    check_outputs(
+        [(config.export_path, "--export")],
+        {config.model: "the checkpoint"},
+        writes_images=False,
+        replaces_torchscript=config.export_format == "torchscript",
+    )
+    report = export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
+    report_fields = (report.format, report.path, report.checked_with)
+    difference = "n/a" if report.max_abs_difference is None else f"{report.max_abs_difference:.3g}"
+    logger.info("Exported %s to %s (checked with %s, max |difference| %s)", *report_fields, difference)
 
 
 @contextlib.contextmanager
@@ -272,27 +278,18 @@ def _write_metadata(path: Path, preprocessing: Preprocessing | None, weights_fil
     """Add the preprocessing record; an export with external data gets its weights under the final file's name."""
     import onnx
 
-    if weights_file is None:
-        proto = onnx.load(str(path))
-        _set_metadata(proto, preprocessing)
-        onnx.save(proto, str(path))
-        return
-    # The exporter named the side file after the temporary name: write it again under the final one.
-    exporter_weights = _weights_file(path)
     proto = onnx.load(str(path))
-    _set_metadata(proto, preprocessing)
-    onnx.save_model(
-        proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=weights_file.name
-    )
-    exporter_weights.unlink(missing_ok=True)
-
-
-def _set_metadata(proto: object, preprocessing: Preprocessing | None) -> None:
-    import onnx
-
     if preprocessing is not None:
         props = {prop.key: prop.value for prop in proto.metadata_props}
         onnx.helper.set_model_props(proto, {**props, **preprocessing.metadata()})
+    if weights_file is None:
+        onnx.save(proto, str(path))
+        return
+    # The exporter named the side file after the temporary name: write it again under the final one.
+    onnx.save_model(
+        proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=weights_file.name
+    )
+    _weights_file(path).unlink(missing_ok=True)
 
 
 def _check_onnx(model: nn.Module, path: Path, sample: Tensor, other: Tensor) -> ExportReport:

@@ -12,20 +12,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.datasets.image_files import IMAGE_EXTENSIONS, OUTPUT_SUFFIX, VIZ_SUFFIX
+from utils.datasets.image_files import IMAGE_EXTENSIONS, OUTPUT_SUFFIX, PREDICTION_SUFFIXES, VIZ_SUFFIX
 from utils.errors import ConfigError
 
-__all__ = [
-    "OUTPUT_SUFFIX",
-    "VIZ_SUFFIX",
-    "OutputPlan",
-    "input_folders",
-    "check_writable",
-    "collect_inputs",
-    "files_in",
-    "plan_outputs",
-    "prediction_outputs",
-]
 # Masks must be stored losslessly: a JPEG would blur class values into each other.
 MASK_FORMATS = (".png", ".gif", ".bmp", ".tif", ".tiff")
 
@@ -54,7 +43,7 @@ def collect_inputs(patterns: Sequence[str]) -> list[Path]:
             if candidate.is_file()
             and candidate.suffix.lower() in IMAGE_EXTENSIONS
             and not candidate.name.startswith(".")
-            and not candidate.stem.endswith((OUTPUT_SUFFIX, VIZ_SUFFIX))
+            and not candidate.stem.endswith(PREDICTION_SUFFIXES)
         ]
         if not images:
             raise ConfigError(f"--input {pattern}: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) found there")

@@ -46,15 +46,16 @@ def free_bytes(device: torch.device) -> int | None:
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type != "cpu":
         return None
-    limits = [_meminfo_available(), _cgroup_free(), _address_space_free()]
+    limits = [_proc_kib("/proc/meminfo", "MemAvailable:"), _cgroup_free(), _address_space_free()]
     known = [limit for limit in limits if limit is not None]
     return min(known) if known else None
 
 
-def _meminfo_available() -> int | None:
+def _proc_kib(path: str, field_name: str) -> int | None:
+    """Bytes of a ``field_name ... kB`` line of a /proc file; None where it cannot be read."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field_name):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
@@ -76,13 +77,8 @@ def _address_space_free() -> int | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmSize:"):
-                return soft - int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    mapped = _proc_kib("/proc/self/status", "VmSize:")
+    return None if mapped is None else soft - mapped
 
 
 @dataclass
@@ -94,10 +90,6 @@ class MemoryPlanner:
     device: torch.device | None = None
     """Where the free memory is read when ``budget_bytes`` is None; None as well: unknown, never tile on our own."""
     _warned: bool = field(default=False, init=False)
-
-    @classmethod
-    def for_device(cls, device: torch.device) -> MemoryPlanner:
-        return cls(device=device)
 
     def budget(self) -> int | None:
         """Bytes the next forward pass may use (read now: decoding and earlier batches change it)."""

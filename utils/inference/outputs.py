@@ -27,19 +27,12 @@ def default_mask_values(n_classes: int) -> list[int]:
     return [0, 1] if n_classes <= 2 else list(range(n_classes))
 
 
-def check_mask_values(mask_values: Sequence, n_classes: int) -> None:
-    """Raise ``CheckpointError`` when ``mask_values`` cannot name every class the model predicts."""
-    n_predicted = 2 if n_classes == 1 else n_classes
-    if len(mask_values) < n_predicted:
-        raise CheckpointError(
-            f"the checkpoint's mask_values {list(mask_values)} name {len(mask_values)} classes but the model predicts "
-            f"{n_predicted}; the checkpoint does not match its model"
-        )
-    is_colour = [isinstance(value, Sequence) for value in mask_values]
-    if any(is_colour) and not all(is_colour):
-        raise CheckpointError(f"the checkpoint's mask_values {list(mask_values)} mix grey values and colours")
-    if all(is_colour) and len({len(value) for value in mask_values}) != 1:
-        raise CheckpointError(f"the checkpoint's colour mask_values {list(mask_values)} have different lengths")
+def check_mask_values(mask_values: Sequence) -> None:
+    """Raise ``CheckpointError`` when a grey mask value is too wide for a PNG mask.
+
+    Everything else about a checkpoint's mask values (one per class, unique, integers or colours of 2-4 channels of
+    0..255) is checked where the file is read (``utils.checkpoint_checks``); ``default_mask_values`` are valid.
+    """
     too_wide = [value for value in mask_values if not isinstance(value, Sequence) and value > MAX_PNG_GREY_VALUE]
     if too_wide:
         # Written as they are they would wrap around in the 16-bit PNG: another class's value, silently.
@@ -50,21 +43,10 @@ def check_mask_values(mask_values: Sequence, n_classes: int) -> None:
 
 
 def _value_table(mask_values: Sequence) -> tuple[np.ndarray, str]:
-    """A lookup table ``[K]`` or ``[K, channels]`` and the PIL mode to write it with."""
+    """A lookup table ``[K]`` or ``[K, channels]`` and the PIL mode to write it with (values checked at reading)."""
     table = np.asarray(mask_values)
-    if table.dtype.kind == "f":
-        if not np.all(table == np.round(table)):
-            raise CheckpointError(f"mask_values {list(mask_values)} are not integers; cannot write them to an image")
-        table = table.astype(np.int64)
-    if table.dtype.kind not in "biu" or table.size and table.min() < 0:
-        raise CheckpointError(f"mask_values {list(mask_values)} must be non-negative integers or colours")
     if table.ndim == 2:
-        mode = _COLOUR_MODES.get(table.shape[1])
-        if mode is None or table.max(initial=0) > 255:
-            raise CheckpointError(f"colour mask_values {list(mask_values)} must be 2-4 channels of 0..255")
-        return table.astype(np.uint8), mode
-    if table.ndim != 1:
-        raise CheckpointError(f"mask_values {list(mask_values)} must be a list of values or of colours")
+        return table.astype(np.uint8), _COLOUR_MODES[table.shape[1]]
     if sorted(table.tolist()) == [0, 1] and len(table) == 2:
         return table.astype(bool), "1"
     if table.max(initial=0) > 255:

@@ -19,8 +19,8 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 from torchvision.utils import draw_segmentation_masks
 
-from utils.datasets.dataset import BasicDataset
 from utils.datasets.image_files import load_image
+from utils.datasets.preparation import mask_classes
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +57,10 @@ def class_colours(mask_values: Sequence, n_classes: int) -> list[tuple[int, int,
     return [(0, 0, 0)] + [PALETTE[(k - 1) % len(PALETTE)] for k in range(1, count)]
 
 
-def to_rgb(image: Tensor) -> Tensor:
-    """``[C, H, W]`` uint8 with any channel count to 3 channels for display."""
-    if image.shape[0] >= 3:
-        return image[:3]
-    return image[:1].expand(3, -1, -1)
-
-
 def overlay(image: Tensor, classes: np.ndarray, colours: Sequence[tuple[int, int, int]]) -> Tensor:
     """Paint every non-background class of ``classes`` ``[H, W]`` over ``image`` ``[C, H, W]`` uint8."""
-    rgb = to_rgb(image).contiguous()
+    # Any channel count to 3 for display: grey repeated, a fourth channel dropped.
+    rgb = (image[:3] if image.shape[0] >= 3 else image[:1].expand(3, -1, -1)).contiguous()
     class_map = torch.from_numpy(np.asarray(classes, dtype=np.int64))
     present = [k for k in torch.unique(class_map).tolist() if k != 0]
     if not present:
@@ -79,10 +73,7 @@ def legend_entries(
     colours: Sequence[tuple[int, int, int]], mask_values: Sequence, class_names: Sequence[str] = ()
 ) -> list[tuple[tuple, str]]:
     """``(colour, label)`` for every foreground class (class 0 is not drawn): its name, else ``value <mask value>``."""
-    entries = []
-    for k in range(1, len(colours)):
-        entries.append((tuple(colours[k]), class_label(k, mask_values, class_names)))
-    return entries
+    return [(tuple(colours[k]), class_label(k, mask_values, class_names)) for k in range(1, len(colours))]
 
 
 def class_label(k: int, mask_values: Sequence, class_names: Sequence[str] = ()) -> str:
@@ -111,37 +102,25 @@ def with_captions(
     widths = [swatch + 4 + int(probe.textlength(label, font=font)) + 12 for _, label in entries]
     caption_widths = [int(probe.textlength(caption, font=font)) + 4 for caption in captions]
     width = max([panel_width, *widths, *caption_widths])
-    rows = _wrap(widths, width)
-    canvas = Image.new("RGB", (width, height + row_pixels * (1 + len(rows))), (255, 255, 255))
+    # Legend entries run left to right in rows below the captions, a new row when the next entry would not fit.
+    places: list[tuple[int, int]] = []
+    row, used = 0, width
+    for entry_width in widths:
+        if used + entry_width > width and used:
+            row, used = row + 1, 0
+        places.append((height + row_pixels * row, 2 + used))
+        used += entry_width
+    canvas = Image.new("RGB", (width, height + row_pixels * (1 + row)), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     x = 0
     for panel, caption in zip(panels, captions, strict=True):
         canvas.paste(Image.fromarray(panel.permute(1, 2, 0).numpy()), (x, 0))
         draw.text((x + 2, height + 2), caption, fill=(0, 0, 0), font=font)
         x += panel.shape[2] + GAP_PIXELS
-    entry_index = 0
-    for row_number, row in enumerate(rows):
-        top, x = height + row_pixels * (1 + row_number), 2
-        for _ in range(row):
-            colour, label = entries[entry_index]
-            draw.rectangle((x, top + 3, x + swatch - 1, top + 2 + swatch), fill=colour, outline=(0, 0, 0))
-            draw.text((x + swatch + 4, top + 2), label, fill=(0, 0, 0), font=font)
-            x += widths[entry_index]
-            entry_index += 1
+    for (colour, label), (top, x) in zip(entries, places, strict=True):
+        draw.rectangle((x, top + 3, x + swatch - 1, top + 2 + swatch), fill=colour, outline=(0, 0, 0))
+        draw.text((x + swatch + 4, top + 2), label, fill=(0, 0, 0), font=font)
     return canvas
-
-
-def _wrap(widths: Sequence[int], width: int) -> list[int]:
-    """How many legend entries go in each row of ``width`` pixels."""
-    rows: list[int] = []
-    used = width
-    for entry_width in widths:
-        if used + entry_width > width and (not rows or rows[-1]):
-            rows.append(0)
-            used = 0
-        rows[-1] += 1
-        used += entry_width
-    return rows
 
 
 def find_truth_mask(masks_dir: Path, image_path: Path) -> Path | None:
@@ -167,7 +146,7 @@ def load_truth_classes(mask_path: Path, mask_values: Sequence, size: tuple[int, 
             size[0],
         )
         mask_image = mask_image.resize((size[1], size[0]), Image.NEAREST)
-    return np.asarray(BasicDataset.preprocess(list(mask_values), mask_image, 1.0, is_mask=True), dtype=np.int64)
+    return np.asarray(mask_classes(mask_image, 1.0, list(mask_values)), dtype=np.int64)
 
 
 def render_visualization(

@@ -1,11 +1,9 @@
-"""What ``evaluate.py`` adds to ``utils.evaluation``: masks mapped to a checkpoint's classes, batches, the table.
-
-The collate function runs in loader worker processes: it lives in a module, not in the script, so that it pickles
-under any start method.
-"""
+"""What ``evaluate.py`` adds to ``utils.evaluation``: masks mapped to a checkpoint's classes, batches, the table,
+and ``--json`` (checked before the run, written whole)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -15,8 +13,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from utils.datasets.dataset import BasicDataset
-from utils.errors import DatasetError
+from utils.errors import ConfigError, DatasetError
 from utils.evaluation import EvalResult
+from utils.inference.config import EvaluateConfig
+from utils.inference.engine import ShapeBuckets
+from utils.inference.file_plan import files_in
+from utils.output_files import check_outputs, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +55,12 @@ def _comparable(value: object) -> object:
     return tuple(int(channel) for channel in value) if isinstance(value, list | tuple) else int(value)
 
 
-def keep_items(batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """DataLoader collate function: keep the items apart; ``SizeGroupedBatches`` stacks those of one size."""
-    return batch
-
-
 @dataclass(frozen=True)
 class SizeGroupedBatches:
-    """Stacked batches of up to ``batch_size`` items of one image size, from a loader collated by ``keep_items``.
+    """Stacked batches of up to ``batch_size`` items of one image size, from a loader collated by ``keep_as_list``.
 
-    Images of mixed sizes are grouped by size (as ``predict.py`` does): nothing is resized or padded, and since the
-    score is a mean over images, grouping does not change it. At most ``4 * batch_size`` items wait for a partner.
+    Images of mixed sizes are grouped by size as ``predict.py`` groups them (``ShapeBuckets``): since the score is a
+    mean over images, grouping does not change it.
     """
 
     loader: DataLoader
@@ -73,17 +70,11 @@ class SizeGroupedBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        buckets: dict[tuple[int, ...], list[dict[str, torch.Tensor]]] = {}
+        buckets = ShapeBuckets(self.batch_size, shape_of=lambda item: tuple(item["image"].shape))
         for items in self.loader:
             for item in items:
-                bucket = buckets.setdefault(tuple(item["image"].shape), [])
-                bucket.append(item)
-                if len(bucket) == self.batch_size:
-                    yield _stack(buckets.pop(tuple(item["image"].shape)))
-                elif sum(len(waiting) for waiting in buckets.values()) > 4 * self.batch_size:
-                    yield _stack(buckets.pop(max(buckets, key=lambda shape: len(buckets[shape]))))
-        for bucket in buckets.values():
-            yield _stack(bucket)
+                yield from map(_stack, buckets.add(item))
+        yield from map(_stack, buckets.flush())
 
 
 def _stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -99,17 +90,13 @@ def format_table(result: EvalResult, mask_values: Sequence, class_names: Sequenc
         value = mask_values[index] if index < len(mask_values) else "?"
         name = [class_names[index] if index < len(class_names) else ""] if class_names else []
         rows.append((str(index), str(value), *name, f"{dice:.4f}", f"{iou:.4f}"))
+    # Macro rows are per-image means; micro rows score the pixels of the whole dataset at once.
+    macro, micro = result.reductions()["macro"], result.reductions()["micro"]
     foreground = "mean (classes 1+)" if len(result.per_class_dice) > 1 else "mean"
-    rows.append((foreground, *blank, f"{result.dice:.4f}", f"{result.iou:.4f}"))
-    mean_all_dice = sum(result.per_class_dice) / len(result.per_class_dice)
-    mean_all_iou = sum(result.per_class_iou) / len(result.per_class_iou)
-    rows.append(("mean (all classes)", *blank, f"{mean_all_dice:.4f}", f"{mean_all_iou:.4f}"))
-    if result.micro_per_class_dice:
-        # The rows above are per-image means (macro); these score the pixels of the whole dataset at once.
-        micro = result.reductions()["micro"]
-        rows.append((f"micro {foreground}", *blank, f"{micro['dice']:.4f}", f"{micro['iou']:.4f}"))
-        with_background = f"{micro['dice_with_background']:.4f}", f"{micro['iou_with_background']:.4f}"
-        rows.append(("micro mean (all classes)", *blank, *with_background))
+    for prefix, scores in (("", macro), ("micro ", micro)):
+        rows.append((f"{prefix}{foreground}", *blank, f"{scores['dice']:.4f}", f"{scores['iou']:.4f}"))
+        with_background = f"{scores['dice_with_background']:.4f}", f"{scores['iou_with_background']:.4f}"
+        rows.append((f"{prefix}mean (all classes)", *blank, *with_background))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     text_columns = len(labels)  # left-aligned; the scores are right-aligned
     lines = [
@@ -120,3 +107,38 @@ def format_table(result: EvalResult, mask_values: Sequence, class_names: Sequenc
         for row in rows
     ]
     return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+def check_json_path(config: EvaluateConfig) -> None:
+    """``--json`` must not replace an image, a mask or a checkpoint (checked before anything runs)."""
+    if config.json_path is None:
+        return
+    protected = files_in([config.images_dir], "an image in --imgs")
+    protected.update(files_in([config.masks_dir], "a mask in --masks"))
+    protected[config.model] = "the checkpoint"
+    check_outputs([(config.json_path, "--json")], protected, [config.images_dir, config.masks_dir], writes_images=False)
+
+
+def write_json(
+    path: Path,
+    result: EvalResult,
+    mask_values: list,
+    scale: float,
+    config: EvaluateConfig,
+    class_names: tuple[str, ...] = (),
+) -> None:
+    payload = {
+        "checkpoint": str(config.model),
+        "images": str(config.images_dir),
+        "masks": str(config.masks_dir),
+        **({"split": str(config.split_path)} if config.split_path is not None else {}),
+        "scale": scale,
+        "mask_values": mask_values,
+        **({"class_names": list(class_names)} if class_names else {}),
+        **result.as_dict(),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--json {path}: cannot create its folder ({error.strerror or error})") from error
+    write_text(path, json.dumps(payload, indent=2) + "\n", role="--json")

@@ -1,9 +1,14 @@
-"""Sliding-window inference as nnU-Net does it: half-window steps, Gaussian importance weights, optional flips.
+"""Forward passes of prediction: one pass, flips averaged (``--tta``), and sliding windows (``--tile``), as nnU-Net
+does them in 2D.
 
-Windows start on multiples of 16 (the UNet pools four times by 2), so every window sees the whole image's pooling
-grid; neighbours overlap by half a window by default (nnU-Net's step of 0.5). Each window's logits are weighted by
-a Gaussian centred on the window with sigma = window / 8 (nnU-Net's importance map): centres, where the window holds
-the most context, count most, and the blended logit is the weighted mean over the windows covering a pixel.
+Test-time augmentation: the image, its horizontal flip, its vertical flip and both, each flipped back after the model,
+their logits averaged (4 passes). Whole images and windows share ``forward_logits``.
+
+Sliding windows start on multiples of 16 (the UNet pools four times by 2), so every window sees the whole image's
+pooling grid; neighbours overlap by half a window by default (nnU-Net's step of 0.5). Each window's logits are
+weighted by a Gaussian centred on the window with sigma = window / 8 (nnU-Net's importance map): centres, where the
+window holds the most context, count most, and the blended logit is the weighted mean over the windows covering a
+pixel.
 
 How close this is to whole-image prediction: a window that covers the whole image gives exactly the whole-image
 logits; otherwise a UNet's receptive field (about 200 pixels) exceeds any window margin, so logits differ slightly
@@ -20,7 +25,25 @@ import torch
 from torch import Tensor, nn
 
 from utils.errors import ConfigError
-from utils.inference.forward import forward_logits
+from utils.evaluation import run_model
+
+# Spatial axes of [N, C, H, W] flipped by each test-time pass; () is the image itself.
+TTA_FLIPS: tuple[tuple[int, ...], ...] = ((), (3,), (2,), (2, 3))
+
+
+def forward_logits(model: nn.Module, images: Tensor, precision: str, tta: bool = False) -> Tensor:
+    """float32 logits ``[N, K, H, W]`` of ``images``; with ``tta`` the mean over ``TTA_FLIPS``."""
+    if not tta:
+        return run_model(model, images, precision)
+    total: Tensor | None = None
+    for dims in TTA_FLIPS:
+        flipped = images.flip(dims) if dims else images
+        logits = run_model(model, flipped, precision)
+        logits = logits.flip(dims) if dims else logits
+        total = logits if total is None else total.add_(logits)
+    assert total is not None
+    return total / len(TTA_FLIPS)
+
 
 # The UNet pools four times by 2: windows that start on multiples of this see the whole image's pooling grid.
 DOWNSAMPLING = 16
@@ -39,7 +62,7 @@ class TileSettings:
     overlap: float = DEFAULT_TILE_OVERLAP
     """Fraction of the window shared with each neighbour, in [0, 0.5]; 0.5 is a step of half a window."""
     tta: bool = False
-    """Average each window's logits over its flips (``utils.inference.forward``)."""
+    """Average each window's logits over its flips (``forward_logits``)."""
 
     def __post_init__(self) -> None:
         if self.size < 2 * DOWNSAMPLING or self.size % DOWNSAMPLING:
@@ -90,38 +113,26 @@ def predict_logits_tiled(
         # One window is the whole image: its logits, exactly.
         return forward_logits(model, images, precision, tile.tta)
     row_weights, col_weights = span_weights(row_spans, tile.size), span_weights(col_spans, tile.size)
-    windows = [
-        (image_index, row, col)
-        for image_index in range(images.shape[0])
-        for row in range(len(row_spans))
-        for col in range(len(col_spans))
-    ]
     # Windows of one shape are batched together; there are at most four shapes (the last row/column run longer).
     by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    for window in windows:
-        (top, bottom), (left, right) = row_spans[window[1]], col_spans[window[2]]
-        by_shape.setdefault((bottom - top, right - left), []).append(window)
-
-    weight_sum = torch.zeros(height, width)
-    for (top, bottom), row_weight in zip(row_spans, row_weights, strict=True):
-        for (left, right), col_weight in zip(col_spans, col_weights, strict=True):
-            weight_sum[top:bottom, left:right] += row_weight[:, None] * col_weight[None, :]
-
+    for image_index in range(images.shape[0]):
+        for row, (top, bottom) in enumerate(row_spans):
+            for col, (left, right) in enumerate(col_spans):
+                by_shape.setdefault((bottom - top, right - left), []).append((image_index, row, col))
+    # The blended logit is the weighted mean: logits times weight, and the weights, summed over the windows.
     logit_sum: Tensor | None = None
+    weight_sum = torch.zeros(images.shape[0], 1, height, width, device=images.device)
     for group in by_shape.values():
         for chunk_start in range(0, len(group), batch_size):
             chunk = group[chunk_start : chunk_start + batch_size]
-            crops = torch.stack([_crop(images[i], row_spans[r], col_spans[c]) for i, r, c in chunk])
+            crops = torch.stack([images[i, :, slice(*row_spans[r]), slice(*col_spans[c])] for i, r, c in chunk])
             logits = forward_logits(model, crops, precision, tile.tta)
             if logit_sum is None:
                 logit_sum = torch.zeros(images.shape[0], logits.shape[1], height, width, device=images.device)
             for (image_index, row, col), window_logits in zip(chunk, logits, strict=True):
-                (top, bottom), (left, right) = row_spans[row], col_spans[col]
+                rows, cols = slice(*row_spans[row]), slice(*col_spans[col])
                 weight = (row_weights[row][:, None] * col_weights[col][None, :]).to(images.device)
-                logit_sum[image_index, :, top:bottom, left:right] += window_logits * weight
+                logit_sum[image_index, :, rows, cols] += window_logits * weight
+                weight_sum[image_index, :, rows, cols] += weight
     assert logit_sum is not None
-    return logit_sum / weight_sum.to(images.device)
-
-
-def _crop(image: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
-    return image[:, rows[0] : rows[1], cols[0] : cols[1]]
+    return logit_sum / weight_sum

@@ -1,4 +1,5 @@
-"""Writing predictions: masks and overlays encoded in writer threads, overlapping the next forward passes.
+"""Writing predictions: masks and overlays encoded in writer threads, overlapping the next forward passes; the run's
+last line says what was written where, so a person knows where to look.
 
 Each file goes through ``utils.output_files`` (all or nothing). A failure of one file is that image's failure; a
 failure of the output location (a full disk, a read-only folder) ends the run with one error, since every later
@@ -20,9 +21,12 @@ from utils.inference.file_plan import OutputPlan
 from utils.inference.outputs import mask_to_image
 from utils.inference.overlays import find_truth_mask, load_truth_classes, render_visualization
 from utils.output_files import OutputError, write_file
+from utils.wording import count
 
 logger = logging.getLogger(__name__)
 
+# Folders named in full; a run writing beside inputs in more folders names these and counts the rest.
+MAX_FOLDERS_NAMED = 3
 # Predictions written at most this many images ahead of the writer threads, to bound memory.
 MAX_PENDING_WRITES = 16
 
@@ -48,11 +52,9 @@ class Writer:
                 write_file(plan.mask, mask.save, f"the mask of {prediction.item.path}")
             if self.save_viz:
                 self._write_viz(prediction, plan.viz)
-        except OutputError as error:
-            if error.location_failure:
-                raise
-            return f"{prediction.item.path}: could not write its output: {error}"
         except (OSError, ValueError, UserError) as error:
+            if isinstance(error, OutputError) and error.location_failure:
+                raise
             return f"{prediction.item.path}: could not write its output: {error}"
         return None
 
@@ -93,9 +95,9 @@ def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: 
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer")
     try:
         for prediction in predictions:
-            if prediction.error is not None:
-                logger.error("%s", prediction.error)
-                failures.append(prediction.error)
+            if prediction.item.error is not None:
+                logger.error("%s", prediction.item.error)
+                failures.append(prediction.item.error)
                 continue
             pending.append(pool.submit(writer.write, prediction, plans[prediction.item.index]))
             while len(pending) > MAX_PENDING_WRITES:
@@ -108,3 +110,14 @@ def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: 
         if close is not None:
             close()
     return failures
+
+
+def prediction_summary(written: int, total: int, *, masks: bool, viz: bool, folders: Sequence[Path]) -> str:
+    """``"Wrote 8 masks and 8 overlays (8 of 8 images) to outputs/demo"``; ``folders``: where the outputs go."""
+    kinds = [count(written, noun) for noun, wanted in (("mask", masks), ("overlay", viz)) if wanted]
+    names = sorted({str(folder) for folder in folders})
+    where = ", ".join(names[:MAX_FOLDERS_NAMED])
+    if len(names) > MAX_FOLDERS_NAMED:
+        where += f" and {count(len(names) - MAX_FOLDERS_NAMED, 'other folder')}"
+    what = " and ".join(kinds) if kinds else "nothing (--no-save without --viz)"
+    return f"Wrote {what} ({written} of {count(total, 'image')}) to {where}"

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, optim
 
 from utils.datasets.mask_values import IGNORE_INDEX
-from utils.dice_score import dice_coeff, multiclass_dice_coeff
+from utils.evaluation import dice_coeff, multiclass_dice_coeff
 
 if TYPE_CHECKING:  # the config takes its choices from here
     from utils.training.config import OptimisationSection
