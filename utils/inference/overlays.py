@@ -19,8 +19,8 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 from torchvision.utils import draw_segmentation_masks
 
+from utils.datasets.dataset import mask_classes
 from utils.datasets.image_files import load_image
-from utils.datasets.preparation import mask_classes
 
 logger = logging.getLogger(__name__)
 
