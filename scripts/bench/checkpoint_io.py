@@ -41,7 +41,8 @@ from scripts.bench.processes import MeasurementError
 from scripts.bench.report import ratio_spread
 from scripts.bench.timing import timed
 from scripts.bench.training import built_trainer, runs_folder, train_argv
-from utils.checkpoint import copy_checkpoint_atomic, save_checkpoint_atomic, tensor_digests, verify_checkpoint
+from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
+from utils.checkpoint.format import tensor_digests, verify_checkpoint
 from utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ def _one_step(trainer: Trainer) -> None:
 
 
 def _measure(trainer: Trainer, folder: Path, repeat: int) -> dict[str, Any]:
-    from utils.training.state import load_resume_checkpoint
+    from utils.checkpoint.state import load_resume_checkpoint
 
     device = trainer.step.device
     first, copied, saved_again = folder / "saved.pth", folder / "copied.pth", folder / "saved-again.pth"

@@ -1,6 +1,6 @@
 """``train.py`` with a fake wall clock for the --save-every-minutes tests (run as a script, also under torchrun).
 
-Every reading of ``utils.training.save_timer``'s clock is ``FAKE_CLOCK_STEP_S`` seconds after the previous one, so
+Every reading of ``utils.checkpoint.checkpointer``'s clock is ``FAKE_CLOCK_STEP_S`` seconds after the previous one, so
 minutes pass in a few steps while the real saving path runs. The variable is read here only, never by the package.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train  # noqa: E402
-from utils.training import save_timer  # noqa: E402
+from utils.checkpoint import checkpointer as save_timer  # noqa: E402
 
 _readings = itertools.count()
 _step_s = float(os.environ["FAKE_CLOCK_STEP_S"])

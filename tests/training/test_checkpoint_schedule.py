@@ -11,9 +11,8 @@ import torch
 
 from tests.conftest import REPO_ROOT, TrainRunner, child_env, finish, load_checkpoint, torchrun_prefix
 from tests.helpers import read_metrics
-from utils.training import save_timer
-from utils.training.save_timer import SaveTimer
-from utils.training.state import enter_ranking
+from utils.checkpoint import checkpointer as save_timer
+from utils.checkpoint.checkpointer import SaveTimer, enter_ranking
 
 FAKE_CLOCK = str(Path(__file__).with_name("fake_clock_train.py"))
 

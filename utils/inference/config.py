@@ -31,7 +31,7 @@ class PredictConfig:
     no_save: bool = False
     mask_threshold: float = DEFAULT_MASK_THRESHOLD
     scale: float | None = None
-    """Resize factor; None: the checkpoint's training scale (``utils.model_spec.resolve_scale``)."""
+    """Resize factor; None: the checkpoint's training scale (``utils.checkpoint.model.resolve_scale``)."""
     bilinear: bool = False
     """milesial's flag; the checkpoint decides the architecture, a contradicting flag is an error."""
     classes: int | None = None

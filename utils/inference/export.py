@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from utils.checkpoint import InferenceRecord, load_checkpoint_file
+from utils.checkpoint.files import load_checkpoint_file
+from utils.checkpoint.format import InferenceRecord
 from utils.errors import UserError
 from utils.output_files import replacing
 

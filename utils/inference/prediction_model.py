@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from unet import UNet
-from utils import model_spec
+from utils.checkpoint import model as model_spec
 from utils.errors import CheckpointError
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, PredictConfig
 from utils.inference.export import checkpoint_preprocessing, export_model

@@ -23,7 +23,6 @@ from utils.training.objective import (
     build_scheduler,
     steps_every_update,
 )
-from utils.training.state import TrainingState
 from utils.training.step import StepConfig, TrainStep
 
 logger = logging.getLogger(__name__)
@@ -56,11 +55,11 @@ def build_optimization(
     *,
     total_steps: int,
     precision: str,
-    state: TrainingState | None,
+    resumed: bool,
 ) -> Optimization:
-    """Optimizer, schedule (planned over ``total_steps``) and scaler, with their state from ``state`` if resumed."""
+    """Optimizer, schedule (planned over ``total_steps``) and scaler; a resumed run restores their state after."""
     settings = optimizer_config(config)
-    if state is None and settings.warmup_steps >= total_steps and settings.scheduler != "plateau":
+    if not resumed and settings.warmup_steps >= total_steps and settings.scheduler != "plateau":
         logger.warning(
             "--warmup-steps %d is not shorter than the run's %d optimizer steps: the learning rate never reaches the "
             "%s schedule",
@@ -72,11 +71,6 @@ def build_optimization(
     # Planned for the run's epochs; a resumed run's scheduler state brings back the plan it was made with.
     scheduler = build_scheduler(settings, optimizer, total_steps)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    if state is not None:
-        optimizer.load_state_dict(state.optimizer)
-        scheduler.load_state_dict(state.scheduler)
-        if scaler is not None and state.scaler:
-            scaler.load_state_dict(state.scaler)
     return Optimization(optimizer, scheduler, scaler)
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from utils.checkpoint.run_folder import RunFolder
 from utils.output_files import open_for_append
-from utils.training.run_folder import RunFolder
 from utils.training.tensorboard_log import TensorBoardLog
 
 logger = logging.getLogger(__name__)

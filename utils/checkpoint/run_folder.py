@@ -1,6 +1,6 @@
 """The run folder ``<checkpoint_dir>/<exp_name>/``: the one owner of its path and of every file name in it.
 
-It holds (checkpoints all in the one format of ``utils/checkpoint.py``):
+It holds (checkpoints all in the one format of ``utils.checkpoint.format``):
 
 * ``last.pth``: the newest state, written at every epoch end, every ``--save-every-steps`` optimizer steps and when
   ``--max-steps`` stops the run (mid-epoch states carry their position in ``step_in_epoch``);
@@ -22,12 +22,19 @@ continued over newer checkpoints. A corrupt one is skipped with a warning, and a
 a new run (so one command serves the first start and every restart of a requeued job). Only global rank 0 writes
 here.
 
-Reruns: the folders of one ``--exp_name`` form a series, ``<exp_name>``, ``<exp_name>-2``, ``<exp_name>-3``, ... A start
-without ``--resume`` whose newest folder holds a run (checkpoints or metrics) or is in use begins the next one;
-``--resume auto`` and a torchrun restart continue the newest. ``--resume PATH`` continues the folder PATH lies in only
-when PATH holds that folder's newest state (``RunFolder.can_continue_from``); an older state of it, or a file from
-outside the series, begins a new folder as a rerun does. A torchrun restart of ``--resume PATH`` continues the folder
-its first attempt took (``RunSeries.taken_last``). Nothing is ever overwritten.
+Reruns: the folders of one ``--exp_name`` form a series, ``<exp_name>``, ``<exp_name>-2``, ``<exp_name>-3``, ... Which
+folder a run writes and which checkpoint it resumes is one choice, made by global rank 0 (``agree_on_run``); no write
+may land on a newer state or on another run, and nothing is ever overwritten:
+
+* no ``--resume``: a new folder of the series (``RunSeries.start_new``) when the newest holds a run (checkpoints or
+  metrics) or is in use;
+* ``--resume auto``, and a torchrun restart without ``--resume``: the newest folder, from its newest checkpoint;
+* ``--resume PATH``: the folder PATH lies in when PATH holds that folder's newest state
+  (``RunFolder.can_continue_from``); else (an older state of its folder, or a file from outside the series) a new
+  folder, as a rerun takes;
+* a torchrun restart of ``--resume PATH``: the folder the first attempt took (``RunSeries.taken_last``), from its
+  newest checkpoint (PATH again would throw away that attempt's progress), and from PATH only while that folder holds
+  none.
 
 The lock: global rank 0 holds ``fcntl.flock`` on ``.lock`` in the folder for the whole run (the kernel releases it
 when the process dies, so ``kill -9`` never leaves a stale lock), and a second process never continues or writes a
@@ -41,21 +48,24 @@ import fcntl
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from utils.checkpoint import (
+from utils.checkpoint.files import write_failure_message
+from utils.checkpoint.format import (
     KEY_EPOCH,
     KEY_GLOBAL_STEP,
     KEY_STEP_IN_EPOCH,
     KEY_TENSOR_DIGESTS,
     PARTIAL_FILE_PATTERN,
-    write_failure_message,
 )
+from utils.checkpoint.state import load_resume_checkpoint
+from utils.distributed import DistributedContext, decide_on_main
 from utils.errors import CheckpointError, ConfigError
-from utils.training.state import load_resume_checkpoint
+from utils.training.config import RESUME_AUTO
 
 logger = logging.getLogger(__name__)
 
@@ -481,3 +491,92 @@ def _read_pid(fd: int) -> int | None:
 
 def _describe(pid: int) -> str:
     return f"another training process (PID {pid})" if pid > 0 else "another training process"
+
+
+@dataclass
+class RunChoice:
+    """The run folder (locked on global rank 0) and the checkpoint to resume (None: a new run)."""
+
+    folder: RunFolder
+    resume_path: str | None = None
+    payload: dict[str, Any] | None = None
+    """The resume checkpoint as rank 0 read it while choosing (kept to spare reading a large file twice); None on
+    other ranks, which read it themselves."""
+
+
+def agree_on_run(ctx: DistributedContext, resume: str | None, series: RunSeries) -> RunChoice:
+    """Rank 0 chooses (and locks) the folder and the checkpoint; every rank and node gets the folder and file."""
+    mine: list[RunChoice] = []
+
+    def decide() -> tuple[str, str | None]:
+        mine.append(choose_run(resume, series, ctx.restart_count))
+        return str(mine[0].folder.path), mine[0].resume_path
+
+    folder_path, resume_path = decide_on_main(ctx, decide)
+    return mine[0] if mine else RunChoice(RunFolder(folder_path), resume_path)
+
+
+def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> RunChoice:
+    """Rank 0's choice (see the module docstring); the folder is locked and cleared of interrupted writes."""
+    if resume is None and restart_count == 0:
+        return _took(series.start_new())
+    if resume is None or resume == RESUME_AUTO:
+        folder = _took(series.continue_newest()).folder
+        found = folder.find_resume_checkpoint()
+        if found is None:
+            logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
+            return RunChoice(folder)
+        path, payload = found
+        return RunChoice(folder, str(path), payload)
+    if restart_count > 0:
+        return _restart_from_path(resume, series, restart_count)
+    return _resume_from_path(resume, series)
+
+
+def _resume_from_path(resume: str, series: RunSeries) -> RunChoice:
+    resume_path = Path(resume)
+    payload = _read_resume_file(resume)
+    own = series.contains(resume_path)
+    if own is None:  # a file from outside the series: nothing of the series to continue
+        return _took(series.start_new(), resume, payload)
+    if own.take_to_continue(resume_path, payload):
+        return _took(own, resume, payload)
+    reason = f"--resume {resume} is not the newest state of {own} (continuing there would overwrite newer checkpoints)"
+    return _took(series.start_new(reason), resume, payload)
+
+
+def _restart_from_path(resume: str, series: RunSeries, restart_count: int) -> RunChoice:
+    # The first attempt took either the folder PATH lies in or the series' newest (a new one, or an empty one).
+    candidates = [folder for folder in (series.contains(Path(resume)), series.newest()) if folder is not None]
+    first = series.taken_last(candidates)
+    if first is None:  # neither was ever locked: the first attempt failed before it chose, so choose as it would have
+        return _resume_from_path(resume, series)
+    first.lock()
+    _took(first)
+    found = first.find_resume_checkpoint()
+    if found is None:
+        logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, first, resume)
+        return RunChoice(first, resume, _read_resume_file(resume))
+    path, payload = found
+    logger.info(
+        "torchrun restart %d continues %s, the folder its first attempt took, from its newest checkpoint %s",
+        restart_count,
+        first,
+        path,
+    )
+    return RunChoice(first, str(path), payload)
+
+
+def _read_resume_file(resume: str) -> dict[str, Any]:
+    path = Path(resume)
+    if not path.is_file():
+        raise CheckpointError(f"--resume {resume}: no such file; pass a checkpoint path or --resume auto")
+    return load_resume_checkpoint(path)
+
+
+def _took(folder: RunFolder, resume_path: str | None = None, payload: dict[str, Any] | None = None) -> RunChoice:
+    """The choice of ``folder`` (locked by this process), after clearing what killed writes left there."""
+    # Under the lock nothing else writes to the folder: a temporary file there is what a killed write left behind.
+    for path in folder.remove_partial_files():
+        logger.info("Removed %s, left behind by a checkpoint write that was interrupted", path)
+    return RunChoice(folder, resume_path, payload)

@@ -1,9 +1,7 @@
-"""Training state: where a run stands, the checkpoint payload that records it, and restoring it (RNG included).
+"""A resumable run's state: where it stands (``TrainPosition``), the checkpoint payload that records it, and the RNG.
 
 ``TrainingState`` is the one typed write (``to_payload``) and read (``of``) of a resumable checkpoint's keys; the key
-constants, the format-version check, the digests and the model weights' prefixes belong to ``utils.checkpoint``.
-The file names of the run folder belong to ``utils.training.run_folder``, the choice of the folder and of the
-checkpoint to resume to ``utils.training.resume_choice``.
+constants, the format-version check, the digests and the model weights' prefixes belong to ``utils.checkpoint.format``.
 """
 
 from __future__ import annotations
@@ -18,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.checkpoint import (
+from utils.checkpoint.files import load_checkpoint_file
+from utils.checkpoint.format import (
     FORMAT_VERSION,
     KEY_ARGS,
     KEY_BEST_DICE,
@@ -43,7 +42,6 @@ from utils.checkpoint import (
     KEY_WORLD_SIZE,
     InferenceRecord,
     LoadedWeights,
-    load_checkpoint_file,
     weights_of,
 )
 from utils.class_names import split_class_names
@@ -78,19 +76,6 @@ class TrainPosition:
     """The epoch whose validation gave ``best_dice`` (0: none yet)."""
     validations_without_improvement: int = 0
     """--patience: validations since the last one that improved on the best Dice by more than --min-delta."""
-
-
-def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, keep: int) -> int | None:
-    """Insert a validation Dice into the ``keep`` best (best first; a tie ranks below the older state).
-
-    Returns its 1-based place (the ``k`` of ``best-<k>.pth``) and updates ``ranking``; None when it is not among them.
-    """
-    place = sum(1 for entry in ranking if entry[0] >= dice)
-    if place >= keep:
-        return None
-    ranking.insert(place, [dice, global_step])
-    del ranking[keep:]
-    return place + 1
 
 
 @dataclass
