@@ -35,7 +35,6 @@ from utils.checkpoint.format import all_finite
 from utils.checkpoint.run_folder import RunFolder
 from utils.checkpoint.state import (
     TrainingState,
-    build_payload,
     dataset_record,
     inference_of_run,
     restore_rng_state,
@@ -207,22 +206,22 @@ class Checkpointer:
 
     def payload(self) -> dict[str, Any]:
         """The checkpoint of the current state, as every save writes it (the benchmark times the same)."""
-        parts = self.parts
-        return build_payload(
-            model=parts.raw_model,
+        parts, scaler = self.parts, self.parts.step.scaler
+        return TrainingState(
+            model=parts.raw_model.state_dict(),
             model_args=parts.model_args,
             mask_values=parts.data.mask_values,
             inference=self._inference,
-            optimizer=parts.step.optimizer,
-            scheduler=parts.scheduler,
-            scaler=parts.step.scaler,
+            optimizer=parts.step.optimizer.state_dict(),
+            scheduler=parts.scheduler.state_dict(),
+            scaler=scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             position=self.position,
-            args=parts.run_args,
+            run_args=parts.run_args,
             world_size=self.ctx.world_size,
             dataset=self._dataset,
             split_digest=self._split_digest,
             ema=parts.ema.state_dict() if parts.ema is not None else None,
-        )
+        ).to_payload()
 
     def _write(self, targets: list[Path], best_place: int | None) -> None:
         if best_place is not None:

@@ -6,10 +6,22 @@ it is an error that names the flag. Files that store no arguments (milesial/Pyto
 script's) have them inferred from the shapes of their weights.
 
 The spec also says how images are prepared for the model: the scale it was trained at (the checkpoint's inference
-record, ``utils.checkpoint.InferenceRecord``) and its channel count (grey photos for an RGB model are converted).
+record, ``utils.checkpoint.format.InferenceRecord``) and its channel count (grey photos for an RGB model are converted).
 ``resolve_scale`` is the one policy for a ``--scale`` flag: unset means the checkpoint's; a different explicit value
 is used with one warning naming both.
 Files without that record keep milesial/Pytorch-UNet's default, 0.5.
+
+A file's ``model_args`` say which model to build; its weights say which model they belong to. Trusting the first
+alone lets a damaged or crafted file make the process allocate a model of tens of GB (``base_channels=1024``) before
+the weights are found not to fit. So before building (``check_checkpoint``):
+
+* the arguments are compared with the weights' shapes on the meta device (no memory is allocated);
+* the weights are floating point (integer weights give an all-background mask that looks like a result), and every
+  BatchNorm ``running_var`` is non-negative (a negative variance is the square root of a negative number: NaN);
+* the mask values are one per class, unique, and integers (grey values) or colours of 2-4 channels of 0..255, so
+  each predicted class maps to one value of the output image.
+
+Once a file passed, its weights load into the model its spec builds without further checks.
 """
 
 from __future__ import annotations
@@ -195,32 +207,6 @@ def check_expected(
         )
 
 
-def load_weights_into(model: torch.nn.Module, loaded: LoadedWeights, path: str | Path) -> None:
-    """Copy ``loaded``'s weights into ``model``, with a message naming the keys or shapes that differ."""
-    state_dict = loaded.state_dict
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    mismatched = [key for key in own if key in state_dict and own[key].shape != state_dict[key].shape]
-    if missing or unexpected or mismatched:
-        details = []
-        if mismatched:
-            key = mismatched[0]
-            details.append(
-                f"{len(mismatched)} shape mismatches, e.g. {key}: file {tuple(state_dict[key].shape)} vs "
-                f"model {tuple(own[key].shape)}"
-            )
-        if missing:
-            details.append(f"{len(missing)} missing keys, e.g. {missing[0]}")
-        if unexpected:
-            details.append(f"{len(unexpected)} unexpected keys, e.g. {unexpected[0]}")
-        raise CheckpointError(
-            f"checkpoint {path} does not fit the model ({'; '.join(details)}); check --classes, --bilinear, "
-            f"--base-channels, --encoder, --deep-supervision and the number of image channels"
-        )
-    model.load_state_dict(state_dict)
-
-
 def load_model(
     path: str | Path,
     *,
@@ -233,7 +219,7 @@ def load_model(
     spec = spec_of(loaded, path)
     check_expected(spec, expected or {}, path, source=source)
     model = spec.build()
-    load_weights_into(model, loaded, path)
+    model.load_state_dict(loaded.state_dict)  # spec_of checked that the file's arguments describe its weights
     return model, spec
 
 
@@ -247,9 +233,7 @@ def check_weights_match_args(model_args: Mapping[str, Any], state_dict: Mapping[
     """Refuse ``model_args`` that describe another model than ``state_dict``'s weights (compared on the meta device)."""
     with torch.device("meta"):
         expected = build_model(dict(model_args)).state_dict()
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
-    mismatched = [key for key in expected if key in state_dict and expected[key].shape != state_dict[key].shape]
+    missing, unexpected, mismatched = key_differences(expected, state_dict)
     if not (missing or unexpected or mismatched):
         return
     if mismatched:
@@ -266,6 +250,15 @@ def check_weights_match_args(model_args: Mapping[str, Any], state_dict: Mapping[
         f"checkpoint {path} contradicts itself: its model_args {dict(model_args)} do not describe its weights "
         f"({detail}); the file is damaged or was edited, use another checkpoint"
     )
+
+
+def key_differences(
+    own: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor]
+) -> tuple[list[str], list[str], list[str]]:
+    """Keys of ``own`` that ``given`` lacks, keys of ``given`` that ``own`` lacks, and keys whose shapes differ."""
+    missing = [key for key in own if key not in given]
+    unexpected = [key for key in given if key not in own]
+    return missing, unexpected, [key for key in own if key in given and own[key].shape != given[key].shape]
 
 
 def key_count(keys: Sequence[str]) -> str:

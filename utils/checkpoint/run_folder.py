@@ -101,6 +101,18 @@ class RunFolder:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.last = self.path / LAST_NAME
+        self.best = self.path / BEST_NAME
+        self.interrupted = self.path / INTERRUPTED_NAME
+        self.metrics = self.path / METRICS_NAME
+        self.curves = self.path / CURVES_NAME
+        self.split = self.path / SPLIT_NAME
+        """``split.json``: the run's train and validation ids (``utils.datasets.splits``)."""
+        self.config_file = self.path / CONFIG_NAME
+        """``config.yaml``: the run's resolved flags, for ``--config``."""
+        self.tensorboard = self.path / TENSORBOARD_NAME
+        """``tensorboard/``: the folder of ``--tensorboard``'s event files."""
+        self.lock_file = self.path / LOCK_NAME
         self._lock_fd: int | None = None
 
     @classmethod
@@ -109,45 +121,6 @@ class RunFolder:
 
     def __str__(self) -> str:
         return str(self.path)
-
-    @property
-    def last(self) -> Path:
-        return self.path / LAST_NAME
-
-    @property
-    def best(self) -> Path:
-        return self.path / BEST_NAME
-
-    @property
-    def interrupted(self) -> Path:
-        return self.path / INTERRUPTED_NAME
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / METRICS_NAME
-
-    @property
-    def curves(self) -> Path:
-        return self.path / CURVES_NAME
-
-    @property
-    def split(self) -> Path:
-        """``split.json``: the run's train and validation ids (``utils.datasets.splits``)."""
-        return self.path / SPLIT_NAME
-
-    @property
-    def config_file(self) -> Path:
-        """``config.yaml``: the run's resolved flags, for ``--config``."""
-        return self.path / CONFIG_NAME
-
-    @property
-    def tensorboard(self) -> Path:
-        """``tensorboard/``: the folder of ``--tensorboard``'s event files."""
-        return self.path / TENSORBOARD_NAME
-
-    @property
-    def lock_file(self) -> Path:
-        return self.path / LOCK_NAME
 
     def ranked_best(self, place: int) -> Path:
         return self.path / ranked_best_name(place)

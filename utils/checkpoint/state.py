@@ -169,41 +169,6 @@ class TrainingState:
         )
 
 
-def build_payload(
-    *,
-    model: torch.nn.Module,
-    model_args: dict[str, Any],
-    mask_values: list,
-    inference: InferenceRecord,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: torch.amp.GradScaler | None,
-    position: TrainPosition,
-    args: dict[str, Any],
-    world_size: int,
-    dataset: dict[str, Any] | None = None,
-    split_digest: str | None = None,
-    ema: dict[str, torch.Tensor] | None = None,
-) -> dict[str, Any]:
-    """The checkpoint dictionary of a live run (``TrainingState.to_payload``); ``model`` is the unwrapped module,
-    ``ema`` the state dict of its average (--ema)."""
-    return TrainingState(
-        model=model.state_dict(),
-        model_args=model_args,
-        mask_values=mask_values,
-        inference=inference,
-        optimizer=optimizer.state_dict(),
-        scheduler=scheduler.state_dict(),
-        scaler=scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-        position=position,
-        run_args=args,
-        world_size=world_size,
-        dataset=dataset,
-        split_digest=split_digest,
-        ema=ema,
-    ).to_payload()
-
-
 def weights_only_payload(payload: dict[str, Any]) -> dict[str, Any]:
     """The part of a full checkpoint ``payload`` that a file for sharing and inference keeps (``WEIGHTS_ONLY_KEYS``)."""
     return {key: payload[key] for key in WEIGHTS_ONLY_KEYS if key in payload}

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from unet import UNetArgs
 from unet import build_model as build_architecture
 from utils.checkpoint.files import read_model_weights
-from utils.checkpoint.model import check_expected, load_weights_into, spec_of
+from utils.checkpoint.model import check_expected, spec_of
 from utils.checkpoint.state import TrainingState, dataset_record
 from utils.distributed import DistributedContext
 from utils.errors import ConfigError
@@ -69,7 +69,7 @@ def build_model(
         loaded = read_model_weights(config.load)
         spec = spec_of(loaded, config.load)
         check_expected(spec, dataclasses.asdict(unet_args), config.load, source="--load", images_from="--imgs")
-        load_weights_into(model, loaded, config.load)
+        model.load_state_dict(loaded.state_dict)  # check_expected: the file's model is this one
         _warn_mask_values(loaded.mask_values, data.mask_values, config.load)
         logger.info("Model weights loaded from %s", config.load)
     elif config.encoder_weights and not resuming:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from utils.checkpoint.model import key_differences
 from utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -54,9 +55,7 @@ def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str
     """Copy the file's weights into ``encoder`` (a ``unet.resnet_unet.ResNetEncoder``), refusing any mismatch."""
     weights = read_encoder_weights(path)
     own = encoder.state_dict()
-    missing = sorted(set(own) - set(weights))
-    unexpected = sorted(set(weights) - set(own))
-    mismatched = [key for key in own if key in weights and own[key].shape != weights[key].shape]
+    missing, unexpected, mismatched = key_differences(own, weights)
     if missing or unexpected or mismatched:
         if mismatched:
             key = mismatched[0]
