@@ -2,7 +2,7 @@
 
 The payload is the one ``train.py`` writes: the run is built by ``train.py``'s own set-up (``build_trainer`` from the
 flags the e2e run gets, at ``--checkpoint-base-channels``), its ``TrainStep`` runs once so that AdamW holds its state,
-and ``Trainer.checkpoint_payload`` builds the dictionary ``Trainer._write_checkpoint`` saves.
+and ``Checkpointer.payload`` builds the dictionary every save writes.
 Every figure then times a function of ``utils.checkpoint`` itself: the digests alone (``tensor_digests``), a full
 save (``save_checkpoint_atomic``: digests, ``torch.save``, fsync, rename, folder fsync), one more name by a byte copy
 (``copy_checkpoint_atomic``, what training does for best.pth and checkpoint_epochN.pth) against one more name by a
@@ -116,7 +116,7 @@ def _measure(trainer: Trainer, folder: Path, repeat: int) -> dict[str, Any]:
     payload: dict[str, Any] = {}
 
     def build() -> None:
-        payload["value"] = trainer.checkpoint_payload()  # what Trainer._write_checkpoint saves
+        payload["value"] = trainer.checkpointer.payload()  # what every save writes
 
     loaded: dict[str, Any] = {}
 
@@ -178,7 +178,7 @@ def _rows(ctx: Context, result: dict[str, Any]) -> None:
         ctx.row(SECTION, measurement, f"{result[measure + '_s']:.3g} s{_spread(result[measure + '_s_runs'])}", note)
 
     what = f"UNet base {result['base_channels']} + AdamW state, {result['file_mb']:.0f} MB on {result['filesystem']}"
-    row("Trainer.checkpoint_payload (state dicts, RNG state)", "payload", what)
+    row("Checkpointer.payload (state dicts, RNG state)", "payload", what)
     row("tensor digests alone (sha256)", "digest", f"{result['tensors']} tensors")
     row("save_checkpoint_atomic (digests, torch.save, fsync, rename)", "save", result["folder"])
     ratios = result["copy_over_second_save_runs"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,16 +152,16 @@ class Checkpointer:
         targets = [self.folder.last]
         if self.config.save_every and epoch_number % self.config.save_every == 0:
             targets.append(self.folder.epoch_checkpoint(epoch_number))
-        if improved:
-            targets.append(self.folder.best)
+        # best.pth and best-K.pth are for sharing and inference: the weights only (utils.checkpoint.run_folder).
+        shared = [self.folder.best] if improved else []
         place, previous = None, self.position.best_ranking
         if dice is not None and self.config.keep_best:
             ranking = [list(entry) for entry in previous]
             place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.keep_best)
             self.position.best_ranking = ranking
         if place is not None:
-            targets.append(self.folder.ranked_best(place))
-        if not self._save(targets, best_place=place):
+            shared.append(self.folder.ranked_best(place))
+        if not self._save(targets, shared, best_place=place):
             self.position.best_ranking = previous  # the files did not move
         if self.ctx.is_main and self.config.keep_last:
             for path in self.folder.prune_epoch_checkpoints(self.config.keep_last):
@@ -178,8 +178,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------------ which
 
-    def _save(self, targets: list[Path], *, best_place: int | None = None) -> bool:
-        """Write the current state to ``targets`` (global rank 0) if it is healthy; False when it is not saved."""
+    def _save(self, full: list[Path], shared: Sequence[Path] = (), *, best_place: int | None = None) -> bool:
+        """Write the current state to ``full`` and its weights alone to ``shared`` (global rank 0) if it is healthy;
+        False when it is not saved."""
+        targets = [*full, *shared]
         if self._skipped_steps():
             if self.ctx.is_main:
                 logger.warning(
@@ -198,7 +200,7 @@ class Checkpointer:
                     f"{self.folder}, if any, holds the last good state). Lower --learning-rate"
                 )
             )
-        agree_on_errors(self.ctx, lambda: self._write(targets, best_place) if self.ctx.is_main else None)
+        agree_on_errors(self.ctx, lambda: self._write(full, shared, best_place) if self.ctx.is_main else None)
         if self.folder.last in targets:
             self._last_saved_at = (self.position.global_step, self.position.epoch)
             self.timer.saved()
@@ -223,18 +225,16 @@ class Checkpointer:
             ema=parts.ema.state_dict() if parts.ema is not None else None,
         ).to_payload()
 
-    def _write(self, targets: list[Path], best_place: int | None) -> None:
+    def _write(self, full: list[Path], shared: Sequence[Path], best_place: int | None) -> None:
         if best_place is not None:
             self.folder.make_room_for_best(best_place, self.config.keep_best)
         with self._phase("checkpoint"):
             payload = self.payload()
-            # best.pth and best-K.pth are for sharing and inference: the weights only (utils.checkpoint.run_folder).
-            shared = [path for path in targets if self.folder.is_weights_only(path)]
-            _write_copies(payload, [path for path in targets if path not in shared])
+            _write_copies(payload, full)
             _write_copies(weights_only_payload(payload), shared)
         logger.info(
             "Saved %s at step %d (%s and %s done)",
-            ", ".join(path.name for path in targets),
+            ", ".join(path.name for path in [*full, *shared]),
             self.position.global_step,
             count(self.position.epoch, "epoch"),
             count(self.position.step_in_epoch, "batch", "batches"),
@@ -348,7 +348,7 @@ def _megabytes(size: int) -> str:
     return f"{size / 1e6:.1f} MB"
 
 
-def _write_copies(payload: dict[str, Any], targets: list[Path]) -> None:
+def _write_copies(payload: dict[str, Any], targets: Sequence[Path]) -> None:
     """Serialise ``payload`` once, to the first target; the others get copies of its bytes, each a file of its own."""
     if not targets:
         return

@@ -69,26 +69,7 @@ from utils.training.config import RESUME_AUTO
 
 logger = logging.getLogger(__name__)
 
-LAST_NAME = "last.pth"
-BEST_NAME = "best.pth"
-INTERRUPTED_NAME = "INTERRUPTED.pth"
-METRICS_NAME = "metrics.jsonl"
-CURVES_NAME = "curves.png"
-SPLIT_NAME = "split.json"
-CONFIG_NAME = "config.yaml"
-TENSORBOARD_NAME = "tensorboard"
-LOCK_NAME = ".lock"
 _EPOCH_PATTERN = re.compile(r"^checkpoint_epoch(\d+)\.pth$")
-_RANKED_BEST_PATTERN = re.compile(r"^best-\d+\.pth$")
-
-
-def ranked_best_name(place: int) -> str:
-    """``best-<place>.pth``: the ``place``-th best state (1 = the best) kept by --keep-best."""
-    return f"best-{place}.pth"
-
-
-def epoch_checkpoint_name(epoch_number: int) -> str:
-    return f"checkpoint_epoch{epoch_number}.pth"
 
 
 def series_name(exp_name: str, fold: int | None) -> str:
@@ -101,29 +82,25 @@ class RunFolder:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.last = self.path / LAST_NAME
-        self.best = self.path / BEST_NAME
-        self.interrupted = self.path / INTERRUPTED_NAME
-        self.metrics = self.path / METRICS_NAME
-        self.curves = self.path / CURVES_NAME
-        self.split = self.path / SPLIT_NAME
+        self.last = self.path / "last.pth"
+        self.best = self.path / "best.pth"
+        self.interrupted = self.path / "INTERRUPTED.pth"
+        self.metrics = self.path / "metrics.jsonl"
+        self.curves = self.path / "curves.png"
+        self.split = self.path / "split.json"
         """``split.json``: the run's train and validation ids (``utils.datasets.splits``)."""
-        self.config_file = self.path / CONFIG_NAME
+        self.config_file = self.path / "config.yaml"
         """``config.yaml``: the run's resolved flags, for ``--config``."""
-        self.tensorboard = self.path / TENSORBOARD_NAME
+        self.tensorboard = self.path / "tensorboard"
         """``tensorboard/``: the folder of ``--tensorboard``'s event files."""
-        self.lock_file = self.path / LOCK_NAME
+        self.lock_file = self.path / ".lock"
         self._lock_fd: int | None = None
-
-    @classmethod
-    def of(cls, checkpoint_dir: str | Path, exp_name: str) -> RunFolder:
-        return cls(Path(checkpoint_dir) / exp_name)
 
     def __str__(self) -> str:
         return str(self.path)
 
     def ranked_best(self, place: int) -> Path:
-        return self.path / ranked_best_name(place)
+        return self.path / f"best-{place}.pth"
 
     def make_room_for_best(self, place: int, keep: int) -> None:
         """Move ``best-<place>.pth`` .. ``best-<keep-1>.pth`` one place down (the old ``best-<keep>.pth`` goes), so
@@ -134,12 +111,7 @@ class RunFolder:
                 os.replace(source, self.ranked_best(lower + 1))
 
     def epoch_checkpoint(self, epoch_number: int) -> Path:
-        return self.path / epoch_checkpoint_name(epoch_number)
-
-    @staticmethod
-    def is_weights_only(path: Path) -> bool:
-        """Whether the run writes ``path`` weights-only (``best.pth``, ``best-K.pth``) rather than the full state."""
-        return path.name == BEST_NAME or bool(_RANKED_BEST_PATTERN.match(path.name))
+        return self.path / f"checkpoint_epoch{epoch_number}.pth"
 
     # --------------------------------------------------------------------------------------------------- lock
 
@@ -232,7 +204,7 @@ class RunFolder:
         """
         if not self.path.is_dir():
             return []
-        names = {LAST_NAME, INTERRUPTED_NAME}
+        names = {self.last.name, self.interrupted.name}
         return [p for p in self.path.iterdir() if p.is_file() and (p.name in names or _EPOCH_PATTERN.match(p.name))]
 
     def checkpoints(self) -> list[Path]:

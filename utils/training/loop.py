@@ -7,8 +7,8 @@ steps and at checkpoints, and the ranks' stop decision travels on an asynchronou
 the ranks agree that each of them loaded its own (``Trainer._batches``; about 85 us per batch with 2 local processes).
 Validation runs on global rank 0 with the unwrapped model while the other ranks wait for its Dice score, which every
 rank then uses (ReduceLROnPlateau must step identically everywhere).
-Checkpoints are written by global rank 0 only, and only of a healthy state: finite weights, and a latest step that
-was not skipped.
+The loop tells its ``Checkpointer`` (``utils.checkpoint.checkpointer``) where it stands at every step and epoch
+boundary; what to save, when, and whether the state is healthy enough to be saved is decided there.
 """
 
 from __future__ import annotations
