@@ -104,7 +104,7 @@ def test_weights_that_do_not_fit_are_explained(tmp_path: Path) -> None:
     payload = checkpoint_payload(model)
     payload[KEY_MODEL_ARGS] = {**model.constructor_args(), "n_classes": 4}
     save_checkpoint_atomic(payload, tmp_path / "bad.pth")
-    # Refused before a model is built (utils/checkpoint_checks.py), naming the tensor whose shape contradicts the args.
+    # Refused before a model is built (utils/checkpoint/model.py), naming the tensor whose shape contradicts the args.
     with pytest.raises(CheckpointError, match=r"contradicts itself: .*outc.conv.weight has shape \(2, 8, 1, 1\)"):
         rebuild(tmp_path / "bad.pth")
 

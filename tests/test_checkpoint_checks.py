@@ -1,4 +1,4 @@
-"""A checkpoint is checked against itself before anything is built from it (utils/checkpoint_checks.py)."""
+"""A checkpoint is checked against itself before anything is built from it (utils/checkpoint/model.py)."""
 
 from __future__ import annotations
 

@@ -14,11 +14,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train  # noqa: E402
-from utils.checkpoint import checkpointer as save_timer  # noqa: E402
+from utils.checkpoint import checkpointer  # noqa: E402
 
 _readings = itertools.count()
 _step_s = float(os.environ["FAKE_CLOCK_STEP_S"])
-save_timer.monotonic = lambda: next(_readings) * _step_s
+checkpointer.monotonic = lambda: next(_readings) * _step_s
 
 if __name__ == "__main__":
     sys.exit(train.main())
