@@ -142,9 +142,9 @@ class Checkpointer:
 
     def save_timed(self) -> None:
         """The save every rank agreed on at this boundary (``timed_save_due`` of some rank), unless already done."""
-        if self._last_saved_at != (self.position.global_step, self.position.epoch) and not self._save(
-            [self.folder.last]
-        ):
+        if self._last_saved_at == (self.position.global_step, self.position.epoch):
+            return
+        if not self._save([self.folder.last]):
             self.timer.saved()  # a skipped step postponed it: count the next interval from now
 
     def save_epoch(self, epoch_number: int, dice: float | None, *, improved: bool) -> None:
