@@ -120,25 +120,24 @@ class RunFolder:
 
         A full disk or a folder without write permission is the same one-line error as a failed save.
         """
+        fd = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:
-            raise CheckpointError(write_failure_message(self.lock_file, error)) from error
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            holder = _read_pid(fd)
-            os.close(fd)
-            if error.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                holder = _read_pid(fd)
+                os.close(fd)
                 return holder or -1
-            raise CheckpointError(write_failure_message(self.lock_file, error)) from error
-        try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             os.fsync(fd)
         except OSError as error:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             raise CheckpointError(write_failure_message(self.lock_file, error)) from error
         self._lock_fd = fd
         return None
@@ -147,10 +146,11 @@ class RunFolder:
         """Take the lock or stop with one line naming the folder, the process that holds it and the fix."""
         holder = self.try_lock()
         if holder is not None:
-            raise self._in_use_error(holder)
-
-    def _in_use_error(self, holder: int) -> ConfigError:
-        return ConfigError(f"run folder {self.path} is in use by {_describe(holder)}; {_IN_USE_FIX}")
+            who = f"another training process (PID {holder})" if holder > 0 else "another training process"
+            raise ConfigError(
+                f"run folder {self.path} is in use by {who}; wait for that run to end or stop it, or choose another "
+                f"--exp_name"
+            )
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -322,7 +322,6 @@ class RunFolder:
         return removed
 
 
-_IN_USE_FIX = "wait for that run to end or stop it, or choose another --exp_name"
 _SERIES_PATTERN = re.compile(r"^(?P<base>.+)-(?P<number>[2-9]|[1-9]\d+)$")
 
 
@@ -432,10 +431,6 @@ def _read_pid(fd: int) -> int | None:
         return int(os.pread(fd, 32, 0).decode().strip() or 0) or None
     except (OSError, ValueError):
         return None
-
-
-def _describe(pid: int) -> str:
-    return f"another training process (PID {pid})" if pid > 0 else "another training process"
 
 
 @dataclass
