@@ -13,7 +13,7 @@ Files without that record keep milesial/Pytorch-UNet's default, 0.5.
 
 A file's ``model_args`` say which model to build; its weights say which model they belong to. Trusting the first
 alone lets a damaged or crafted file make the process allocate a model of tens of GB (``base_channels=1024``) before
-the weights are found not to fit. So before building (``check_checkpoint``):
+the weights are found not to fit. So before building (``spec_of``):
 
 * the arguments are compared with the weights' shapes on the meta device (no memory is allocated);
 * the weights are floating point (integer weights give an all-background mask that looks like a result), and every
@@ -143,11 +143,12 @@ def infer_model_args(state_dict: Mapping[str, torch.Tensor], path: str | Path) -
 
 def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
     """The model ``loaded`` (read from ``path``) describes."""
-    if loaded.model_args is not None:
-        args = validate_model_args(loaded.model_args, path)
-    else:
-        args = validate_model_args(infer_model_args(loaded.state_dict, path), path)
-    check_checkpoint(args, loaded.state_dict, loaded.mask_values, path)  # before anything is built from it
+    raw_args = loaded.model_args if loaded.model_args is not None else infer_model_args(loaded.state_dict, path)
+    args = validate_model_args(raw_args, path)
+    # Before anything is built from it; the arguments against the weights first, as the others read the class count.
+    check_weights_match_args(args, loaded.state_dict, path)
+    check_weight_values(loaded.state_dict, path)
+    check_mask_values_of(loaded.mask_values, int(args["n_classes"]), path)
     inference = loaded.inference
     return ModelSpec(
         **args,
@@ -327,15 +328,3 @@ def _is_integer(value: Any, high: int) -> bool:
 def _short(values: Any) -> str:
     text = repr(list(values) if isinstance(values, tuple) else values)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def check_checkpoint(
-    model_args: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor], mask_values: Any, path: str | Path
-) -> None:
-    """Every check of this module; the arguments must already be valid (``validate_model_args``).
-
-    The arguments against the weights first: the other checks read the class count from the arguments.
-    """
-    check_weights_match_args(model_args, state_dict, path)
-    check_weight_values(state_dict, path)
-    check_mask_values_of(mask_values, int(model_args["n_classes"]), path)
