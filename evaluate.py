@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from torch.utils.data import DataLoader, Subset
 
-from utils import model_spec
+from utils.checkpoint import model as model_spec
 from utils.cli import setup_logging
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import validation_positions

@@ -26,15 +26,15 @@ def unet(
 
     Without a checkpoint, unset arguments take ``unet.UNetArgs``'s defaults (3 channels, 2 classes, transposed
     convolutions, width 64). With one, the file decides the architecture, and an argument given here that contradicts
-    it is an error (``utils.model_spec``, the policy of predict.py and train.py). The returned model then carries
+    it is an error (``utils.checkpoint.model``, the policy of predict.py and train.py). The returned model then carries
     ``spec`` (the ``ModelSpec``), ``mask_values`` and ``scale`` (the training scale; 0.5 for files that do not record
     it), so images can be prepared as predict.py does. ``pretrained=True`` is refused: there are no weights to
     download.
     """
     # Imported here: torch.hub puts the checkout on sys.path only while it imports this file.
     from unet import UNet, UNetArgs
+    from utils.checkpoint.model import load_model
     from utils.errors import CheckpointError
-    from utils.model_spec import load_model
 
     if pretrained:
         raise CheckpointError("unet-ddp publishes no pretrained weights to download; pass checkpoint=<local file>")

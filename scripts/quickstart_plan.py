@@ -25,13 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.checkpoint import KEY_ARGS
+from utils.checkpoint.format import KEY_ARGS
+from utils.checkpoint.run_folder import RunFolder, RunSeries
+from utils.checkpoint.state import position_of
 from utils.datasets.image_files import split_name
 from utils.datasets.splits import read_split_file
 from utils.launch.runner import run_main
-from utils.training.run_folder import RunFolder, RunSeries
 from utils.training.setup import epoch_range
-from utils.training.state import position_of
 from utils.wording import count
 
 

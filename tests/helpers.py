@@ -22,14 +22,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from unet import UNet
-from utils.checkpoint import (
-    FORMAT_VERSION,
-    KEY_FORMAT_VERSION,
-    KEY_MASK_VALUES,
-    KEY_MODEL,
-    KEY_MODEL_ARGS,
-    save_checkpoint_atomic,
-)
+from utils.checkpoint.files import save_checkpoint_atomic
+from utils.checkpoint.format import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_MASK_VALUES, KEY_MODEL, KEY_MODEL_ARGS
 from utils.datasets.dataset import image_tensor
 
 

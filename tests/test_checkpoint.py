@@ -20,7 +20,13 @@ from tests.helpers import (
     unwritable_folder,
 )
 from unet import UNet
-from utils.checkpoint import (
+from utils.checkpoint.files import (
+    copy_checkpoint_atomic,
+    load_checkpoint_file,
+    read_model_weights,
+    save_checkpoint_atomic,
+)
+from utils.checkpoint.format import (
     FORMAT_VERSION,
     KEY_ARGS,
     KEY_FORMAT_VERSION,
@@ -28,14 +34,10 @@ from utils.checkpoint import (
     KEY_MODEL_ARGS,
     KEY_TENSOR_DIGESTS,
     InferenceRecord,
-    copy_checkpoint_atomic,
-    load_checkpoint_file,
-    read_model_weights,
-    save_checkpoint_atomic,
 )
+from utils.checkpoint.model import load_model
+from utils.checkpoint.state import load_resume_checkpoint, read_training_state
 from utils.errors import CheckpointError
-from utils.model_spec import load_model
-from utils.training.state import load_resume_checkpoint, read_training_state
 
 
 def assert_same_weights(first: torch.nn.Module, second: torch.nn.Module) -> None:
@@ -102,7 +104,7 @@ def test_weights_that_do_not_fit_are_explained(tmp_path: Path) -> None:
     payload = checkpoint_payload(model)
     payload[KEY_MODEL_ARGS] = {**model.constructor_args(), "n_classes": 4}
     save_checkpoint_atomic(payload, tmp_path / "bad.pth")
-    # Refused before a model is built (utils/checkpoint_checks.py), naming the tensor whose shape contradicts the args.
+    # Refused before a model is built (utils/checkpoint/model.py), naming the tensor whose shape contradicts the args.
     with pytest.raises(CheckpointError, match=r"contradicts itself: .*outc.conv.weight has shape \(2, 8, 1, 1\)"):
         rebuild(tmp_path / "bad.pth")
 

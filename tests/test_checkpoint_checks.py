@@ -1,4 +1,4 @@
-"""A checkpoint is checked against itself before anything is built from it (utils/checkpoint_checks.py)."""
+"""A checkpoint is checked against itself before anything is built from it (utils/checkpoint/model.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import torch
 
 from tests.conftest import REPO_ROOT, SyntheticData, child_env
 from tests.helpers import checkpoint_payload, one_error_line, tiny_unet
-from utils.checkpoint import KEY_MASK_VALUES, KEY_MODEL, KEY_MODEL_ARGS, KEY_TENSOR_DIGESTS, save_checkpoint_atomic
-from utils.model_spec import load_model
+from utils.checkpoint.files import save_checkpoint_atomic
+from utils.checkpoint.format import KEY_MASK_VALUES, KEY_MODEL, KEY_MODEL_ARGS, KEY_TENSOR_DIGESTS
+from utils.checkpoint.model import load_model
 
 
 def _crafted(path: Path, edit: Callable[[dict[str, Any]], None], *, digests: bool = True) -> Path:
@@ -120,7 +121,7 @@ def test_a_lying_base_channels_is_refused_before_the_model_is_built(tmp_path: Pa
     liar = {"n_channels": 3, "n_classes": 2, "bilinear": False, "base_channels": 256}
     checkpoint = _crafted(tmp_path / "liar.pth", _set(KEY_MODEL_ARGS, liar))
     probe = (
-        "import resource, sys; from utils.model_spec import load_model\n"
+        "import resource, sys; from utils.checkpoint.model import load_model\n"
         "try:\n    load_model(sys.argv[1])\nexcept Exception as error:\n    print(type(error).__name__, error)\n"
         "print('peak_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.helpers import RunsCodeWhenUnpickled, save_checkpoint, tiny_unet, write_trojan_checkpoint
-from utils.checkpoint import load_checkpoint_file
+from utils.checkpoint.files import load_checkpoint_file
+from utils.checkpoint.pickle_scan import pickled_code
 from utils.datasets.image_files import load_image
 from utils.errors import CheckpointError, DatasetError
-from utils.pickle_scan import pickled_code
 
 
 def plain_pickle_with_global(path: Path, marker: Path) -> Path:

@@ -16,8 +16,8 @@ from scripts.quickstart_plan import main as quickstart_plan_main
 from scripts.quickstart_plan import plan_quickstart
 from tests.conftest import REPO_ROOT, TrainRunner, child_env
 from tests.helpers import one_error_line
+from utils.checkpoint.state import read_training_state
 from utils.errors import USER_ERROR_EXIT_CODE
-from utils.training.state import read_training_state
 
 
 def epochs_done(checkpoint: Path) -> int:

@@ -10,8 +10,8 @@ import torchvision
 
 from unet import UNet, build_model
 from unet.resnet_unet import IMAGENET_MEAN, IMAGENET_STD, ResNetUNet
+from utils.checkpoint.model import load_model
 from utils.errors import ConfigError
-from utils.model_spec import load_model
 from utils.training.encoder_weights import load_encoder_weights
 from utils.training.objective import deep_supervision_weights, downsample_masks, segmentation_loss, supervised_loss
 

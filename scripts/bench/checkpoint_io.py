@@ -2,7 +2,7 @@
 
 The payload is the one ``train.py`` writes: the run is built by ``train.py``'s own set-up (``build_trainer`` from the
 flags the e2e run gets, at ``--checkpoint-base-channels``), its ``TrainStep`` runs once so that AdamW holds its state,
-and ``Trainer.checkpoint_payload`` builds the dictionary ``Trainer._write_checkpoint`` saves.
+and ``Checkpointer.payload`` builds the dictionary every save writes.
 Every figure then times a function of ``utils.checkpoint`` itself: the digests alone (``tensor_digests``), a full
 save (``save_checkpoint_atomic``: digests, ``torch.save``, fsync, rename, folder fsync), one more name by a byte copy
 (``copy_checkpoint_atomic``, what training does for best.pth and checkpoint_epochN.pth) against one more name by a
@@ -41,7 +41,8 @@ from scripts.bench.processes import MeasurementError
 from scripts.bench.report import ratio_spread
 from scripts.bench.timing import timed
 from scripts.bench.training import built_trainer, runs_folder, train_argv
-from utils.checkpoint import copy_checkpoint_atomic, save_checkpoint_atomic, tensor_digests, verify_checkpoint
+from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
+from utils.checkpoint.format import tensor_digests, verify_checkpoint
 from utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -108,14 +109,14 @@ def _one_step(trainer: Trainer) -> None:
 
 
 def _measure(trainer: Trainer, folder: Path, repeat: int) -> dict[str, Any]:
-    from utils.training.state import load_resume_checkpoint
+    from utils.checkpoint.state import load_resume_checkpoint
 
     device = trainer.step.device
     first, copied, saved_again = folder / "saved.pth", folder / "copied.pth", folder / "saved-again.pth"
     payload: dict[str, Any] = {}
 
     def build() -> None:
-        payload["value"] = trainer.checkpoint_payload()  # what Trainer._write_checkpoint saves
+        payload["value"] = trainer.checkpointer.payload()  # what every save writes
 
     loaded: dict[str, Any] = {}
 
@@ -177,7 +178,7 @@ def _rows(ctx: Context, result: dict[str, Any]) -> None:
         ctx.row(SECTION, measurement, f"{result[measure + '_s']:.3g} s{_spread(result[measure + '_s_runs'])}", note)
 
     what = f"UNet base {result['base_channels']} + AdamW state, {result['file_mb']:.0f} MB on {result['filesystem']}"
-    row("Trainer.checkpoint_payload (state dicts, RNG state)", "payload", what)
+    row("Checkpointer.payload (state dicts, RNG state)", "payload", what)
     row("tensor digests alone (sha256)", "digest", f"{result['tensors']} tensors")
     row("save_checkpoint_atomic (digests, torch.save, fsync, rename)", "save", result["folder"])
     ratios = result["copy_over_second_save_runs"]

@@ -33,7 +33,7 @@ from scripts.bench.context import Context
 from scripts.bench.demo_data import write_linked_dataset
 from scripts.bench.processes import REPO_ROOT, MeasurementError, call_worker, run_child, tail
 from scripts.bench.run_log import check_precision
-from utils.training.run_folder import RunFolder
+from utils.checkpoint.run_folder import RunFolder
 
 SECTION = "epoch"
 # Distinct scenes drawn for the epoch's data; the other files are hard links (decoding cost is the same).

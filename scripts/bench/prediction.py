@@ -18,14 +18,8 @@ from scripts.bench.timing import cuda_max_allocated_mib
 
 def run_predict(ctx: Context) -> dict[str, Any]:
     from unet import UNet
-    from utils.checkpoint import (
-        FORMAT_VERSION,
-        KEY_FORMAT_VERSION,
-        KEY_MASK_VALUES,
-        KEY_MODEL,
-        KEY_MODEL_ARGS,
-        save_checkpoint_atomic,
-    )
+    from utils.checkpoint.files import save_checkpoint_atomic
+    from utils.checkpoint.format import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_MASK_VALUES, KEY_MODEL, KEY_MODEL_ARGS
 
     config = ctx.config
     demo = ensure_demo_data(ctx)

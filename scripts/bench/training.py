@@ -28,7 +28,7 @@ from scripts.bench.demo_data import ensure_demo_data
 from scripts.bench.processes import REPO_ROOT, MeasurementError, call_worker, run_child, tail
 from scripts.bench.run_log import check_precision
 from scripts.bench.timing import cuda_max_allocated_mib, sync, timed
-from utils.training.run_folder import RunFolder
+from utils.checkpoint.run_folder import RunFolder
 
 if TYPE_CHECKING:
     from utils.training.loop import Trainer

@@ -7,8 +7,8 @@ import torch
 
 from tests.conftest import TrainRunner, load_checkpoint
 from tests.helpers import one_error_line, tiny_unet
-from utils.checkpoint import read_model_weights
-from utils.training.checkpoint_budget import checkpoint_budget, epoch_files_written, optimizer_slots
+from utils.checkpoint.checkpointer import checkpoint_budget, epoch_files_written, optimizer_slots
+from utils.checkpoint.files import read_model_weights
 
 
 def test_best_files_hold_the_weights_only_and_still_load_everywhere(

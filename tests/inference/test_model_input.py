@@ -12,7 +12,7 @@ import evaluate as evaluate_cli
 import hubconf
 import predict
 from tests.helpers import make_model, read_classes, reference_classes, save_checkpoint, save_checkpoint_trained_at
-from utils.model_spec import DEFAULT_SCALE, load_model, resolve_scale
+from utils.checkpoint.model import DEFAULT_SCALE, load_model, resolve_scale
 
 
 def run_predict(*args) -> int:

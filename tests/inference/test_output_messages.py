@@ -15,11 +15,12 @@ import torch
 import evaluate
 import predict
 from tests.helpers import make_model, one_error_line, save_checkpoint, tiny_unet
-from utils.checkpoint import KEY_INFERENCE, InferenceRecord, load_checkpoint_file
+from utils.checkpoint.files import load_checkpoint_file
+from utils.checkpoint.format import KEY_INFERENCE, InferenceRecord
+from utils.checkpoint.model import load_model
 from utils.errors import USER_ERROR_EXIT_CODE
 from utils.inference.overlays import class_colours, legend_entries
 from utils.inference.writer import prediction_summary
-from utils.model_spec import load_model
 from utils.wording import count
 
 

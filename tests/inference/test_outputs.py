@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from utils.checkpoint_checks import check_mask_values_of
+from utils.checkpoint.model import check_mask_values_of
 from utils.errors import CheckpointError
 from utils.inference.outputs import check_mask_values, default_mask_values, mask_to_image
 

@@ -1,6 +1,6 @@
 """``train.py`` with a fake wall clock for the --save-every-minutes tests (run as a script, also under torchrun).
 
-Every reading of ``utils.training.save_timer``'s clock is ``FAKE_CLOCK_STEP_S`` seconds after the previous one, so
+Every reading of ``utils.checkpoint.checkpointer``'s clock is ``FAKE_CLOCK_STEP_S`` seconds after the previous one, so
 minutes pass in a few steps while the real saving path runs. The variable is read here only, never by the package.
 """
 
@@ -14,11 +14,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train  # noqa: E402
-from utils.training import save_timer  # noqa: E402
+from utils.checkpoint import checkpointer  # noqa: E402
 
 _readings = itertools.count()
 _step_s = float(os.environ["FAKE_CLOCK_STEP_S"])
-save_timer.monotonic = lambda: next(_readings) * _step_s
+checkpointer.monotonic = lambda: next(_readings) * _step_s
 
 if __name__ == "__main__":
     sys.exit(train.main())

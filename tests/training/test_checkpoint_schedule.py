@@ -11,16 +11,15 @@ import torch
 
 from tests.conftest import REPO_ROOT, TrainRunner, child_env, finish, load_checkpoint, torchrun_prefix
 from tests.helpers import read_metrics
-from utils.training import save_timer
-from utils.training.save_timer import SaveTimer
-from utils.training.state import enter_ranking
+from utils.checkpoint import checkpointer
+from utils.checkpoint.checkpointer import SaveTimer, enter_ranking
 
 FAKE_CLOCK = str(Path(__file__).with_name("fake_clock_train.py"))
 
 
 def test_save_timer_is_due_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [0.0]
-    monkeypatch.setattr(save_timer, "monotonic", lambda: now[0])
+    monkeypatch.setattr(checkpointer, "monotonic", lambda: now[0])
     timer = SaveTimer(minutes=1)
     now[0] = 59.0
     assert not timer.due()

@@ -11,7 +11,7 @@ import yaml
 import train
 from tests.conftest import load_checkpoint
 from tests.helpers import one_error_line
-from utils.checkpoint import KEY_ARGS
+from utils.checkpoint.format import KEY_ARGS
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError
 from utils.training.config import TrainConfig, parse_config
 

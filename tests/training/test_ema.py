@@ -148,7 +148,7 @@ def test_an_ema_run_validates_and_saves_the_average_and_resumes_bit_exactly(
     epoch_file = load_checkpoint(straight / f"checkpoint_epoch{best['epoch']}.pth")
     assert all(torch.equal(value, epoch_file["model_state"][key]) for key, value in best["model_state"].items())
     # predict and evaluate read model_state: the average.
-    from utils.checkpoint import read_model_weights
+    from utils.checkpoint.files import read_model_weights
 
     inference = read_model_weights(straight / "best.pth").state_dict
     assert torch.equal(inference[weight], best["model_state"][weight])

@@ -16,7 +16,7 @@ import predict
 from tests.conftest import finish, load_checkpoint, torchrun_prefix
 from tests.helpers import one_error_line, read_classes, reference_classes
 from unet.resnet_unet import ResNetUNet
-from utils.model_spec import load_model
+from utils.checkpoint.model import load_model
 
 
 @pytest.fixture

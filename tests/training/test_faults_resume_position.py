@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TrainRunner, load_checkpoint
-from utils.training.run_folder import RunFolder
+from utils.checkpoint.run_folder import RunFolder
 
 SHORT = ["-v", "25", "-e", "3", "--log-every", "1"]  # 12 training images, batch 2: 6 steps per epoch
 

@@ -15,9 +15,8 @@ import pytest
 
 from tests.conftest import TrainRunner, finish, load_checkpoint, wait_for_step
 from tests.helpers import one_error_line
+from utils.checkpoint.run_folder import RunFolder, RunSeries, choose_run
 from utils.errors import ConfigError
-from utils.training.resume_choice import choose_run
-from utils.training.run_folder import RunFolder, RunSeries
 
 LONG = ["-e", "30", "--log-every", "1"]
 

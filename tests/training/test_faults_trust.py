@@ -13,7 +13,8 @@ import torch
 
 from tests.conftest import REPO_ROOT, TrainRunner, child_env, load_checkpoint
 from tests.helpers import flip_tensor_bytes, one_error_line, save_checkpoint, tiny_unet
-from utils.checkpoint import KEY_MODEL, save_checkpoint_atomic
+from utils.checkpoint.files import save_checkpoint_atomic
+from utils.checkpoint.format import KEY_MODEL
 
 # 16 images, 10 % validation: 8 steps per epoch. Epoch 1 saves last/epoch1/best; --max-steps 12 then saves last.pth
 # alone, 4 steps into epoch 2 (so an older good state exists for --resume auto to fall back to).

@@ -11,7 +11,7 @@ import pytest
 
 import evaluate
 from tests.conftest import SyntheticData, TrainRunner, finish, load_checkpoint, torchrun_prefix
-from utils.checkpoint import KEY_SPLIT_DIGEST
+from utils.checkpoint.format import KEY_SPLIT_DIGEST
 from utils.datasets.splits import prefix_of, read_split_file
 from utils.datasets.synthetic import generate_carvana_like
 

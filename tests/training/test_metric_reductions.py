@@ -14,7 +14,7 @@ from PIL import Image
 
 from tests.conftest import REPO_ROOT, child_env
 from tests.helpers import checkpoint_payload, make_model, read_metrics
-from utils.checkpoint import save_checkpoint_atomic
+from utils.checkpoint.files import save_checkpoint_atomic
 from utils.evaluation import SegmentationMetrics
 
 

@@ -13,20 +13,20 @@ import torch
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
-from utils.checkpoint import save_checkpoint_atomic
+from utils.checkpoint.files import save_checkpoint_atomic
+from utils.checkpoint.run_folder import RunFolder
+from utils.checkpoint.state import capture_rng_state, restore_rng_state
 from utils.errors import CheckpointError
 from utils.evaluation import dice_loss
 from utils.launch.signals import InterruptFlag, signal_exit_code
 from utils.training.curves import build_figure, draw_curves, read_series
 from utils.training.objective import cosine_lr_factor, segmentation_loss
-from utils.training.run_folder import RunFolder
 from utils.training.sampler import (
     BatchPlan,
     ResumableDistributedSampler,
     epoch_order,
     shard_indices,
 )
-from utils.training.state import capture_rng_state, restore_rng_state
 
 
 @pytest.mark.parametrize(("n", "world_size"), [(10, 1), (10, 2), (11, 2), (7, 3)])

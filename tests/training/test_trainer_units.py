@@ -8,25 +8,28 @@ value below follows from the rules by hand (7 batches with --grad-accum 3 make s
 
 from __future__ import annotations
 
+import itertools
+import logging
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from utils.checkpoint import checkpointer
+from utils.checkpoint.run_folder import RunFolder
+from utils.checkpoint.state import TrainPosition
 from utils.launch.process_group import DistributedContext
 from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
 from utils.training.data import TrainData
 from utils.training.loop import Trainer, TrainParts
-from utils.training.run_folder import RunFolder
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
-from utils.training.state import TrainPosition
 from utils.training.validation import ValidationStopped, Validator
 
 CPU = DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
@@ -175,15 +178,38 @@ def make_run(
         validator=ScriptedValidator(dice),  # type: ignore[arg-type]
         interrupts=interrupts,
     )
-    saves: list[tuple[list[str], int]] = []
-    write = trainer._write_checkpoint
+    return Run(trainer, step, interrupts, record_saves(), folder)
 
-    def recording_write(targets: list[Path], before_write: Any = None) -> None:
-        saves.append(([path.name for path in targets], trainer.position.global_step))
-        write(targets, before_write)
 
-    trainer._write_checkpoint = recording_write  # type: ignore[method-assign]
-    return Run(trainer, step, interrupts, saves, folder)
+class SaveRecorder(logging.Handler):
+    """Every checkpoint write, as the Checkpointer's "Saved ... at step N" line names it: (file names, step)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.saves: list[tuple[list[str], int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("Saved %s at step %d"):
+            self.saves.append((str(record.args[0]).split(", "), int(record.args[1])))
+
+
+_CHECKPOINTER_LOG = logging.getLogger(checkpointer.__name__)
+
+
+def record_saves() -> list[tuple[list[str], int]]:
+    recorder = SaveRecorder()
+    _CHECKPOINTER_LOG.addHandler(recorder)
+    return recorder.saves
+
+
+@pytest.fixture(autouse=True)
+def _checkpointer_log_at_info() -> Iterator[None]:
+    level = _CHECKPOINTER_LOG.level
+    _CHECKPOINTER_LOG.setLevel(logging.INFO)
+    yield
+    _CHECKPOINTER_LOG.setLevel(level)
+    for handler in [h for h in _CHECKPOINTER_LOG.handlers if isinstance(h, SaveRecorder)]:
+        _CHECKPOINTER_LOG.removeHandler(handler)
 
 
 def test_seven_batches_with_grad_accum_three_make_steps_of_three_three_and_one(tmp_path: Path) -> None:
@@ -284,12 +310,13 @@ def test_a_signal_stops_at_the_end_of_the_step_it_arrived_in(tmp_path: Path) -> 
     assert (outcome.position.epoch, outcome.position.global_step, outcome.position.step_in_epoch) == (0, 1, 3)
 
 
-def test_an_agreed_timed_save_writes_last_at_that_step_only(tmp_path: Path) -> None:
+def test_an_agreed_timed_save_writes_last_at_that_step_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The save timer (rank 0) asks at the boundary of step 2; the agreement answers there with one process, and
     # last.pth is written at that step once (not again at the same step), then at the epoch's end as usual.
+    # The clock reads 0 s when the timer starts, 30 s at step 1 and 60 s (one minute: due) at step 2.
+    clock = itertools.chain([0.0, 30.0, 60.0], itertools.count(61.0))
+    monkeypatch.setattr(checkpointer, "monotonic", lambda: next(clock))
     run = make_run(tmp_path, n_train=7, grad_accum=3, dice=(0.5,), flags=("--save-every-minutes", "1"))
-    answers = iter([False, True, False])
-    run.trainer._save_timer.due = lambda: next(answers)  # type: ignore[method-assign]
     run.trainer.train()
     assert run.saves == [(["last.pth"], 2), (["last.pth", "checkpoint_epoch1.pth", "best.pth"], 3)]
 

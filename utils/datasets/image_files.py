@@ -375,7 +375,7 @@ def _load_pt(path: Path) -> np.ndarray:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         # torch's own message suggests weights_only=False, which is exactly what must not be done with data files.
-        from utils.pickle_scan import code_refusal, pickled_code
+        from utils.checkpoint.pickle_scan import code_refusal, pickled_code
 
         code = pickled_code(path)
         if code:

@@ -31,7 +31,7 @@ def check_mask_values(mask_values: Sequence) -> None:
     """Raise ``CheckpointError`` when a grey mask value is too wide for a PNG mask.
 
     Everything else about a checkpoint's mask values (one per class, unique, integers or colours of 2-4 channels of
-    0..255) is checked where the file is read (``utils.checkpoint_checks``); ``default_mask_values`` are valid.
+    0..255) is checked where the file is read (``utils.checkpoint.model``); ``default_mask_values`` are valid.
     """
     too_wide = [value for value in mask_values if not isinstance(value, Sequence) and value > MAX_PNG_GREY_VALUE]
     if too_wide:

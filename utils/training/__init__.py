@@ -1,1 +1,1 @@
-"""Training: configuration, set-up, run state, the loop and its parts."""
+"""Training: configuration, set-up, the loop and its parts (checkpoints: ``utils.checkpoint``)."""

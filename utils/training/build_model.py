@@ -1,8 +1,10 @@
 """The model of a training run: a UNet as the flags and images describe it, with the weights it starts from.
 
-Built by ``utils.training.setup.build_parts`` on every rank. The weights come from the checkpoint being resumed, or
-from ``--load``, after checking that they were made for this model (``utils.model_spec``) and, for a resume, on the
-same images. ``wrap_for_training`` then gives the model the forward pass calls (DDP and/or compiled).
+Built by ``utils.training.setup.build_parts`` on every rank. The weights come from ``--load`` (or
+``--encoder-weights``), after checking that they were made for this model (``utils.checkpoint.model``); a resumed
+checkpoint is checked here (``check_resume``: made for this model, on the same images) and loaded with the rest of the
+run's state (``utils.checkpoint.checkpointer.restore``). ``wrap_for_training`` then gives the model the forward pass
+calls (DDP and/or compiled).
 """
 
 from __future__ import annotations
@@ -16,28 +18,21 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unet import UNetArgs
 from unet import build_model as build_architecture
-from utils.checkpoint import LoadedWeights, read_model_weights
+from utils.checkpoint.files import read_model_weights
+from utils.checkpoint.model import check_expected, spec_of
+from utils.checkpoint.state import TrainingState, dataset_record
 from utils.errors import ConfigError
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
-from utils.model_spec import check_expected, load_weights_into, spec_of
 from utils.training.config import TrainConfig
 from utils.training.data import TrainData
 from utils.training.encoder_weights import load_encoder_weights
-from utils.training.state import TrainingState, dataset_record
 
 logger = logging.getLogger(__name__)
 
 
-def build_model(
-    config: TrainConfig,
-    ctx: DistributedContext,
-    data: TrainData,
-    resume_path: str | None,
-    state: TrainingState | None,
-) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model (UNet, or ResNet-encoder UNet with --encoder) on ``ctx.device`` with its starting weights (``state``
-    read from ``resume_path``, else --load, else --encoder-weights for the encoder), and its constructor arguments."""
-    unet_args = UNetArgs(
+def unet_args_of(config: TrainConfig, data: TrainData) -> UNetArgs:
+    """The model the flags and the images describe."""
+    return UNetArgs(
         n_channels=data.n_channels,
         n_classes=config.model.classes,
         bilinear=config.model.bilinear,
@@ -45,21 +40,40 @@ def build_model(
         encoder=config.model.encoder,
         deep_supervision=config.model.deep_supervision,
     )
+
+
+def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, path: str) -> None:
+    """Refuse a resumed ``state`` made for another model than the flags and images describe, or on other files."""
+    _check_same_dataset(state.dataset, data, path)
+    # Every argument is compared with the file's, the optional ones too (as_dict leaves out their defaults).
+    check_expected(
+        spec_of(state.weights, path),
+        dataclasses.asdict(unet_args_of(config, data)),
+        path,
+        source="--resume",
+        images_from="--imgs",
+    )
+    _warn_mask_values(state.mask_values, data.mask_values, path)
+
+
+def build_model(
+    config: TrainConfig, ctx: DistributedContext, data: TrainData, *, resuming: bool
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model (UNet, or ResNet-encoder UNet with --encoder) on ``ctx.device`` and its constructor arguments; its
+    starting weights from --load, else --encoder-weights for the encoder (a resumed run's are restored later)."""
+    unet_args = unet_args_of(config, data)
     model_args = unet_args.as_dict()
-    # Every argument is compared with a file's, the optional ones too (as_dict leaves out their defaults).
-    wanted_args = dataclasses.asdict(unet_args)
     model = build_architecture(model_args)
-    if state is not None:
-        assert resume_path is not None  # a state is always read from a file
-        _check_same_dataset(state.dataset, data, resume_path)
-        _load_weights(model, state.weights, wanted_args, resume_path, "--resume")
-        _warn_mask_values(state.mask_values, data.mask_values, resume_path)
-    elif config.checkpoint.load:
+    if config.checkpoint.load and not resuming:
         loaded = read_model_weights(config.checkpoint.load)
-        _load_weights(model, loaded, wanted_args, config.checkpoint.load, "--load")
+        spec = spec_of(loaded, config.checkpoint.load)
+        check_expected(
+            spec, dataclasses.asdict(unet_args), config.checkpoint.load, source="--load", images_from="--imgs"
+        )
+        model.load_state_dict(loaded.state_dict)  # check_expected: the file's model is this one
         _warn_mask_values(loaded.mask_values, data.mask_values, config.checkpoint.load)
         logger.info("Model weights loaded from %s", config.checkpoint.load)
-    elif config.model.encoder_weights:
+    elif config.model.encoder_weights and not resuming:
         load_encoder_weights(model.encoder, config.model.encoder_weights, config.model.encoder)
     if config.performance.checkpointing:
         model.use_checkpointing()
@@ -95,15 +109,6 @@ def _check_same_dataset(saved: dict[str, Any] | None, data: TrainData, path: str
             f"--imgs/--masks, or the same number with other file names); resume with the same --imgs and --masks, "
             f"or start a new run from its weights with --load {path}"
         )
-
-
-def _load_weights(
-    model: torch.nn.Module, loaded: LoadedWeights, wanted_args: dict[str, Any], path: str, flag: str
-) -> None:
-    """Load ``loaded`` after checking it was made for the model these flags and images describe."""
-    spec = spec_of(loaded, path)
-    check_expected(spec, wanted_args, path, source=flag, images_from="--imgs")
-    load_weights_into(model, loaded, path)
 
 
 def _warn_mask_values(stored: list | None, current: list, path: str) -> None:

@@ -17,7 +17,6 @@ from utils.errors import ConfigError
 from utils.training.config import OptimisationSection, TrainConfig, parse_class_weights
 from utils.training.data import TrainData
 from utils.training.objective import auto_class_weights, build_optimizer, build_scheduler, steps_every_update
-from utils.training.state import TrainingState
 from utils.training.step import TrainStep
 
 logger = logging.getLogger(__name__)
@@ -39,10 +38,10 @@ def build_optimization(
     *,
     total_steps: int,
     precision: str,
-    state: TrainingState | None,
+    resumed: bool,
 ) -> Optimization:
-    """Optimizer, schedule (planned over ``total_steps``) and scaler, with their state from ``state`` if resumed."""
-    if state is None and config.warmup_steps >= total_steps and config.scheduler != "plateau":
+    """Optimizer, schedule (planned over ``total_steps``) and scaler; a resumed run restores their state after."""
+    if not resumed and config.warmup_steps >= total_steps and config.scheduler != "plateau":
         logger.warning(
             "--warmup-steps %d is not shorter than the run's %d optimizer steps: the learning rate never reaches the "
             "%s schedule",
@@ -54,11 +53,6 @@ def build_optimization(
     # Planned for the run's epochs; a resumed run's scheduler state brings back the plan it was made with.
     scheduler = build_scheduler(config, optimizer, total_steps)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    if state is not None:
-        optimizer.load_state_dict(state.optimizer)
-        scheduler.load_state_dict(state.scheduler)
-        if scaler is not None and state.scaler:
-            scaler.load_state_dict(state.scaler)
     return Optimization(optimizer, scheduler, scaler)
 
 

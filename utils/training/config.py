@@ -161,7 +161,7 @@ class OptimisationSection:
 
 @dataclass
 class LaunchSection:
-    """How the processes join (``utils.distributed``): torchrun needs none of these but --ddp_mode; the others serve
+    """How the processes join (``utils.launch``): torchrun needs none of these but --ddp_mode; the others serve
     manual and legacy launches."""
 
     ddp_mode: bool = flag(False, "--ddp_mode", "--ddp-mode")
@@ -188,7 +188,7 @@ class LaunchSection:
 
 @dataclass
 class CheckpointSection:
-    """The run folder and what is saved in it, when (``utils.training.run_folder``, ``utils.training.loop``)."""
+    """The run folder and what is saved in it, when (``utils.checkpoint``)."""
 
     exp_name: str = flag("unet", "--exp_name", "--exp-name")
     """Run name (run folder)."""
@@ -215,7 +215,7 @@ class CheckpointSection:
 
 @dataclass
 class LoggingSection:
-    """What the run reports, and how often it validates (``utils.training.reporting``)."""
+    """What the run reports, and how often it validates (``utils.training.run_log``, ``utils.training.validation``)."""
 
     val_every: int = flag(1, "--val-every", range=Range(1))
     """Validate every N epochs."""

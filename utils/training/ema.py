@@ -19,12 +19,9 @@ optimizer's, restored with it.
 from __future__ import annotations
 
 import copy
-import logging
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 class WeightAverage:
@@ -61,7 +58,9 @@ class WeightAverage:
         return self.module.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Continue from ``state``; after the optimizer's own restore, whose step count is the reference again."""
         self.module.load_state_dict(state)
+        self._steps_seen = self._step_count()
 
     def _step_count(self) -> torch.Tensor:
         """The optimizer's step count as a tensor (0 before its first applied step); no host synchronisation.
@@ -74,27 +73,3 @@ class WeightAverage:
             if state and "step" in state:
                 return torch.as_tensor(state["step"]).detach().clone()
         return torch.zeros(())
-
-
-def build_weight_average(
-    decay: float | None,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    saved: dict[str, torch.Tensor] | None,
-    *,
-    resumed: bool,
-) -> WeightAverage | None:
-    """--ema's average of ``model`` (None without --ema), continuing the ``saved`` one of a resumed checkpoint.
-
-    A resume that switches --ema on starts the average from the resumed weights; one that drops it trains on without.
-    """
-    if decay is None:
-        if saved is not None:
-            logger.warning("the resumed checkpoint holds an average of the weights, but without --ema it is dropped")
-        return None
-    average = WeightAverage(model, decay, optimizer)
-    if saved is not None:
-        average.load_state_dict(saved)
-    elif resumed:
-        logger.info("--ema %g: the resumed checkpoint has no average of the weights; it starts from them now", decay)
-    return average

@@ -4,19 +4,22 @@ The file is what torchvision itself downloads and caches (``~/.cache/torch/hub/c
 a plain state dict with keys ``conv1.weight``, ``bn1.*``, ``layer1.*`` ... ``fc.*``. The classifier (``fc.*``) is
 dropped; every other key must match the encoder exactly, so a resnet50 file given to ``--encoder resnet34`` (or a
 file that is not a ResNet's) is refused with one message naming the file. Nothing is downloaded here or anywhere
-else: the file is read with ``torch.load(weights_only=True)``, which never unpickles code.
+else: the file is read as every weights file is (``utils.checkpoint.files.load_checkpoint_file``: never unpickles
+code; ``module.`` prefixes and a ``state_dict`` wrapper are taken off).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from utils.errors import ConfigError
+from utils.checkpoint.files import load_checkpoint_file
+from utils.checkpoint.format import weights_of
+from utils.checkpoint.model import key_differences
+from utils.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -34,29 +37,20 @@ def read_encoder_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise ConfigError(f"--encoder-weights {path}: no such file; {HOW_TO_GET}")
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch.load raises many types for foreign or damaged files
+        # The one safe read of every weights file, and its reading of wrapped and nested state dicts.
+        weights = weights_of(load_checkpoint_file(path), path).state_dict
+    except CheckpointError as error:
         raise ConfigError(
-            f"--encoder-weights {path} is not a readable torch state dict ({type(error).__name__}); {HOW_TO_GET}"
+            f"--encoder-weights {path} is not a readable torch state dict ({error}); {HOW_TO_GET}"
         ) from None
-    if isinstance(raw, Mapping) and isinstance(raw.get("state_dict"), Mapping):
-        raw = raw["state_dict"]  # the wrapper some training scripts save a torchvision model's weights in
-    if not isinstance(raw, Mapping) or not all(isinstance(value, torch.Tensor) for value in raw.values()):
-        raise ConfigError(f"--encoder-weights {path} does not hold a state dict of tensors; {HOW_TO_GET}")
-    return {
-        key.removeprefix("module."): value
-        for key, value in raw.items()
-        if not key.removeprefix("module.").startswith(DROPPED_PREFIXES)
-    }
+    return {key: value for key, value in weights.items() if not key.startswith(DROPPED_PREFIXES)}
 
 
 def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str) -> None:
     """Copy the file's weights into ``encoder`` (a ``unet.resnet_unet.ResNetEncoder``), refusing any mismatch."""
     weights = read_encoder_weights(path)
     own = encoder.state_dict()
-    missing = sorted(set(own) - set(weights))
-    unexpected = sorted(set(weights) - set(own))
-    mismatched = [key for key in own if key in weights and own[key].shape != weights[key].shape]
+    missing, unexpected, mismatched = key_differences(own, weights)
     if missing or unexpected or mismatched:
         if mismatched:
             key = mismatched[0]

@@ -7,15 +7,15 @@ step it does no host synchronisation: losses and the count of steps skipped for 
 and the ranks' stop decision travels on an asynchronous CPU all-reduce (``StopAgreement``). The one wait
 between ranks it adds is on the CPU: before computing on a batch, the ranks agree that each of them loaded its own
 (``Trainer._batches``; about 85 us per batch with 2 local processes).
-Checkpoints are written by global rank 0 only, and only of a healthy state: finite weights, and a latest step that
-was not skipped.
+The loop tells its ``Checkpointer`` (``utils.checkpoint.checkpointer``) where it stands at every step and epoch
+boundary; what to save, when, and whether the state is healthy enough to be saved is decided there.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,30 +24,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from utils.checkpoint import all_finite, copy_checkpoint_atomic, save_checkpoint_atomic
+from utils.checkpoint.checkpointer import Checkpointer
+from utils.checkpoint.run_folder import RunFolder
+from utils.checkpoint.state import TrainPosition
 from utils.errors import DatasetError, UserError, user_message
 from utils.launch.process_group import DistributedContext, StopAgreement, agree_on_errors, barrier, raised_on_every_rank
 from utils.launch.signals import InterruptFlag
 from utils.training import early_stop
-from utils.training.checkpoint_budget import CheckpointBudget, checkpoint_budget, epoch_files_written, log_budget
 from utils.training.config import TrainConfig
 from utils.training.data import TrainData
 from utils.training.ema import WeightAverage
-from utils.training.run_folder import RunFolder
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
-from utils.training.save_timer import SaveTimer
-from utils.training.state import (
-    TrainPosition,
-    build_payload,
-    dataset_record,
-    enter_ranking,
-    inference_of_run,
-    weights_only_payload,
-)
 from utils.training.step import TrainStep
 from utils.training.validation import ValidationStopped, Validator
-from utils.wording import count
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +114,9 @@ class Trainer:
         self.position = parts.position
         self._stop = StopAgreement(ctx, interrupts)
         self._plan = parts.batch_plan
-        self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
-        # Read on global rank 0 only; the other ranks learn its decision through the stop agreement.
-        self._save_timer = SaveTimer(config.checkpoint.save_every_minutes)
+        self.checkpointer = Checkpointer(
+            config.checkpoint, ctx, run_folder, parts, skipped_steps=self._check_skipped_steps, phase=run_log.phase
+        )
 
     # ---------------------------------------------------------------------------------------------------- public
 
@@ -134,8 +124,7 @@ class Trainer:
         outcome = None
         self.parts.raw_model.train()
         with self.run_log.start(self.position.global_step):
-            if self.ctx.is_main:
-                log_budget(self._checkpoint_budget())
+            self.checkpointer.log_budget(self.last_epoch)
             try:
                 while outcome is None and self.position.epoch < self.last_epoch:
                     if self._max_steps_reached():
@@ -156,20 +145,6 @@ class Trainer:
         # Nobody leaves before rank 0 has written its files: a launcher may kill the others' siblings on exit.
         barrier(self.ctx)
         return outcome or TrainOutcome(self.position)
-
-    def _checkpoint_budget(self) -> CheckpointBudget:
-        epoch_files = epoch_files_written(
-            epochs_done=self.position.epoch,
-            last_epoch=self.last_epoch,
-            save_every=self.config.checkpoint.save_every,
-            keep_last=self.config.checkpoint.keep_last,
-        )
-        return checkpoint_budget(
-            self.parts.raw_model,
-            self.step.optimizer,
-            epoch_files=epoch_files,
-            keep_best=self.config.checkpoint.keep_best,
-        )
 
     def close(self) -> None:
         """Close metrics.jsonl, TensorBoard and the wandb run, and release the run folder's lock."""
@@ -236,8 +211,7 @@ class Trainer:
         trained_steps = self.position.step_in_epoch  # kept for a stop during validation
         self.position.epoch = epoch_number
         self.position.step_in_epoch = 0
-        improved, place = False, None
-        previous_ranking = self.position.best_ranking
+        improved, dice = False, None
         # Every rank reads the epoch's remaining losses here (a collective), whether or not it logs.
         self.run_log.add_losses(self.step.take_losses())
         if self._should_validate(epoch_number):
@@ -255,25 +229,8 @@ class Trainer:
             improved = dice > self.position.best_dice
             if improved:
                 self.position.best_dice, self.position.best_epoch = dice, epoch_number
-            if self.config.checkpoint.keep_best:
-                ranking = [list(entry) for entry in previous_ranking]
-                place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.checkpoint.keep_best)
-                self.position.best_ranking = ranking
         self.run_log.epoch_line(epoch_number=epoch_number, global_step=self.position.global_step)
-        targets = [self.run_folder.last]
-        if self.config.checkpoint.save_every and epoch_number % self.config.checkpoint.save_every == 0:
-            targets.append(self.run_folder.epoch_checkpoint(epoch_number))
-        if improved:
-            targets.append(self.run_folder.best)
-        make_room = None
-        if place is not None:
-            targets.append(self.run_folder.ranked_best(place))
-            make_room = functools.partial(self.run_folder.make_room_for_best, place, self.config.checkpoint.keep_best)
-        if not self._save(targets, before_write=make_room):
-            self.position.best_ranking = previous_ranking  # the files did not move
-        if self.ctx.is_main and self.config.checkpoint.keep_last:
-            for path in self.run_folder.prune_epoch_checkpoints(self.config.checkpoint.keep_last):
-                logger.info("Removed %s (--keep-last %d)", path.name, self.config.checkpoint.keep_last)
+        self.checkpointer.save_epoch(epoch_number, dice, improved=improved)
         stale = self.position.validations_without_improvement
         if early_stop.should_stop(self.config.optimisation, stale) and epoch_number < self.last_epoch:
             reason = early_stop.reason(self.config.optimisation, self.position.best_dice, self.position.best_epoch)
@@ -293,13 +250,11 @@ class Trainer:
             self.run_log.add_losses(self.step.take_losses())
             self._check_skipped_steps()
             self.run_log.log_train(epoch=epoch, position=self.position, lr=self.step.optimizer.param_groups[0]["lr"])
-        if self.config.checkpoint.save_every_steps and step % self.config.checkpoint.save_every_steps == 0:
-            self._save([self.run_folder.last])
-        signum = self._stop.poll(save_due=self.ctx.is_main and self._save_timer.due())
-        if self._stop.save_agreed and not signum and self._last_saved_at != (step, self.position.epoch):
+        self.checkpointer.save_if_due()
+        signum = self._stop.poll(save_due=self.checkpointer.timed_save_due())
+        if self._stop.save_agreed and not signum:
             # Every rank got the same answer at this boundary, so all of them save here together.
-            if not self._save([self.run_folder.last]):
-                self._save_timer.saved()  # a skipped step postponed it: count the next interval from now
+            self.checkpointer.save_timed()
         if signum:
             return self._stop_for_signal(signum)
         if self._max_steps_reached():
@@ -314,15 +269,12 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------------- stops
 
     def _stop_for_signal(self, signum: int) -> TrainOutcome:
-        saved = self._save([self.run_folder.interrupted])
-        return TrainOutcome(
-            self.position, interrupted_by=signum, checkpoint=self.run_folder.interrupted if saved else None
-        )
+        return TrainOutcome(self.position, interrupted_by=signum, checkpoint=self.checkpointer.save_now("interrupted"))
 
     def _stop_for_bad_data(self, message: str) -> NoReturn:
         """A file that failed to load mid-run, on any rank: every rank saves INTERRUPTED.pth together (nothing trained
         is lost: the state of the last whole optimizer step), then stops with the file's error."""
-        where = self.run_folder.interrupted if self._save([self.run_folder.interrupted]) else None
+        where = self.checkpointer.save_now("interrupted")
         kept = (
             f"saved {where} (step {self.position.global_step})"
             if where
@@ -336,9 +288,7 @@ class Trainer:
 
     def _stop_for_max_steps(self) -> TrainOutcome:
         logger.info("Reached --max-steps %d", self.config.optimisation.max_steps)
-        last = self.run_folder.last
-        saved = self._last_saved_at == (self.position.global_step, self.position.epoch) or self._save([last])
-        return TrainOutcome(self.position, reached_max_steps=True, checkpoint=last if saved else None)
+        return TrainOutcome(self.position, reached_max_steps=True, checkpoint=self.checkpointer.save_now("last"))
 
     # -------------------------------------------------------------------------------------- non-finite steps
 
@@ -368,84 +318,6 @@ class Trainer:
             )
             raise raised_on_every_rank(diverged)  # every rank counts the same steps
         return report.current_run
-
-    # --------------------------------------------------------------------------------------------- checkpoints
-
-    def _save(self, targets: list[Path], *, before_write: Callable[[], None] | None = None) -> bool:
-        """Write the current state to ``targets`` in the run folder (global rank 0); False when it is not saved.
-
-        Called on every rank. A state is saved only when healthy: a skipped latest step postpones the save (the
-        previous files stay), non-finite weights stop the run. A failed write (disk full, no permission) stops every
-        rank with rank 0's message instead of leaving the others to find it gone.
-        """
-        if self._check_skipped_steps():
-            if self.ctx.is_main:
-                logger.warning(
-                    "Not saving %s at step %d: the latest optimizer step had NaN or inf gradients and was skipped; "
-                    "the previous checkpoint stays",
-                    ", ".join(path.name for path in targets),
-                    self.position.global_step,
-                )
-            return False
-        if not all_finite(list(self.parts.raw_model.state_dict().values())):
-            # DDP keeps weights and buffers identical on every rank: all of them stop here with this message.
-            raise raised_on_every_rank(
-                UserError(
-                    f"the weights became NaN or inf by step {self.position.global_step} although the gradients were "
-                    f"finite, so the learning rate is far too large; nothing was saved (the newest checkpoint in "
-                    f"{self.run_folder}, if any, holds the last good state). Lower --learning-rate"
-                )
-            )
-        agree_on_errors(self.ctx, lambda: self._write_checkpoint(targets, before_write) if self.ctx.is_main else None)
-        if self.run_folder.last in targets:
-            self._last_saved_at = (self.position.global_step, self.position.epoch)
-            self._save_timer.saved()
-        return True
-
-    def checkpoint_payload(self) -> dict[str, Any]:
-        """The checkpoint of the current state, as ``_write_checkpoint`` saves it (the benchmark times the same)."""
-        parts = self.parts
-        return build_payload(
-            model=parts.raw_model,
-            model_args=parts.model_args,
-            mask_values=parts.data.mask_values,
-            inference=inference_of_run(parts.run_args, parts.data.n_channels),
-            optimizer=self.step.optimizer,
-            scheduler=parts.scheduler,
-            scaler=self.step.scaler,
-            position=self.position,
-            args=parts.run_args,
-            world_size=self.ctx.world_size,
-            dataset=dataset_record(parts.data.train_dataset.ids),
-            split_digest=parts.data.split.digest if parts.data.split is not None else None,
-            ema=parts.ema.state_dict() if parts.ema is not None else None,
-        )
-
-    def _write_checkpoint(self, targets: list[Path], before_write: Callable[[], None] | None = None) -> None:
-        if before_write is not None:
-            before_write()
-        with self.run_log.phase("checkpoint"):
-            payload = self.checkpoint_payload()
-            # best.pth and best-K.pth are for sharing and inference: the weights only (utils.training.run_folder).
-            shared = [path for path in targets if self.run_folder.is_weights_only(path)]
-            _write_copies(payload, [path for path in targets if path not in shared])
-            _write_copies(weights_only_payload(payload), shared)
-        logger.info(
-            "Saved %s at step %d (%s and %s done)",
-            ", ".join(path.name for path in targets),
-            self.position.global_step,
-            count(self.position.epoch, "epoch"),
-            count(self.position.step_in_epoch, "batch", "batches"),
-        )
-
-
-def _write_copies(payload: dict[str, Any], targets: list[Path]) -> None:
-    """Serialise ``payload`` once, to the first target; the others get copies of its bytes, each a file of its own."""
-    if not targets:
-        return
-    save_checkpoint_atomic(payload, targets[0])
-    for target in targets[1:]:
-        copy_checkpoint_atomic(targets[0], target)
 
 
 def _next_batch(iterator: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:

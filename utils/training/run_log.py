@@ -32,6 +32,8 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from utils.checkpoint.run_folder import RunFolder
+from utils.checkpoint.state import TrainPosition
 from utils.cli import stderr_is_terminal
 from utils.errors import ConfigError
 from utils.evaluation import EvalResult
@@ -39,9 +41,7 @@ from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import open_for_append
 from utils.training.config import TrainConfig
 from utils.training.curves import write_curves_if_possible
-from utils.training.run_folder import RunFolder
 from utils.training.sampler import BatchPlan
-from utils.training.state import TrainPosition
 
 logger = logging.getLogger(__name__)
 

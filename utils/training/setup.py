@@ -15,13 +15,16 @@ from __future__ import annotations
 import logging
 import os
 import random
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from utils.allocator import reuse_large_buffers
+from utils.checkpoint.checkpointer import restore
+from utils.checkpoint.files import load_checkpoint_file
+from utils.checkpoint.run_folder import RunFolder, RunSeries, agree_on_run, series_name
+from utils.checkpoint.state import TrainingState, TrainPosition
 from utils.errors import ConfigError
 from utils.flags import flag_fields
 from utils.hardware import resolve_precision, warn_if_emulated
@@ -29,18 +32,15 @@ from utils.launch.environments import LaunchPlan, plan_launch
 from utils.launch.process_group import DistributedContext, agree_on_errors, setup
 from utils.launch.signals import InterruptFlag
 from utils.training.build_loaders import build_loaders
-from utils.training.build_model import build_model, wrap_for_training
+from utils.training.build_model import build_model, check_resume, wrap_for_training
 from utils.training.build_optimization import build_optimization, build_step
 from utils.training.config import TrainConfig
 from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, record_split
-from utils.training.ema import build_weight_average
+from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
-from utils.training.resume_choice import agree_on_run
-from utils.training.run_folder import RunFolder, RunSeries, series_name
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan
-from utils.training.state import TrainingState, TrainPosition, load_resume_checkpoint, restore_rng_state
 from utils.training.validation import Validator
 from utils.wording import count
 
@@ -191,16 +191,16 @@ def build_parts(
     """
     state = None
     if resume_path is not None:
-        if payload is None:
-            payload = load_resume_checkpoint(Path(resume_path))
-        state = TrainingState.of(payload, resume_path)
+        state = TrainingState.of(payload if payload is not None else load_checkpoint_file(resume_path), resume_path)
         logger.info("Resuming from %s", resume_path)
         _check_resume_flags(config, state, resume_path)
     data = build_data(config, world_size=ctx.world_size)
     precision = resolve_precision(config.performance.precision, config.performance.amp, ctx.device.type)
     warn_if_emulated(ctx.device, precision)
-    model, model_args = build_model(config, ctx, data, resume_path, state)
-    # After build_model, whose check of the dataset's files names the likelier cause of a changed split.
+    if state is not None:
+        check_resume(config, data, state, resume_path)
+    model, model_args = build_model(config, ctx, data, resuming=state is not None)
+    # After the model's checks, whose check of the dataset's files names the likelier cause of a changed split.
     saved_digest = state.split_digest if state is not None else None
     record_split(data.split, run_folder.split, saved_digest=saved_digest, resume_path=resume_path, write=ctx.is_main)
     plan = BatchPlan(
@@ -215,11 +215,8 @@ def build_parts(
         model.parameters(),
         total_steps=plan.total_steps(int(run_args["epochs"])),
         precision=precision,
-        state=state,
+        resumed=state is not None,
     )
-    position, resume_images = TrainPosition(epoch=config.checkpoint.start_from - 1), 0
-    if state is not None:
-        position, resume_images = _resume_position(plan, state)
     step = build_step(
         config,
         optimization,
@@ -230,13 +227,22 @@ def build_parts(
         device=ctx.device,
     )
     # After DDP's wrapping, which broadcasts rank 0's weights: every rank's average starts from the same ones.
-    ema = build_weight_average(
-        config.optimisation.ema,
-        model,
-        optimization.optimizer,
-        state.ema if state is not None else None,
-        resumed=state is not None,
+    ema = (
+        WeightAverage(model, config.optimisation.ema, optimization.optimizer)
+        if config.optimisation.ema is not None
+        else None
     )
+    position, resume_images = TrainPosition(epoch=config.checkpoint.start_from - 1), 0
+    if state is not None:
+        parts = {"model": model, "position": position, "ema": ema, **vars(optimization)}
+        restore(state, parts)
+        resume_images = _resumed_images_in_epoch(plan, state)
+        logger.info(
+            "Resuming at epoch %d, step %d (%d batches of the epoch done)",
+            position.epoch + 1,
+            position.global_step,
+            position.step_in_epoch,
+        )
     loaders = build_loaders(config, ctx, data)
     _log_run_summary(config, ctx, data, plan, precision, loaders.num_workers, epoch_range(run_args), run_folder)
     return TrainParts(
@@ -257,21 +263,6 @@ def build_parts(
     )
 
 
-def _resume_position(plan: BatchPlan, state: TrainingState) -> tuple[TrainPosition, int]:
-    """Where the resumed run continues, and the global images of that epoch it skips; restores the random state."""
-    if state.rng is not None:
-        restore_rng_state(state.rng)
-    position = state.position
-    images = _resumed_images_in_epoch(plan, state)
-    logger.info(
-        "Resuming at epoch %d, step %d (%d batches of the epoch done)",
-        position.epoch + 1,
-        position.global_step,
-        position.step_in_epoch,
-    )
-    return position, images
-
-
 def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
     """Refuse a resume whose objective or data flags differ from the run's, set or unset alike.
 
@@ -279,7 +270,7 @@ def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) ->
     weight decay and momentum from the checkpoint (a new value would be logged but not used), the data flags decide
     which images are trained and which validate (a larger --validation would move trained images into the validation
     set), and the objective's flags (class weights, void values, oversampling, augmentation) decide what the loss
-    measures. Every other flag takes its new value; the model's own arguments are checked by utils.model_spec.
+    measures. Every other flag takes its new value; the model's own arguments are checked by utils.checkpoint.model.
     docs/RELIABILITY.md, "Resume and stop".
 
     A flag missing from the checkpoint's record (saved before the flag existed) counts as its default, the behaviour

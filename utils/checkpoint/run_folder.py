@@ -1,6 +1,6 @@
 """The run folder ``<checkpoint_dir>/<exp_name>/``: the one owner of its path and of every file name in it.
 
-It holds (checkpoints all in the one format of ``utils/checkpoint.py``):
+It holds (checkpoints all in the one format of ``utils.checkpoint.format``):
 
 * ``last.pth``: the newest state, written at every epoch end, every ``--save-every-steps`` optimizer steps and when
   ``--max-steps`` stops the run (mid-epoch states carry their position in ``step_in_epoch``);
@@ -22,12 +22,19 @@ continued over newer checkpoints. A corrupt one is skipped with a warning, and a
 a new run (so one command serves the first start and every restart of a requeued job). Only global rank 0 writes
 here.
 
-Reruns: the folders of one ``--exp_name`` form a series, ``<exp_name>``, ``<exp_name>-2``, ``<exp_name>-3``, ... A start
-without ``--resume`` whose newest folder holds a run (checkpoints or metrics) or is in use begins the next one;
-``--resume auto`` and a torchrun restart continue the newest. ``--resume PATH`` continues the folder PATH lies in only
-when PATH holds that folder's newest state (``RunFolder.can_continue_from``); an older state of it, or a file from
-outside the series, begins a new folder as a rerun does. A torchrun restart of ``--resume PATH`` continues the folder
-its first attempt took (``RunSeries.taken_last``). Nothing is ever overwritten.
+Reruns: the folders of one ``--exp_name`` form a series, ``<exp_name>``, ``<exp_name>-2``, ``<exp_name>-3``, ... Which
+folder a run writes and which checkpoint it resumes is one choice, made by global rank 0 (``agree_on_run``); no write
+may land on a newer state or on another run, and nothing is ever overwritten:
+
+* no ``--resume``: a new folder of the series (``RunSeries.start_new``) when the newest holds a run (checkpoints or
+  metrics) or is in use;
+* ``--resume auto``, and a torchrun restart without ``--resume``: the newest folder, from its newest checkpoint;
+* ``--resume PATH``: the folder PATH lies in when PATH holds that folder's newest state
+  (``RunFolder.can_continue_from``); else (an older state of its folder, or a file from outside the series) a new
+  folder, as a rerun takes;
+* a torchrun restart of ``--resume PATH``: the folder the first attempt took (``RunSeries.taken_last``), from its
+  newest checkpoint (PATH again would throw away that attempt's progress), and from PATH only while that folder holds
+  none.
 
 The lock: global rank 0 holds ``fcntl.flock`` on ``.lock`` in the folder for the whole run (the kernel releases it
 when the process dies, so ``kill -9`` never leaves a stale lock), and a second process never continues or writes a
@@ -41,44 +48,28 @@ import fcntl
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from utils.checkpoint import (
+from utils.checkpoint.files import write_failure_message
+from utils.checkpoint.format import (
     KEY_EPOCH,
     KEY_GLOBAL_STEP,
     KEY_STEP_IN_EPOCH,
     KEY_TENSOR_DIGESTS,
     PARTIAL_FILE_PATTERN,
-    write_failure_message,
 )
+from utils.checkpoint.state import load_resume_checkpoint
 from utils.errors import CheckpointError, ConfigError
-from utils.training.state import load_resume_checkpoint
+from utils.launch.process_group import DistributedContext, decide_on_main
+from utils.training.config import RESUME_AUTO
 
 logger = logging.getLogger(__name__)
 
-LAST_NAME = "last.pth"
-BEST_NAME = "best.pth"
-INTERRUPTED_NAME = "INTERRUPTED.pth"
-METRICS_NAME = "metrics.jsonl"
-CURVES_NAME = "curves.png"
-SPLIT_NAME = "split.json"
-CONFIG_NAME = "config.yaml"
-TENSORBOARD_NAME = "tensorboard"
-LOCK_NAME = ".lock"
 _EPOCH_PATTERN = re.compile(r"^checkpoint_epoch(\d+)\.pth$")
-_RANKED_BEST_PATTERN = re.compile(r"^best-\d+\.pth$")
-
-
-def ranked_best_name(place: int) -> str:
-    """``best-<place>.pth``: the ``place``-th best state (1 = the best) kept by --keep-best."""
-    return f"best-{place}.pth"
-
-
-def epoch_checkpoint_name(epoch_number: int) -> str:
-    return f"checkpoint_epoch{epoch_number}.pth"
 
 
 def series_name(exp_name: str, fold: int | None) -> str:
@@ -91,56 +82,25 @@ class RunFolder:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.last = self.path / "last.pth"
+        self.best = self.path / "best.pth"
+        self.interrupted = self.path / "INTERRUPTED.pth"
+        self.metrics = self.path / "metrics.jsonl"
+        self.curves = self.path / "curves.png"
+        self.split = self.path / "split.json"
+        """``split.json``: the run's train and validation ids (``utils.datasets.splits``)."""
+        self.config_file = self.path / "config.yaml"
+        """``config.yaml``: the run's resolved flags, for ``--config``."""
+        self.tensorboard = self.path / "tensorboard"
+        """``tensorboard/``: the folder of ``--tensorboard``'s event files."""
+        self.lock_file = self.path / ".lock"
         self._lock_fd: int | None = None
-
-    @classmethod
-    def of(cls, checkpoint_dir: str | Path, exp_name: str) -> RunFolder:
-        return cls(Path(checkpoint_dir) / exp_name)
 
     def __str__(self) -> str:
         return str(self.path)
 
-    @property
-    def last(self) -> Path:
-        return self.path / LAST_NAME
-
-    @property
-    def best(self) -> Path:
-        return self.path / BEST_NAME
-
-    @property
-    def interrupted(self) -> Path:
-        return self.path / INTERRUPTED_NAME
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / METRICS_NAME
-
-    @property
-    def curves(self) -> Path:
-        return self.path / CURVES_NAME
-
-    @property
-    def split(self) -> Path:
-        """``split.json``: the run's train and validation ids (``utils.datasets.splits``)."""
-        return self.path / SPLIT_NAME
-
-    @property
-    def config_file(self) -> Path:
-        """``config.yaml``: the run's resolved flags, for ``--config``."""
-        return self.path / CONFIG_NAME
-
-    @property
-    def tensorboard(self) -> Path:
-        """``tensorboard/``: the folder of ``--tensorboard``'s event files."""
-        return self.path / TENSORBOARD_NAME
-
-    @property
-    def lock_file(self) -> Path:
-        return self.path / LOCK_NAME
-
     def ranked_best(self, place: int) -> Path:
-        return self.path / ranked_best_name(place)
+        return self.path / f"best-{place}.pth"
 
     def make_room_for_best(self, place: int, keep: int) -> None:
         """Move ``best-<place>.pth`` .. ``best-<keep-1>.pth`` one place down (the old ``best-<keep>.pth`` goes), so
@@ -151,12 +111,7 @@ class RunFolder:
                 os.replace(source, self.ranked_best(lower + 1))
 
     def epoch_checkpoint(self, epoch_number: int) -> Path:
-        return self.path / epoch_checkpoint_name(epoch_number)
-
-    @staticmethod
-    def is_weights_only(path: Path) -> bool:
-        """Whether the run writes ``path`` weights-only (``best.pth``, ``best-K.pth``) rather than the full state."""
-        return path.name == BEST_NAME or bool(_RANKED_BEST_PATTERN.match(path.name))
+        return self.path / f"checkpoint_epoch{epoch_number}.pth"
 
     # --------------------------------------------------------------------------------------------------- lock
 
@@ -165,25 +120,24 @@ class RunFolder:
 
         A full disk or a folder without write permission is the same one-line error as a failed save.
         """
+        fd = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:
-            raise CheckpointError(write_failure_message(self.lock_file, error)) from error
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            holder = _read_pid(fd)
-            os.close(fd)
-            if error.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                holder = _read_pid(fd)
+                os.close(fd)
                 return holder or -1
-            raise CheckpointError(write_failure_message(self.lock_file, error)) from error
-        try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             os.fsync(fd)
         except OSError as error:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             raise CheckpointError(write_failure_message(self.lock_file, error)) from error
         self._lock_fd = fd
         return None
@@ -192,10 +146,11 @@ class RunFolder:
         """Take the lock or stop with one line naming the folder, the process that holds it and the fix."""
         holder = self.try_lock()
         if holder is not None:
-            raise self._in_use_error(holder)
-
-    def _in_use_error(self, holder: int) -> ConfigError:
-        return ConfigError(f"run folder {self.path} is in use by {_describe(holder)}; {_IN_USE_FIX}")
+            who = f"another training process (PID {holder})" if holder > 0 else "another training process"
+            raise ConfigError(
+                f"run folder {self.path} is in use by {who}; wait for that run to end or stop it, or choose another "
+                f"--exp_name"
+            )
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -249,7 +204,7 @@ class RunFolder:
         """
         if not self.path.is_dir():
             return []
-        names = {LAST_NAME, INTERRUPTED_NAME}
+        names = {self.last.name, self.interrupted.name}
         return [p for p in self.path.iterdir() if p.is_file() and (p.name in names or _EPOCH_PATTERN.match(p.name))]
 
     def checkpoints(self) -> list[Path]:
@@ -367,7 +322,6 @@ class RunFolder:
         return removed
 
 
-_IN_USE_FIX = "wait for that run to end or stop it, or choose another --exp_name"
 _SERIES_PATTERN = re.compile(r"^(?P<base>.+)-(?P<number>[2-9]|[1-9]\d+)$")
 
 
@@ -479,5 +433,90 @@ def _read_pid(fd: int) -> int | None:
         return None
 
 
-def _describe(pid: int) -> str:
-    return f"another training process (PID {pid})" if pid > 0 else "another training process"
+@dataclass
+class RunChoice:
+    """The run folder (locked on global rank 0) and the checkpoint to resume (None: a new run)."""
+
+    folder: RunFolder
+    resume_path: str | None = None
+    payload: dict[str, Any] | None = None
+    """The resume checkpoint as rank 0 read it while choosing (kept to spare reading a large file twice); None on
+    other ranks, which read it themselves."""
+
+
+def agree_on_run(ctx: DistributedContext, resume: str | None, series: RunSeries) -> RunChoice:
+    """Rank 0 chooses (and locks) the folder and the checkpoint; every rank and node gets the folder and file."""
+    mine: list[RunChoice] = []
+
+    def decide() -> tuple[str, str | None]:
+        mine.append(choose_run(resume, series, ctx.restart_count))
+        return str(mine[0].folder.path), mine[0].resume_path
+
+    folder_path, resume_path = decide_on_main(ctx, decide)
+    return mine[0] if mine else RunChoice(RunFolder(folder_path), resume_path)
+
+
+def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> RunChoice:
+    """Rank 0's choice (see the module docstring); the folder is locked and cleared of interrupted writes."""
+    if resume is None and restart_count == 0:
+        return _took(series.start_new())
+    if resume is None or resume == RESUME_AUTO:
+        folder = _took(series.continue_newest()).folder
+        found = folder.find_resume_checkpoint()
+        if found is None:
+            logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
+            return RunChoice(folder)
+        path, payload = found
+        return RunChoice(folder, str(path), payload)
+    if restart_count > 0:
+        return _restart_from_path(resume, series, restart_count)
+    return _resume_from_path(resume, series)
+
+
+def _resume_from_path(resume: str, series: RunSeries) -> RunChoice:
+    resume_path = Path(resume)
+    payload = _read_resume_file(resume)
+    own = series.contains(resume_path)
+    if own is None:  # a file from outside the series: nothing of the series to continue
+        return _took(series.start_new(), resume, payload)
+    if own.take_to_continue(resume_path, payload):
+        return _took(own, resume, payload)
+    reason = f"--resume {resume} is not the newest state of {own} (continuing there would overwrite newer checkpoints)"
+    return _took(series.start_new(reason), resume, payload)
+
+
+def _restart_from_path(resume: str, series: RunSeries, restart_count: int) -> RunChoice:
+    # The first attempt took either the folder PATH lies in or the series' newest (a new one, or an empty one).
+    candidates = [folder for folder in (series.contains(Path(resume)), series.newest()) if folder is not None]
+    first = series.taken_last(candidates)
+    if first is None:  # neither was ever locked: the first attempt failed before it chose, so choose as it would have
+        return _resume_from_path(resume, series)
+    first.lock()
+    _took(first)
+    found = first.find_resume_checkpoint()
+    if found is None:
+        logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, first, resume)
+        return RunChoice(first, resume, _read_resume_file(resume))
+    path, payload = found
+    logger.info(
+        "torchrun restart %d continues %s, the folder its first attempt took, from its newest checkpoint %s",
+        restart_count,
+        first,
+        path,
+    )
+    return RunChoice(first, str(path), payload)
+
+
+def _read_resume_file(resume: str) -> dict[str, Any]:
+    path = Path(resume)
+    if not path.is_file():
+        raise CheckpointError(f"--resume {resume}: no such file; pass a checkpoint path or --resume auto")
+    return load_resume_checkpoint(path)
+
+
+def _took(folder: RunFolder, resume_path: str | None = None, payload: dict[str, Any] | None = None) -> RunChoice:
+    """The choice of ``folder`` (locked by this process), after clearing what killed writes left there."""
+    # Under the lock nothing else writes to the folder: a temporary file there is what a killed write left behind.
+    for path in folder.remove_partial_files():
+        logger.info("Removed %s, left behind by a checkpoint write that was interrupted", path)
+    return RunChoice(folder, resume_path, payload)

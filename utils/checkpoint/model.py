@@ -6,17 +6,29 @@ it is an error that names the flag. Files that store no arguments (milesial/Pyto
 script's) have them inferred from the shapes of their weights.
 
 The spec also says how images are prepared for the model: the scale it was trained at (the checkpoint's inference
-record, ``utils.checkpoint.InferenceRecord``) and its channel count (grey photos for an RGB model are converted).
+record, ``utils.checkpoint.format.InferenceRecord``) and its channel count (grey photos for an RGB model are converted).
 ``resolve_scale`` is the one policy for a ``--scale`` flag: unset means the checkpoint's; a different explicit value
 is used with one warning naming both.
 Files without that record keep milesial/Pytorch-UNet's default, 0.5.
+
+A file's ``model_args`` say which model to build; its weights say which model they belong to. Trusting the first
+alone lets a damaged or crafted file make the process allocate a model of tens of GB (``base_channels=1024``) before
+the weights are found not to fit. So before building (``spec_of``):
+
+* the arguments are compared with the weights' shapes on the meta device (no memory is allocated);
+* the weights are floating point (integer weights give an all-background mask that looks like a result), and every
+  BatchNorm ``running_var`` is non-negative (a negative variance is the square root of a negative number: NaN);
+* the mask values are one per class, unique, and integers (grey values) or colours of 2-4 channels of 0..255, so
+  each predicted class maps to one value of the output image.
+
+Once a file passed, its weights load into the model its spec builds without further checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +36,8 @@ from typing import Any
 import torch
 
 from unet import ENCODERS, OPTIONAL_ARGS, UNetArgs, build_model
-from utils.checkpoint import LoadedWeights, read_model_weights
-from utils.checkpoint_checks import check_checkpoint
+from utils.checkpoint.files import read_model_weights
+from utils.checkpoint.format import LoadedWeights
 from utils.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -131,11 +143,12 @@ def infer_model_args(state_dict: Mapping[str, torch.Tensor], path: str | Path) -
 
 def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
     """The model ``loaded`` (read from ``path``) describes."""
-    if loaded.model_args is not None:
-        args = validate_model_args(loaded.model_args, path)
-    else:
-        args = validate_model_args(infer_model_args(loaded.state_dict, path), path)
-    check_checkpoint(args, loaded.state_dict, loaded.mask_values, path)  # before anything is built from it
+    raw_args = loaded.model_args if loaded.model_args is not None else infer_model_args(loaded.state_dict, path)
+    args = validate_model_args(raw_args, path)
+    # Before anything is built from it; the arguments against the weights first, as the others read the class count.
+    check_weights_match_args(args, loaded.state_dict, path)
+    check_weight_values(loaded.state_dict, path)
+    check_mask_values_of(loaded.mask_values, int(args["n_classes"]), path)
     inference = loaded.inference
     return ModelSpec(
         **args,
@@ -195,32 +208,6 @@ def check_expected(
         )
 
 
-def load_weights_into(model: torch.nn.Module, loaded: LoadedWeights, path: str | Path) -> None:
-    """Copy ``loaded``'s weights into ``model``, with a message naming the keys or shapes that differ."""
-    state_dict = loaded.state_dict
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    mismatched = [key for key in own if key in state_dict and own[key].shape != state_dict[key].shape]
-    if missing or unexpected or mismatched:
-        details = []
-        if mismatched:
-            key = mismatched[0]
-            details.append(
-                f"{len(mismatched)} shape mismatches, e.g. {key}: file {tuple(state_dict[key].shape)} vs "
-                f"model {tuple(own[key].shape)}"
-            )
-        if missing:
-            details.append(f"{len(missing)} missing keys, e.g. {missing[0]}")
-        if unexpected:
-            details.append(f"{len(unexpected)} unexpected keys, e.g. {unexpected[0]}")
-        raise CheckpointError(
-            f"checkpoint {path} does not fit the model ({'; '.join(details)}); check --classes, --bilinear, "
-            f"--base-channels, --encoder, --deep-supervision and the number of image channels"
-        )
-    model.load_state_dict(state_dict)
-
-
 def load_model(
     path: str | Path,
     *,
@@ -233,5 +220,111 @@ def load_model(
     spec = spec_of(loaded, path)
     check_expected(spec, expected or {}, path, source=source)
     model = spec.build()
-    load_weights_into(model, loaded, path)
+    model.load_state_dict(loaded.state_dict)  # spec_of checked that the file's arguments describe its weights
     return model, spec
+
+
+# Grey mask values are written to PNG (16 bits at most) by predict: utils.inference.outputs.
+MAX_GREY_MASK_VALUE = 2**32 - 1
+"""The widest grey value a mask file can hold (32-bit masks train); predict refuses more than PNG's 16 bits."""
+_COLOUR_CHANNELS = (2, 3, 4)
+
+
+def check_weights_match_args(model_args: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor], path: Any) -> None:
+    """Refuse ``model_args`` that describe another model than ``state_dict``'s weights (compared on the meta device)."""
+    with torch.device("meta"):
+        expected = build_model(dict(model_args)).state_dict()
+    missing, unexpected, mismatched = key_differences(expected, state_dict)
+    if not (missing or unexpected or mismatched):
+        return
+    if mismatched:
+        key = mismatched[0]
+        detail = (
+            f"{key} has shape {tuple(state_dict[key].shape)} in the weights but {tuple(expected[key].shape)} in the "
+            f"model its model_args describe"
+        )
+    elif missing:
+        detail = f"the model its model_args describe has {key_count(missing)} the weights lack (e.g. {missing[0]})"
+    else:
+        detail = f"the weights hold {key_count(unexpected)} that model lacks (e.g. {unexpected[0]})"
+    raise CheckpointError(
+        f"checkpoint {path} contradicts itself: its model_args {dict(model_args)} do not describe its weights "
+        f"({detail}); the file is damaged or was edited, use another checkpoint"
+    )
+
+
+def key_differences(
+    own: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor]
+) -> tuple[list[str], list[str], list[str]]:
+    """Keys of ``own`` that ``given`` lacks, keys of ``given`` that ``own`` lacks, and keys whose shapes differ."""
+    missing = [key for key in own if key not in given]
+    unexpected = [key for key in given if key not in own]
+    return missing, unexpected, [key for key in own if key in given and own[key].shape != given[key].shape]
+
+
+def key_count(keys: Sequence[str]) -> str:
+    return f"{len(keys)} tensor{'s' if len(keys) != 1 else ''}"
+
+
+def check_weight_values(state_dict: Mapping[str, torch.Tensor], path: Any) -> None:
+    """Floating-point weights, and non-negative BatchNorm variances."""
+    for key, tensor in state_dict.items():
+        if key.endswith("num_batches_tracked"):
+            continue  # BatchNorm's step counter is an integer by design
+        if not tensor.is_floating_point():
+            raise CheckpointError(
+                f"checkpoint {path} holds {key} as {tensor.dtype}, not floating point: such weights cannot have been "
+                f"trained; the file is damaged or was converted wrongly, use another checkpoint"
+            )
+        if key.endswith("running_var") and tensor.numel() and bool((tensor < 0).any()):
+            raise CheckpointError(
+                f"checkpoint {path} holds a negative BatchNorm variance in {key} (min {float(tensor.min()):g}), which "
+                f"no training produces; the file is damaged, use another checkpoint"
+            )
+
+
+def check_mask_values_of(mask_values: Any, n_classes: int, path: Any) -> None:
+    """``mask_values``: one unique integer (or colour) per predicted class; None (not recorded) passes."""
+    if mask_values is None:
+        return
+    n_predicted = 2 if n_classes == 1 else n_classes
+    where = f"checkpoint {path}: mask_values {_short(mask_values)}"
+    if not isinstance(mask_values, list | tuple):
+        raise CheckpointError(f"{where} are not a list; the file is damaged, use another checkpoint")
+    if len(mask_values) != n_predicted:
+        raise CheckpointError(
+            f"{where} name {len(mask_values)} values but the model predicts {n_predicted} classes (one value per "
+            f"class); the file is damaged or was edited, use another checkpoint"
+        )
+    keys = [_mask_value_key(value, where) for value in mask_values]
+    colours = {len(key) for key in keys if isinstance(key, tuple)}
+    if colours and (len(colours) != 1 or any(not isinstance(key, tuple) for key in keys)):
+        raise CheckpointError(f"{where} mix grey values and colours, or colours of different lengths")
+    if len(set(keys)) != len(keys):
+        raise CheckpointError(
+            f"{where} repeat a value, so two classes would be written the same; the file is damaged, use another "
+            f"checkpoint"
+        )
+
+
+def _mask_value_key(value: Any, where: str) -> int | tuple[int, ...]:
+    if isinstance(value, list | tuple):
+        if len(value) not in _COLOUR_CHANNELS or not all(_is_integer(part, 255) for part in value):
+            raise CheckpointError(f"{where} hold {value!r}, not a colour of 2-4 integers in 0..255")
+        return tuple(int(part) for part in value)
+    if not _is_integer(value, MAX_GREY_MASK_VALUE):
+        raise CheckpointError(f"{where} hold {value!r}, not an integer in 0..{MAX_GREY_MASK_VALUE} (or a colour)")
+    return int(value)
+
+
+def _is_integer(value: Any, high: int) -> bool:
+    if isinstance(value, bool):
+        return True  # milesial's 1-bit masks give [False, True]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return isinstance(value, int) and 0 <= value <= high
+
+
+def _short(values: Any) -> str:
+    text = repr(list(values) if isinstance(values, tuple) else values)
+    return text if len(text) <= 80 else text[:77] + "..."

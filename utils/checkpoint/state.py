@@ -1,9 +1,7 @@
-"""Training state: where a run stands, the checkpoint payload that records it, and restoring it (RNG included).
+"""A resumable run's state: where it stands (``TrainPosition``), the checkpoint payload that records it, and the RNG.
 
 ``TrainingState`` is the one typed write (``to_payload``) and read (``of``) of a resumable checkpoint's keys; the key
-constants, the format-version check, the digests and the model weights' prefixes belong to ``utils.checkpoint``.
-The file names of the run folder belong to ``utils.training.run_folder``, the choice of the folder and of the
-checkpoint to resume to ``utils.training.resume_choice``.
+constants, the format-version check, the digests and the model weights' prefixes belong to ``utils.checkpoint.format``.
 """
 
 from __future__ import annotations
@@ -18,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.checkpoint import (
+from utils.checkpoint.files import load_checkpoint_file
+from utils.checkpoint.format import (
     FORMAT_VERSION,
     KEY_ARGS,
     KEY_BEST_DICE,
@@ -43,7 +42,6 @@ from utils.checkpoint import (
     KEY_WORLD_SIZE,
     InferenceRecord,
     LoadedWeights,
-    load_checkpoint_file,
     weights_of,
 )
 from utils.class_names import split_class_names
@@ -78,19 +76,6 @@ class TrainPosition:
     """The epoch whose validation gave ``best_dice`` (0: none yet)."""
     validations_without_improvement: int = 0
     """--patience: validations since the last one that improved on the best Dice by more than --min-delta."""
-
-
-def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, keep: int) -> int | None:
-    """Insert a validation Dice into the ``keep`` best (best first; a tie ranks below the older state).
-
-    Returns its 1-based place (the ``k`` of ``best-<k>.pth``) and updates ``ranking``; None when it is not among them.
-    """
-    place = sum(1 for entry in ranking if entry[0] >= dice)
-    if place >= keep:
-        return None
-    ranking.insert(place, [dice, global_step])
-    del ranking[keep:]
-    return place + 1
 
 
 @dataclass
@@ -182,41 +167,6 @@ class TrainingState:
             split_digest=payload.get(KEY_SPLIT_DIGEST) if isinstance(payload.get(KEY_SPLIT_DIGEST), str) else None,
             ema=ema,
         )
-
-
-def build_payload(
-    *,
-    model: torch.nn.Module,
-    model_args: dict[str, Any],
-    mask_values: list,
-    inference: InferenceRecord,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: torch.amp.GradScaler | None,
-    position: TrainPosition,
-    args: dict[str, Any],
-    world_size: int,
-    dataset: dict[str, Any] | None = None,
-    split_digest: str | None = None,
-    ema: dict[str, torch.Tensor] | None = None,
-) -> dict[str, Any]:
-    """The checkpoint dictionary of a live run (``TrainingState.to_payload``); ``model`` is the unwrapped module,
-    ``ema`` the state dict of its average (--ema)."""
-    return TrainingState(
-        model=model.state_dict(),
-        model_args=model_args,
-        mask_values=mask_values,
-        inference=inference,
-        optimizer=optimizer.state_dict(),
-        scheduler=scheduler.state_dict(),
-        scaler=scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-        position=position,
-        run_args=args,
-        world_size=world_size,
-        dataset=dataset,
-        split_digest=split_digest,
-        ema=ema,
-    ).to_payload()
 
 
 def weights_only_payload(payload: dict[str, Any]) -> dict[str, Any]:

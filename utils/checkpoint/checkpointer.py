@@ -1,0 +1,357 @@
+"""``Checkpointer``: the one owner of when a run saves, which files it writes, their pruning, and the restore.
+
+The loop tells it where it stands (``save_if_due`` after every optimizer step, ``save_timed`` when the ranks agreed
+on a --save-every-minutes save, ``save_epoch`` at an epoch's end, ``save_now`` when the run stops) and it decides:
+
+* ``last.pth``: every epoch end, every ``--save-every-steps`` optimizer steps, every ``--save-every-minutes`` and when
+  ``--max-steps`` stops the run (not again when it holds that very step already);
+* ``checkpoint_epoch{N}.pth``: every ``--save_every`` epochs, the newest ``--keep-last`` kept;
+* ``best.pth`` (weights only) when the validation Dice improved, and ``best-1.pth`` .. ``best-K.pth`` (``--keep-best``)
+  ranked by Dice; the ranking is part of the run's position, so a resumed run ranks on where it stopped;
+* ``INTERRUPTED.pth`` when a signal or a file that failed to load stops the run.
+
+Only global rank 0 writes, and only a healthy state: a skipped latest step postpones the save (the previous files
+stay), non-finite weights stop the run. Every call is made on every rank at the same boundary, so the ranks agree on
+a failed write (disk full, no permission) instead of leaving the others to find rank 0 gone.
+
+A resume is one ``restore`` of every part that has ``state_dict()``/``load_state_dict()``, as torchtitan's
+``CheckpointManager`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
+from utils.checkpoint.format import all_finite
+from utils.checkpoint.run_folder import RunFolder
+from utils.checkpoint.state import (
+    TrainingState,
+    dataset_record,
+    inference_of_run,
+    restore_rng_state,
+    weights_only_payload,
+)
+from utils.errors import UserError
+from utils.launch.process_group import DistributedContext, agree_on_errors, raised_on_every_rank
+from utils.wording import count
+
+if TYPE_CHECKING:
+    from utils.training.config import CheckpointSection
+    from utils.training.loop import TrainParts
+
+logger = logging.getLogger(__name__)
+
+
+def monotonic() -> float:
+    """The clock of every timer, looked up at each reading (tests replace it to let minutes pass in milliseconds)."""
+    return time.monotonic()
+
+
+class SaveTimer:
+    """--save-every-minutes (Lightning's ``train_time_interval``): says once per interval that a save is due, then
+    waits for ``saved()`` before counting the next interval.
+
+    Only global rank 0 reads its clock; the loop sends its answer to the other ranks on the stop agreement's
+    all-reduce (``utils.launch.process_group.StopAgreement``), so every rank saves at the same step.
+    """
+
+    def __init__(self, minutes: float) -> None:
+        self.interval_s = minutes * 60.0
+        self._last_save = monotonic()
+        self._requested = False
+
+    def due(self) -> bool:
+        """True when the interval has passed since the last save and no save was asked for since (0 minutes: never)."""
+        if not self.interval_s or self._requested:
+            return False
+        self._requested = monotonic() - self._last_save >= self.interval_s
+        return self._requested
+
+    def saved(self) -> None:
+        """A save happened (by time or any other reason): the next interval starts now."""
+        self._last_save = monotonic()
+        self._requested = False
+
+
+def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, keep: int) -> int | None:
+    """Insert a validation Dice into the ``keep`` best (best first; a tie ranks below the older state).
+
+    Returns its 1-based place (the ``k`` of ``best-<k>.pth``) and updates ``ranking``; None when it is not among them.
+    """
+    place = sum(1 for entry in ranking if entry[0] >= dice)
+    if place >= keep:
+        return None
+    ranking.insert(place, [dice, global_step])
+    del ranking[keep:]
+    return place + 1
+
+
+class Checkpointer:
+    """When and which checkpoint files a run writes (see the module docstring), from the checkpoint flags.
+
+    ``config`` is the checkpoint section of the flags, handed whole; ``skipped_steps`` reports the run of skipped optimizer steps up to now (0: the latest was applied),
+    ``phase`` times a write (``RunLog.phase``).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointSection,
+        ctx: DistributedContext,
+        folder: RunFolder,
+        parts: TrainParts,
+        *,
+        skipped_steps: Callable[[], int],
+        phase: Callable[[str], AbstractContextManager[None]],
+    ) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.folder = folder
+        self.parts = parts
+        self.position = parts.position
+        self._skipped_steps = skipped_steps
+        self._phase = phase
+        # Read on global rank 0 only; the other ranks learn its decision through the stop agreement.
+        self.timer = SaveTimer(config.save_every_minutes)
+        self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
+        # What every file records of the run besides its state: fixed when the run starts.
+        data = parts.data
+        self._inference = inference_of_run(parts.run_args, data.n_channels)
+        self._dataset = dataset_record(data.train_dataset.ids)
+        self._split_digest = data.split.digest if data.split is not None else None
+
+    # ------------------------------------------------------------------------------------------------ when
+
+    def save_if_due(self) -> None:
+        """At an optimizer-step boundary: ``last.pth`` every ``--save-every-steps`` steps."""
+        every = self.config.save_every_steps
+        if every and self.position.global_step % every == 0:
+            self._save([self.folder.last])
+
+    def timed_save_due(self) -> bool:
+        """Whether this process asks for a --save-every-minutes save (rank 0's clock; the others never ask)."""
+        return self.ctx.is_main and self.timer.due()
+
+    def save_timed(self) -> None:
+        """The save every rank agreed on at this boundary (``timed_save_due`` of some rank), unless already done."""
+        if self._last_saved_at == (self.position.global_step, self.position.epoch):
+            return
+        if not self._save([self.folder.last]):
+            self.timer.saved()  # a skipped step postponed it: count the next interval from now
+
+    def save_epoch(self, epoch_number: int, dice: float | None, *, improved: bool) -> None:
+        """At the end of epoch ``epoch_number`` (``dice``: its validation score, None when it did not validate)."""
+        targets = [self.folder.last]
+        if self.config.save_every and epoch_number % self.config.save_every == 0:
+            targets.append(self.folder.epoch_checkpoint(epoch_number))
+        # best.pth and best-K.pth are for sharing and inference: the weights only (utils.checkpoint.run_folder).
+        shared = [self.folder.best] if improved else []
+        place, previous = None, self.position.best_ranking
+        if dice is not None and self.config.keep_best:
+            ranking = [list(entry) for entry in previous]
+            place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.keep_best)
+            self.position.best_ranking = ranking
+        if place is not None:
+            shared.append(self.folder.ranked_best(place))
+        if not self._save(targets, shared, best_place=place):
+            self.position.best_ranking = previous  # the files did not move
+        if self.ctx.is_main and self.config.keep_last:
+            for path in self.folder.prune_epoch_checkpoints(self.config.keep_last):
+                logger.info("Removed %s (--keep-last %d)", path.name, self.config.keep_last)
+
+    def save_now(self, reason: str) -> Path | None:
+        """The final state of a stopped run: ``"interrupted"`` (INTERRUPTED.pth) or ``"last"`` (--max-steps, not
+        written again when last.pth holds this step); the file, None when it could not be saved."""
+        if reason == "last":
+            last = self.folder.last
+            done = self._last_saved_at == (self.position.global_step, self.position.epoch)
+            return last if done or self._save([last]) else None
+        return self.folder.interrupted if self._save([self.folder.interrupted]) else None
+
+    # ------------------------------------------------------------------------------------------------ which
+
+    def _save(self, full: list[Path], shared: Sequence[Path] = (), *, best_place: int | None = None) -> bool:
+        """Write the current state to ``full`` and its weights alone to ``shared`` (global rank 0) if it is healthy;
+        False when it is not saved."""
+        targets = [*full, *shared]
+        if self._skipped_steps():
+            if self.ctx.is_main:
+                logger.warning(
+                    "Not saving %s at step %d: the latest optimizer step had NaN or inf gradients and was skipped; "
+                    "the previous checkpoint stays",
+                    ", ".join(path.name for path in targets),
+                    self.position.global_step,
+                )
+            return False
+        if not all_finite(list(self.parts.raw_model.state_dict().values())):
+            # DDP keeps weights and buffers identical on every rank: all of them stop here with this message.
+            raise raised_on_every_rank(
+                UserError(
+                    f"the weights became NaN or inf by step {self.position.global_step} although the gradients were "
+                    f"finite, so the learning rate is far too large; nothing was saved (the newest checkpoint in "
+                    f"{self.folder}, if any, holds the last good state). Lower --learning-rate"
+                )
+            )
+        agree_on_errors(self.ctx, lambda: self._write(full, shared, best_place) if self.ctx.is_main else None)
+        if self.folder.last in targets:
+            self._last_saved_at = (self.position.global_step, self.position.epoch)
+            self.timer.saved()
+        return True
+
+    def payload(self) -> dict[str, Any]:
+        """The checkpoint of the current state, as every save writes it (the benchmark times the same)."""
+        parts, scaler = self.parts, self.parts.step.scaler
+        return TrainingState(
+            model=parts.raw_model.state_dict(),
+            model_args=parts.model_args,
+            mask_values=parts.data.mask_values,
+            inference=self._inference,
+            optimizer=parts.step.optimizer.state_dict(),
+            scheduler=parts.scheduler.state_dict(),
+            scaler=scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            position=self.position,
+            run_args=parts.run_args,
+            world_size=self.ctx.world_size,
+            dataset=self._dataset,
+            split_digest=self._split_digest,
+            ema=parts.ema.state_dict() if parts.ema is not None else None,
+        ).to_payload()
+
+    def _write(self, full: list[Path], shared: Sequence[Path], best_place: int | None) -> None:
+        if best_place is not None:
+            self.folder.make_room_for_best(best_place, self.config.keep_best)
+        with self._phase("checkpoint"):
+            payload = self.payload()
+            _write_copies(payload, full)
+            _write_copies(weights_only_payload(payload), shared)
+        logger.info(
+            "Saved %s at step %d (%s and %s done)",
+            ", ".join(path.name for path in [*full, *shared]),
+            self.position.global_step,
+            count(self.position.epoch, "epoch"),
+            count(self.position.step_in_epoch, "batch", "batches"),
+        )
+
+    # ------------------------------------------------------------------------------------------------ size
+
+    def log_budget(self, last_epoch: int) -> None:
+        """One line before training: how much disk the files of this run take at most, so a full disk is foreseen.
+
+        Full-state files (last.pth, INTERRUPTED.pth, the kept epoch files) hold the weights plus the optimizer's
+        per-parameter state; best.pth and best-K.pth the weights only. Estimated from the tensors (the optimizer's
+        state does not exist before the first step); pickling adds a few kB.
+        """
+        if not self.ctx.is_main:
+            return
+        epoch_files = epoch_files_written(
+            epochs_done=self.position.epoch,
+            last_epoch=last_epoch,
+            save_every=self.config.save_every,
+            keep_last=self.config.keep_last,
+        )
+        budget = checkpoint_budget(
+            self.parts.raw_model, self.parts.step.optimizer, epoch_files=epoch_files, keep_best=self.config.keep_best
+        )
+        logger.info(
+            "Checkpoints: a full-state file (last.pth, INTERRUPTED.pth, checkpoint_epoch{N}.pth) is about %s, best.pth "
+            "(weights only) about %s; this run keeps at most %d full-state and %d weights-only files, about %s",
+            _megabytes(budget.full_state_bytes),
+            _megabytes(budget.weights_only_bytes),
+            budget.full_state_files,
+            budget.weights_only_files,
+            _megabytes(budget.total_bytes),
+        )
+
+
+def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
+    """Load a resumed ``state`` into every part that has it: ``model``, ``optimizer``, ``scheduler``, ``scaler`` and
+    ``ema`` (None where the run has none), the RNG, and ``position``.
+
+    ``state`` was checked against the model already (``utils.training.build_model.check_resume``). The optimizer is
+    restored before the average, whose reference step count is the optimizer's.
+    """
+    parts["model"].load_state_dict(state.model)
+    parts["optimizer"].load_state_dict(state.optimizer)
+    parts["scheduler"].load_state_dict(state.scheduler)
+    if parts["scaler"] is not None and state.scaler:
+        parts["scaler"].load_state_dict(state.scaler)
+    ema = parts["ema"]
+    if ema is None and state.ema is not None:
+        logger.warning("the resumed checkpoint holds an average of the weights, but without --ema it is dropped")
+    elif ema is not None:
+        if state.ema is None:
+            logger.info(
+                "--ema %g: the resumed checkpoint has no average of the weights; it starts from them now", ema.decay
+            )
+        # A resume that switches --ema on starts the average from the resumed weights.
+        ema.load_state_dict(state.ema if state.ema is not None else state.model)
+    if state.rng is not None:
+        restore_rng_state(state.rng)
+    position = parts["position"]
+    for name, value in vars(state.position).items():
+        setattr(position, name, value)
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
+    """Tensors of a parameter's size that ``optimizer`` keeps per parameter (Adam: exp_avg and exp_avg_sq)."""
+    defaults = optimizer.defaults
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1 + int(defaults.get("momentum", 0) > 0) + int(bool(defaults.get("centered")))
+    if isinstance(optimizer, torch.optim.SGD):
+        return int(defaults.get("momentum", 0) > 0)
+    return 2  # Adam, AdamW and most adaptive optimizers
+
+
+@dataclass(frozen=True)
+class CheckpointBudget:
+    full_state_bytes: int
+    weights_only_bytes: int
+    full_state_files: int
+    """At most this many full-state files at once: last.pth, INTERRUPTED.pth and the kept epoch files."""
+    weights_only_files: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.full_state_bytes * self.full_state_files + self.weights_only_bytes * self.weights_only_files
+
+
+def checkpoint_budget(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, epoch_files: int, keep_best: int
+) -> CheckpointBudget:
+    weights = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return CheckpointBudget(
+        full_state_bytes=weights + parameters * optimizer_slots(optimizer),
+        weights_only_bytes=weights,
+        full_state_files=2 + epoch_files,
+        weights_only_files=1 + keep_best,
+    )
+
+
+def epoch_files_written(*, epochs_done: int, last_epoch: int, save_every: int, keep_last: int) -> int:
+    """checkpoint_epoch{N}.pth files this run writes (epochs ``epochs_done+1 .. last_epoch``), after --keep-last."""
+    if not save_every:
+        return 0
+    written = sum(1 for number in range(epochs_done + 1, last_epoch + 1) if number % save_every == 0)
+    return min(written, keep_last) if keep_last else written
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
+
+
+def _write_copies(payload: dict[str, Any], targets: Sequence[Path]) -> None:
+    """Serialise ``payload`` once, to the first target; the others get copies of its bytes, each a file of its own."""
+    if not targets:
+        return
+    save_checkpoint_atomic(payload, targets[0])
+    for target in targets[1:]:
+        copy_checkpoint_atomic(targets[0], target)

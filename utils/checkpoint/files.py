@@ -1,0 +1,215 @@
+"""Checkpoint files on disk: atomic writes and the one safe read every other read goes through.
+
+Writes go to a temporary file in the same folder, are fsynced and then renamed over the final name, so a file under a
+final name is always complete, whatever moment a crash happens. A state saved under several names is serialised once
+and its bytes copied (``copy_checkpoint_atomic``): every name is a file of its own, so writing into one name in place
+never changes another. Files get the mode any file the user creates gets (0666 minus the umask).
+
+Reads always use ``weights_only=True``: a checkpoint can hold tensors, numbers, strings and containers, never objects
+whose unpickling runs code (``utils.checkpoint.pickle_scan`` names the code a refused file would import). Every read
+checks the format version, the digests and the weights' values (``utils.checkpoint.format``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from utils.checkpoint.format import (
+    KEY_FORMAT_VERSION,
+    KEY_TENSOR_DIGESTS,
+    LoadedWeights,
+    check_format_version,
+    tensor_digests,
+    verify_checkpoint,
+    weights_of,
+)
+from utils.checkpoint.pickle_scan import code_refusal, pickled_code, without_unsafe_advice
+from utils.errors import CheckpointError
+
+# copy_file_range refusals after which plain reads and writes do the copy.
+_NO_COPY_RANGE_ERRNOS = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path) -> None:
+    """Write ``payload`` to ``path`` so that ``path`` is either the old file or the complete new one.
+
+    Raises CheckpointError (naming the folder and the fix) when the disk is full or the folder is not writable; the
+    previous file under ``path`` is then untouched.
+    """
+    payload = dict(payload)
+    if KEY_FORMAT_VERSION in payload:
+        payload[KEY_TENSOR_DIGESTS] = tensor_digests(payload)
+    _write_atomic(Path(path), lambda handle: _save_to(payload, handle))
+
+
+def copy_checkpoint_atomic(source: str | Path, target: str | Path) -> None:
+    """``target`` becomes a separate file with the bytes of ``source`` (just written), atomically like a save.
+
+    Copying the written bytes costs far less than serialising the payload again (no pickling, no tensor copies), and
+    ``os.copy_file_range`` lets the filesystem share or copy the blocks itself.
+    """
+    source = Path(source)
+
+    def copy(handle: Any) -> None:
+        with open(source, "rb") as original:
+            _copy_bytes(original.fileno(), handle.fileno(), os.fstat(original.fileno()).st_size)
+
+    _write_atomic(Path(target), copy)
+
+
+def write_failure_message(path: str | Path, error: OSError) -> str:
+    """What a failed write into a run folder says, at start (lock file) or during a save: the file and the fix."""
+    return (
+        f"could not write {path}: {error.strerror or error}. The previous file (if any) is intact; free disk space, "
+        f"fix the permissions of {Path(path).parent} or choose another --checkpoint-dir"
+    )
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise CheckpointError(write_failure_message(path, error)) from error
+    try:
+        # mkstemp creates 0600; a checkpoint is an ordinary file of the user's, readable as the umask allows.
+        os.fchmod(fd, 0o666 & ~_current_umask())
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+        _fsync_directory(path.parent)
+    except OSError as error:
+        _remove_quietly(tmp_name)
+        raise CheckpointError(write_failure_message(path, error)) from error
+    except BaseException:
+        # KeyboardInterrupt or a crash mid-write: never leave the temporary file behind under any name.
+        _remove_quietly(tmp_name)
+        raise
+
+
+def _copy_bytes(source_fd: int, target_fd: int, size: int) -> None:
+    copied = 0
+    try:
+        while copied < size:
+            chunk = os.copy_file_range(source_fd, target_fd, size - copied)
+            if chunk == 0:
+                break
+            copied += chunk
+    except (AttributeError, OSError) as error:
+        # No copy_file_range (not Linux, old kernel, across filesystems): plain reads and writes from where it stopped.
+        if isinstance(error, OSError) and error.errno not in _NO_COPY_RANGE_ERRNOS:
+            raise
+        os.lseek(source_fd, copied, os.SEEK_SET)
+        os.lseek(target_fd, copied, os.SEEK_SET)
+        while chunk := os.read(source_fd, 1 << 20):
+            os.write(target_fd, chunk)
+        return
+    if copied != size:
+        raise OSError(errno.EIO, f"copied {copied} of {size} bytes")
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+class _WriteErrorRecorder:
+    """A file wrapper that remembers the OSError of a failed write.
+
+    ``torch.save`` into a file object reports a failed write (disk full, file too large) as a RuntimeError about the
+    zip writer's position; the recorded OSError says what really happened.
+    """
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+def _save_to(payload: Mapping[str, Any], handle: Any) -> None:
+    recorder = _WriteErrorRecorder(handle)
+    try:
+        torch.save(dict(payload), recorder)
+    except RuntimeError as error:
+        if recorder.error is None:
+            raise
+        raise recorder.error from error
+
+
+def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint safely; every way a file can be unusable becomes a CheckpointError naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; check the path given to --load/--model/--resume")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a folder; give the path of a .pth file inside it")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes), probably from an interrupted copy; use another")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        # Only a GLOBAL reference (a class or function to import) can run code; other refusals are just bad bytes.
+        code = pickled_code(path)
+        if code or "Unsupported global" in str(error) or "GLOBAL" in str(error):
+            raise CheckpointError(
+                f"refused to load {path}: {code_refusal(code)}. If you trust its source, re-save its weights with "
+                "torch.save(model.state_dict(), ...)"
+            ) from error
+        reason = without_unsafe_advice(error)
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file ({reason}); use another") from error
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, IndexError, KeyError) as error:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({type(error).__name__}); use another checkpoint"
+        ) from error
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a checkpoint dictionary")
+    check_format_version(obj, path)
+    verify_checkpoint(obj, path)
+    return obj
+
+
+def read_model_weights(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedWeights:
+    """Model weights from our checkpoints, milesial/Pytorch-UNet files or the documented DDP script's files."""
+    return weights_of(load_checkpoint_file(path, map_location), path)
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is only durable once the directory entry is on disk; not every platform can open a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(name: str) -> None:
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
