@@ -98,8 +98,8 @@ def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, 
 class Checkpointer:
     """When and which checkpoint files a run writes (see the module docstring), from the checkpoint flags.
 
-    ``config`` is the checkpoint section of the flags, handed whole; ``skipped_steps`` reports the run of skipped optimizer steps up to now (0: the latest was applied),
-    ``phase`` times a write (``RunLog.phase``).
+    ``config`` is the checkpoint section of the flags, handed whole; ``skipped_steps`` reports the run of skipped
+    optimizer steps up to now (0: the latest was applied), ``phase`` times a write (``RunLog.phase``).
     """
 
     def __init__(
