@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from unet import UNet
-from utils import model_spec
+from utils.checkpoint import model as model_spec
 from utils.datasets.dataset import image_tensor, resized_image, unit_float
 from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
 from utils.datasets.pixel_cache import IMAGE, PixelCache
