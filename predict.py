@@ -30,6 +30,7 @@ import torch
 
 from unet import UNet
 from utils.cli import setup_logging
+from utils.errors import count
 from utils.hardware import pick_device, warn_if_emulated
 from utils.inference.config import PredictConfig, parse_predict_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items
@@ -47,7 +48,6 @@ from utils.inference.writer import Writer, prediction_summary, write_predictions
 from utils.launch.runner import run_main
 from utils.launch.signals import startup_done
 from utils.output_files import check_outputs
-from utils.wording import count
 
 __all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "main", "predict_files", "run"]
 

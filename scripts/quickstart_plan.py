@@ -30,9 +30,9 @@ from utils.checkpoint.run_folder import RunFolder, RunSeries
 from utils.checkpoint.state import position_of
 from utils.datasets.image_files import split_name
 from utils.datasets.splits import read_split_file
+from utils.errors import count
 from utils.launch.runner import run_main
 from utils.training.setup import epoch_range
-from utils.wording import count
 
 
 @dataclass(frozen=True)

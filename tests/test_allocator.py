@@ -1,4 +1,4 @@
-"""utils.allocator: glibc keeps large freed buffers for reuse; loader workers ask for it."""
+"""utils.hardware: glibc keeps large freed buffers for reuse; loader workers ask for it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from utils.allocator import reuse_large_buffers
+from utils.hardware import reuse_large_buffers
 from utils.training import data as training_data
 
 

@@ -1,4 +1,4 @@
-"""Bounds from the machine (utils/machine_bounds.py): one Error: line before anything is created or built."""
+"""Bounds from the machine (utils/hardware.py): one Error: line before anything is created or built."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, SyntheticData, TrainRunner, child_env
 from tests.helpers import one_error_line, save_checkpoint, tiny_unet
-from utils.hardware import available_cpus
-from utils.machine_bounds import MIN_WORKERS_BOUND, WORKERS_PER_CPU, model_parameters
+from utils.hardware import MIN_WORKERS_BOUND, WORKERS_PER_CPU, available_cpus, model_parameters
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Loader workers with too little ``/dev/shm`` (Docker's default is 64 MB): one ``Error:`` line naming the workers
-flag and a larger ``/dev/shm``, and no hang, in train.py, predict.py and evaluate.py (``utils.shared_memory``).
+flag and a larger ``/dev/shm``, and no hang, in train.py, predict.py and evaluate.py (``utils.hardware``).
 
 The real cases run each script in its own mount namespace (``unshare -m``) over a 1 MB tmpfs on ``/dev/shm``; they
 skip where this machine does not allow that.
@@ -20,7 +20,7 @@ from PIL import Image
 from tests.conftest import REPO_ROOT, child_env
 from tests.helpers import make_model, one_error_line, save_checkpoint_trained_at, small_tmpfs, write_images
 from utils.errors import ConfigError
-from utils.shared_memory import (
+from utils.hardware import (
     PREFETCH_FACTOR,
     SAFETY_FACTOR,
     SharedMemoryGuard,
@@ -181,7 +181,7 @@ def test_train_with_workers_and_a_small_shm_says_so(tmp_path: Path) -> None:
 WITHOUT_CHECK = """
 import runpy, sys
 sys.path.insert(0, {root!r})
-import utils.shared_memory as shared_memory
+import utils.hardware as shared_memory
 shared_memory.check_room = lambda *args, **kwargs: None
 shared_memory.LOADER_TIMEOUT_S = 10.0
 sys.argv = sys.argv[1:]

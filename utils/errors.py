@@ -3,6 +3,8 @@
 Every problem a user can fix (a bad flag, a missing file, an odd mask, a broken checkpoint) is raised as a
 ``UserError`` whose message names the flag or file and says what to do. Entry scripts catch ``UserError`` and turn it
 into one line on stderr and a non-zero exit; anything else is a bug and keeps its traceback.
+
+Counts in messages go through ``count``: ``count(1, "epoch")`` is "1 epoch", ``count(2, "epoch")`` "2 epochs".
 """
 
 from __future__ import annotations
@@ -54,3 +56,12 @@ def _worker_message(class_name: str, text: str) -> str:
 def user_message(error: BaseException) -> str:
     """The one-line message of ``error``; for one re-raised from a loader worker, the worker's own message."""
     return " ".join(_worker_message(type(error).__name__, str(error)).split())
+
+
+# ----------------------------------------------------------------------------------------------------
+# counts in messages
+
+
+def count(number: int, noun: str, plural: str | None = None) -> str:
+    """``number`` and ``noun``, the noun in the plural (``plural``, else ``noun + "s"``) unless the number is 1."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"

@@ -2,13 +2,49 @@
 
 The one owner of these facts for training, inference, evaluation and the benchmark, so that ``--precision bf16`` or
 ``--device auto`` mean the same thing everywhere.
+
+Memory (``reuse_large_buffers``): large buffers served from the heap and reused, instead of fresh pages from the
+kernel for every item. glibc's ``malloc`` maps each allocation above its mmap threshold (128 KiB, growing to at most
+32 MiB as buffers are
+freed) straight from the kernel and unmaps it when freed, so a loader worker that makes the same few megabyte-sized
+tensors for every item (the float image, the colour-mapped copy, the int64 mask) pays page faults for all of their
+pages every time. On the 2-core VM of docs/PERFORMANCE.md that was more than half of a cached, augmented 959x640 item
+(15 ms against 6.3 ms with the buffers reused). Raising the thresholds keeps freed memory in the heap for the next
+item; the process's memory then stays at its peak, which is what a loader worker's is anyway. A training process
+makes the same activations at every step: ``train.py`` asks for the same at start-up (bf16 compute-only 2.9 -> 3.7
+images/s on that machine, docs/PERFORMANCE.md).
+
+Bounds (``check_threads``, ``check_workers``, ``check_model_fits``): upper bounds that come from the machine rather
+than from a flag's meaning (threads, loader workers, model size). A flag's ``Range`` (``utils.flags``) knows what a
+value means; how many threads or processes this machine
+can run, or whether a model fits its memory, only the machine knows. Each check here runs before anything is built
+or created (no run folder, no model), and its error names the flag, the bound and where the bound comes from.
+
+Shared memory (``check_room``, ``SharedMemoryGuard``): room in ``/dev/shm`` for loader workers, checked before they
+start, and their shared-memory failures as one line. A ``DataLoader`` worker hands each batch to the main process
+through POSIX shared memory (files in ``/dev/shm`` on
+Linux). Docker gives a container 64 MB there by default: a worker that cannot allocate prints a traceback from its
+queue's feeder thread and the batch never arrives, so the main process waits for ever. So train.py, predict.py and
+evaluate.py
+
+- estimate what their workers keep in flight (``needed_bytes``) from one real item and refuse to start them when
+  ``/dev/shm`` has less free (``check_room``), with one ``Error:`` line naming the workers flag and the larger
+  ``/dev/shm`` that fix it;
+- give the loader a ``LOADER_TIMEOUT_S`` (a batch that never comes becomes an error, not a hang) and turn that
+  error, and a worker's own shared-memory error, into the same line (``SharedMemoryGuard``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
 import logging
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -124,3 +160,246 @@ def available_cpus() -> int:
 def threads_per_process(cpu_count: int, local_world_size: int) -> int:
     """CPU threads per process so that the processes of one machine together use each core once."""
     return max(1, cpu_count // max(1, local_world_size))
+
+
+# ----------------------------------------------------------------------------------------------------
+# memory reuse for large buffers
+
+
+# mallopt parameters (malloc.h) and glibc's largest mmap threshold on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
+_TRIM_THRESHOLD = 1024 * 1024 * 1024
+
+
+def reuse_large_buffers() -> bool:
+    """Tell glibc's malloc to serve allocations up to 32 MiB from the heap and keep up to 1 GiB of freed memory.
+
+    Returns False (and changes nothing) where the C library is not glibc (macOS, musl) or refuses the settings.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    if not ok:
+        logger.debug("mallopt refused the buffer-reuse settings; loading continues with the defaults")
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------------
+# bounds from the machine
+
+# More threads than 4 per CPU only adds contention; past some thousands OpenMP's thread pool fails to start (a
+# segfault, not an error). Workers are processes: a handful per CPU keeps a GPU fed, thousands exhaust the PID table.
+THREADS_PER_CPU = 4
+WORKERS_PER_CPU = 4
+MIN_WORKERS_BOUND = 16
+"""Workers allowed on any machine, however few its CPUs (decoding waits on the disk too)."""
+BYTES_PER_WEIGHT = 4  # fp32, as the model is built before it moves to a device or a precision
+
+
+def check_threads(threads: int, flag: str = "--threads") -> None:
+    """At most ``THREADS_PER_CPU`` threads per CPU this process may use."""
+    bound = THREADS_PER_CPU * available_cpus()
+    if threads > bound:
+        raise ConfigError(
+            f"{flag} {threads} is more than {THREADS_PER_CPU} per CPU this process may use ({available_cpus()} "
+            f"CPUs, so at most {bound}); use 0 (one per CPU) or a number up to {bound}"
+        )
+
+
+def check_workers(workers: int, flag: str) -> None:
+    """At most ``WORKERS_PER_CPU`` loader processes per CPU (``MIN_WORKERS_BOUND`` on any machine)."""
+    bound = max(MIN_WORKERS_BOUND, WORKERS_PER_CPU * available_cpus())
+    if workers > bound:
+        raise ConfigError(
+            f"{flag} {workers} would start {workers} loader processes per training process on {available_cpus()} "
+            f"CPUs; use at most {bound} (0 loads in the main process)"
+        )
+
+
+def model_parameters(n_channels: int, n_classes: int, *, bilinear: bool, base_channels: int) -> int:
+    """The UNet's number of weights and buffers, counted on the meta device (nothing is allocated)."""
+    from unet import UNet  # the model package imports torch's nn stack: only needed when counting
+
+    with torch.device("meta"):
+        model = UNet(n_channels, n_classes, bilinear=bilinear, base_channels=base_channels)
+    return sum(tensor.numel() for tensor in [*model.parameters(), *model.buffers()])
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's memory as this process may use it (physical RAM, narrowed by a cgroup limit); None if unknown."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()  # noqa: SIM115 - one small read
+    except OSError:
+        limit = "max"
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def check_model_fits(n_channels: int, n_classes: int, *, bilinear: bool, base_channels: int) -> None:
+    """Refuse a UNet whose fp32 weights alone exceed this machine's memory (it is built in RAM before anything else;
+    training needs about four times that: weights, gradients and two optimizer moments)."""
+    memory = machine_memory_bytes()
+    if memory is None:
+        return
+    count = model_parameters(n_channels, n_classes, bilinear=bilinear, base_channels=base_channels)
+    needed = count * BYTES_PER_WEIGHT
+    if needed > memory:
+        raise ConfigError(
+            f"--base-channels {base_channels} makes a UNet of {count:.3g} weights, {_gib(needed)} in fp32 (about "
+            f"{_gib(4 * needed)} to train), more than this machine's {_gib(memory)} of memory; use a smaller "
+            f"--base-channels (64 is the classic model, {_gib(4 * 31_000_000 * BYTES_PER_WEIGHT)} to train)"
+        )
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:,.1f} GiB"
+
+
+# ----------------------------------------------------------------------------------------------------
+# shared memory for loader workers
+
+SHARED_MEMORY_FOLDER = Path("/dev/shm")
+PREFETCH_FACTOR = 2
+"""DataLoader's default: batches each worker loads ahead."""
+SAFETY_FACTOR = 2
+"""Room for the batches the main process still holds (the one in use, those waiting for partners of their size)."""
+LOADER_TIMEOUT_S = 300.0
+"""How long the main process waits for one batch from its workers before giving up. Decoding one batch takes
+seconds even for large photos; five minutes is only reached when a batch was lost."""
+# How a worker's failure to share a batch reads (torch's messages), and the loader's timeout; compared in lower case.
+FAILURE_MARKERS = ("shared memory", "no space left on device", "bus error", "dataloader timed out")
+
+_MB = 1024 * 1024
+
+
+def tensor_bytes(item: Any) -> int:
+    """Bytes of the tensors in ``item`` (a tensor, or dicts, lists, tuples and dataclasses of them)."""
+    if isinstance(item, torch.Tensor):
+        return item.numel() * item.element_size()
+    if isinstance(item, dict):
+        return sum(tensor_bytes(value) for value in item.values())
+    if isinstance(item, list | tuple):
+        return sum(tensor_bytes(value) for value in item)
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return sum(tensor_bytes(getattr(item, field.name)) for field in dataclasses.fields(item))
+    return 0
+
+
+def needed_bytes(item_bytes: int, batch_size: int, workers: int, processes: int = 1) -> int:
+    """Shared memory the loaders of ``processes`` processes (the ranks of one machine) keep in flight: each of their
+    ``workers`` loads ``PREFETCH_FACTOR`` batches ahead, with ``SAFETY_FACTOR`` for what the main process holds."""
+    return item_bytes * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
+
+
+def free_bytes(folder: Path = SHARED_MEMORY_FOLDER) -> int | None:
+    """Bytes free in ``folder``, or None where there is no such folder (not Linux): nothing to check there."""
+    try:
+        stats = os.statvfs(folder)
+    except (OSError, AttributeError):  # no folder; no statvfs (Windows)
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def shortage_message(workers_fix: str, detail: str) -> str:
+    return (
+        f"the loader workers cannot share batches with the main process: {detail}; use {workers_fix} (load in the "
+        f"main process), or give the machine a larger {SHARED_MEMORY_FOLDER} (docker run --shm-size=2g; Kubernetes: "
+        "an emptyDir volume with medium Memory mounted there)"
+    )
+
+
+def check_room(
+    item: Any,
+    *,
+    batch_size: int,
+    workers: int,
+    workers_fix: str,
+    processes: int = 1,
+    folder: Path = SHARED_MEMORY_FOLDER,
+) -> None:
+    """Raise ``ConfigError`` when ``workers`` loader workers (per process) would not fit their batches of
+    ``batch_size`` items like ``item`` into ``folder``. ``workers_fix``: the flag that turns workers off."""
+    if workers <= 0:
+        return
+    free = free_bytes(folder)
+    needed = needed_bytes(tensor_bytes(item), batch_size, workers, processes)
+    if free is None or needed <= free:
+        return
+    who = f"{workers} worker(s)" + (f" in each of {processes} processes" if processes > 1 else "")
+    raise ConfigError(
+        shortage_message(
+            workers_fix,
+            f"{who} need about {needed / _MB:.0f} MB of {folder} for batches of {batch_size} and {free / _MB:.0f} MB "
+            "are free",
+        )
+    )
+
+
+def is_shared_memory_failure(error: BaseException) -> bool:
+    """Whether a loader's ``RuntimeError`` is a worker's failure to share a batch, or the timeout of a lost one."""
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and any(marker in message for marker in FAILURE_MARKERS)
+
+
+def loader_timeout(workers: int) -> float:
+    """The ``timeout`` to give a ``DataLoader`` with ``workers`` workers (0: none, the main process loads)."""
+    return LOADER_TIMEOUT_S if workers > 0 else 0.0
+
+
+def _cause(error: RuntimeError) -> str:
+    if "dataloader timed out" in str(error).lower():
+        # A worker that cannot allocate shared memory for its batch only prints a traceback: the batch never comes.
+        return f"no batch arrived for {LOADER_TIMEOUT_S:.0f} s (a worker lost it: see any traceback above)"
+    # A worker's error ends with its own last line (after "Original Traceback"): that one says why.
+    return (str(error).strip().splitlines() or ["?"])[-1].strip()
+
+
+class SharedMemoryGuard:
+    """Iterates a loader and turns a shared-memory failure or the loader's timeout into one ``ConfigError``."""
+
+    def __init__(self, loader: Any, workers_fix: str) -> None:
+        self.loader = loader
+        self.workers_fix = workers_fix
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.loader)
+        while True:
+            failure = None
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except RuntimeError as error:
+                if not is_shared_memory_failure(error):
+                    raise
+                failure = shortage_message(self.workers_fix, _cause(error))
+                # A worker's error re-raised by torch sits in a reference cycle through its traceback, which holds
+                # the iterator: dropped, the iterator can shut its workers down at once (see below).
+                error.__traceback__ = None
+            if failure is not None:
+                # The raised error's traceback holds this frame: without its iterator, whose workers shut down now
+                # (idle workers ignoring SIGTERM would otherwise keep the process from exiting).
+                del iterator
+                raise ConfigError(failure)
+            yield batch
+
+    def __getattr__(self, name: str) -> Any:
+        # The loader's other attributes (sampler, dataset, batch_size) as the loader's users expect them.
+        if name == "loader":  # not set yet (an unpickled copy): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)

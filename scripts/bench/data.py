@@ -211,9 +211,9 @@ def load_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Per-item load times, decoder comparisons, a pre-resized uint8 cache, and DataLoader throughput."""
     from torch.utils.data import DataLoader
 
-    from utils.allocator import reuse_large_buffers
     from utils.datasets.dataset import BasicDataset, CarvanaDataset
     from utils.datasets.image_files import detect_mask_suffix
+    from utils.hardware import reuse_large_buffers
 
     result: dict[str, Any] = {}
     # Loader worker processes run one thread each (PyTorch sets that) and reuse their buffers (train.py's worker

@@ -18,10 +18,9 @@ from tests.helpers import make_model, one_error_line, save_checkpoint, tiny_unet
 from utils.checkpoint.files import load_checkpoint_file
 from utils.checkpoint.format import KEY_INFERENCE, InferenceRecord
 from utils.checkpoint.model import load_model
-from utils.errors import USER_ERROR_EXIT_CODE
+from utils.errors import USER_ERROR_EXIT_CODE, count
 from utils.inference.overlays import class_colours, legend_entries
 from utils.inference.writer import prediction_summary
-from utils.wording import count
 
 
 def last_line(text: str) -> str:

@@ -40,9 +40,8 @@ from utils.checkpoint.state import (
     restore_rng_state,
     weights_only_payload,
 )
-from utils.errors import UserError
+from utils.errors import UserError, count
 from utils.launch.process_group import DistributedContext, agree_on_errors, raised_on_every_rank
-from utils.wording import count
 
 if TYPE_CHECKING:
     from utils.training.config import CheckpointSection

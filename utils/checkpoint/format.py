@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from utils.class_names import split_class_names
 from utils.errors import CheckpointError
+from utils.flags import split_class_names
 
 FORMAT_VERSION = 1
 

@@ -44,8 +44,8 @@ from utils.checkpoint.format import (
     LoadedWeights,
     weights_of,
 )
-from utils.class_names import split_class_names
 from utils.errors import CheckpointError
+from utils.flags import split_class_names
 
 # What best.pth and best-K.pth hold: the weights, what inference rebuilds the model and prepares images from, and where
 # the run stood; no optimizer state (two more copies of the weights' size with AdamW), so they cannot be resumed.

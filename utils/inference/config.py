@@ -14,11 +14,10 @@ from pathlib import Path
 from utils.cli import device_flag, parse_size, stderr_is_terminal
 from utils.errors import ConfigError
 from utils.flags import FlagParser, Range, flag, parse_flags
-from utils.hardware import PRECISIONS
+from utils.hardware import PRECISIONS, check_workers
 from utils.inference.export import EXPORT_FORMATS
 from utils.inference.file_plan import MASK_FORMATS
 from utils.inference.tiling import DEFAULT_TILE_OVERLAP, TileSettings
-from utils.machine_bounds import check_workers
 
 # Probability above which a one-logit model's pixel is foreground (milesial's -t default).
 DEFAULT_MASK_THRESHOLD = 0.5

@@ -34,17 +34,17 @@ from utils.datasets.image_files import FileInfo, image_header, load_image, mode_
 from utils.datasets.pixel_cache import IMAGE, PixelCache
 from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
+from utils.hardware import SharedMemoryGuard, check_room, loader_timeout
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, PredictConfig
 from utils.inference.export import Preprocessing
 from utils.inference.memory import MemoryPlanner
 from utils.inference.outputs import check_mask_values, default_mask_values
 from utils.inference.tiling import TileSettings, forward_logits, predict_logits_tiled
-from utils.shared_memory import SharedMemoryGuard, check_room, loader_timeout
 
 logger = logging.getLogger(__name__)
 
 WORKERS_FIX = "--workers 0 (-j 0)"
-"""predict.py's flag that keeps decoding in the main process (see utils.shared_memory)."""
+"""predict.py's flag that keeps decoding in the main process (see utils.hardware)."""
 
 
 def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:

@@ -15,13 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.errors import UserError
+from utils.errors import UserError, count
 from utils.inference.engine import Prediction
 from utils.inference.file_plan import OutputPlan
 from utils.inference.outputs import mask_to_image
 from utils.inference.overlays import find_truth_mask, load_truth_classes, render_visualization
 from utils.output_files import OutputError, write_file
-from utils.wording import count
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,14 @@ from torch.utils.data import DataLoader, Subset
 
 from utils.errors import ConfigError
 from utils.evaluation import shard_range
-from utils.hardware import available_cpus, threads_per_process
+from utils.hardware import SharedMemoryGuard, available_cpus, check_room, threads_per_process
 from utils.launch.process_group import DistributedContext
-from utils.shared_memory import SharedMemoryGuard, check_room
 from utils.training.config import TrainConfig
 from utils.training.data import TrainData, build_train_loader, build_val_loader, default_num_workers
 from utils.training.sampler import ResumableDistributedSampler
 
 WORKERS_FIX = "--num-workers 0"
-"""train.py's flag that keeps loading in the training process (see utils.shared_memory)."""
+"""train.py's flag that keeps loading in the training process (see utils.hardware)."""
 
 
 @dataclass

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from unet import ENCODERS
-from utils.class_names import parse_class_names
 from utils.cli import device_flag
 from utils.datasets.splits import SPLIT_BY_IMAGE, SPLIT_RULES, check_split_flags
 from utils.errors import ConfigError
@@ -26,12 +25,12 @@ from utils.flags import (
     check_ranges,
     flag,
     flat_values,
+    parse_class_names,
     parse_known_flags,
     require_number,
     section,
 )
-from utils.hardware import PRECISIONS
-from utils.machine_bounds import check_model_fits, check_threads, check_workers
+from utils.hardware import PRECISIONS, check_model_fits, check_threads, check_workers
 from utils.training.config_file import add_config_flag, apply_config_file
 from utils.training.objective import CLASS_WEIGHTS_AUTO, OPTIMIZERS, SCHEDULERS
 
@@ -363,7 +362,7 @@ def validate_config(config: TrainConfig) -> None:
 
 
 def check_machine_bounds(config: TrainConfig) -> None:
-    """The bounds this machine sets (``utils.machine_bounds``), checked before a run folder or a model exists."""
+    """The bounds this machine sets (``utils.hardware``), checked before a run folder or a model exists."""
     check_threads(config.performance.threads)
     if config.performance.num_workers is not None:
         check_workers(config.performance.num_workers, "--num-workers")

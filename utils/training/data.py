@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from utils.allocator import reuse_large_buffers
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import (
     SPLIT_BY_IMAGE,
@@ -27,7 +26,7 @@ from utils.datasets.splits import (
     write_split_file,
 )
 from utils.errors import ConfigError
-from utils.shared_memory import loader_timeout
+from utils.hardware import loader_timeout, reuse_large_buffers
 from utils.training.config import DataSection, TrainConfig
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 
@@ -231,7 +230,7 @@ def build_val_loader(val_set: Dataset, config: TrainConfig, *, num_workers: int,
 
 def _init_loader_worker(worker_id: int) -> None:
     _ignore_stop_signals(worker_id)
-    # The same megabyte-sized tensors are made for every item: reuse their memory (utils.allocator).
+    # The same megabyte-sized tensors are made for every item: reuse their memory (utils.hardware).
     reuse_large_buffers()
 
 

@@ -20,14 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.allocator import reuse_large_buffers
 from utils.checkpoint.checkpointer import restore
 from utils.checkpoint.files import load_checkpoint_file
 from utils.checkpoint.run_folder import RunFolder, RunSeries, agree_on_run, series_name
 from utils.checkpoint.state import TrainingState, TrainPosition
-from utils.errors import ConfigError
+from utils.errors import ConfigError, count
 from utils.flags import flag_fields
-from utils.hardware import resolve_precision, warn_if_emulated
+from utils.hardware import resolve_precision, reuse_large_buffers, warn_if_emulated
 from utils.launch.environments import LaunchPlan, plan_launch
 from utils.launch.process_group import DistributedContext, agree_on_errors, setup
 from utils.launch.signals import InterruptFlag
@@ -42,7 +41,6 @@ from utils.training.loop import Trainer, TrainParts
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan
 from utils.training.validation import Validator
-from utils.wording import count
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +53,7 @@ def launch_plan(config: TrainConfig, argv: list[str]) -> LaunchPlan:
 def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:
     """Pick the device, size the thread pool and join the process group, as the flags say."""
     # Every step makes the same large tensors (and on a CPU, loading in this process, every item): keep their memory
-    # for reuse instead of faulting in fresh pages each time (utils.allocator; 1.2-1.3x bf16 images/s on the 2-core
+    # for reuse instead of faulting in fresh pages each time (utils.hardware; 1.2-1.3x bf16 images/s on the 2-core
     # machine of docs/PERFORMANCE.md).
     reuse_large_buffers()
     return setup(

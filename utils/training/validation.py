@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from utils.errors import DatasetError, user_message
+from utils.errors import DatasetError, count, user_message
 from utils.evaluation import EvalResult, SegmentationMetrics, predict_classes, score_batches
 from utils.launch.process_group import (
     DistributedContext,
@@ -35,7 +35,6 @@ from utils.launch.process_group import (
 from utils.launch.signals import InterruptFlag
 from utils.training.config import TrainConfig
 from utils.training.run_log import SAMPLE_IMAGES, RunLog, weight_and_grad_histograms
-from utils.wording import count
 
 logger = logging.getLogger(__name__)
 
