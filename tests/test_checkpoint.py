@@ -36,7 +36,7 @@ from utils.checkpoint.format import (
     InferenceRecord,
 )
 from utils.checkpoint.model import load_model
-from utils.checkpoint.state import load_resume_checkpoint, read_training_state
+from utils.checkpoint.state import TrainingState, load_resume_checkpoint
 from utils.errors import CheckpointError
 
 
@@ -286,7 +286,7 @@ def test_a_format_1_file_written_before_the_inference_record_loads_with_its_scal
     assert spec.model_args == {"n_channels": 1, "n_classes": 2, "bilinear": True, "base_channels": 2}
     assert (spec.mask_values, spec.training_scale, spec.ignore_values) == ([0, 128], 0.25, (255,))
     # It resumes too: the typed read finds the position and the record (from the run's args, for such old files).
-    state = read_training_state(path)
+    state = TrainingState.of(load_checkpoint_file(path), path)
     assert (state.position.epoch, state.position.global_step, state.position.step_in_epoch) == (1, 10, 0)
     assert state.inference == InferenceRecord(scale=0.25, ignore_values=(255,), channels=1)
     assert state.run_args["scale"] == 0.25 and state.world_size == 1
@@ -300,7 +300,7 @@ def test_a_milesial_file_loads_with_its_mask_values_and_milesials_scale() -> Non
     assert spec.model_args == {"n_channels": 3, "n_classes": 3, "bilinear": False, "base_channels": 2}
     assert (spec.mask_values, spec.training_scale, spec.scale, spec.ignore_values) == ([0, 127, 254], None, 0.5, ())
     with pytest.raises(CheckpointError, match=r"cannot be resumed: it lacks model_state, optimizer"):
-        read_training_state(path)
+        TrainingState.of(load_checkpoint_file(path), path)
 
 
 def test_a_ddp_script_file_loads_without_its_module_prefixes() -> None:
@@ -331,16 +331,16 @@ def test_a_newer_format_is_refused_by_every_read(tmp_path: Path) -> None:
     payload[KEY_FORMAT_VERSION] = FORMAT_VERSION + 1
     save_checkpoint_atomic(payload, path)
     upgrade = rf"{path} has format version {FORMAT_VERSION + 1}; this version of unet-ddp reads up to {FORMAT_VERSION}"
-    for read in (read_model_weights, load_resume_checkpoint, read_training_state):
+    for read in (read_model_weights, load_resume_checkpoint):
         with pytest.raises(CheckpointError, match=upgrade):
             read(path)
 
 
 def test_a_training_state_survives_its_own_write_and_read(tmp_path: Path) -> None:
-    state = read_training_state(FIXTURES / "v1_train.pth")
+    state = TrainingState.of(load_checkpoint_file(FIXTURES / "v1_train.pth"), "v1_train.pth")
     state.inference = InferenceRecord(scale=0.5, ignore_values=(), channels=1)
     save_checkpoint_atomic(state.to_payload(), tmp_path / "again.pth")
-    again = read_training_state(tmp_path / "again.pth")
+    again = TrainingState.of(load_checkpoint_file(tmp_path / "again.pth"), "again.pth")
     assert again.inference == state.inference and again.position == state.position
     assert again.model.keys() == state.model.keys()
     assert all(torch.equal(again.model[key], tensor) for key, tensor in state.model.items())

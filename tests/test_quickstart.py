@@ -16,12 +16,13 @@ from scripts.quickstart_plan import main as quickstart_plan_main
 from scripts.quickstart_plan import plan_quickstart
 from tests.conftest import REPO_ROOT, TrainRunner, child_env
 from tests.helpers import one_error_line
-from utils.checkpoint.state import read_training_state
+from utils.checkpoint.files import load_checkpoint_file
+from utils.checkpoint.state import TrainingState
 from utils.errors import USER_ERROR_EXIT_CODE
 
 
 def epochs_done(checkpoint: Path) -> int:
-    return read_training_state(checkpoint).position.epoch
+    return TrainingState.of(load_checkpoint_file(checkpoint), checkpoint).position.epoch
 
 
 def test_a_first_quickstart_starts_a_run_that_a_rerun_would_resume(runner: TrainRunner, carvana_data):

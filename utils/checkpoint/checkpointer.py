@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -35,6 +35,7 @@ from utils.checkpoint.format import all_finite
 from utils.checkpoint.run_folder import RunFolder
 from utils.checkpoint.state import (
     TrainingState,
+    TrainPosition,
     dataset_record,
     inference_of_run,
     restore_rng_state,
@@ -45,7 +46,6 @@ from utils.launch.process_group import DistributedContext, agree_on_errors, rais
 
 if TYPE_CHECKING:
     from utils.training.config import CheckpointSection
-    from utils.training.loop import TrainParts
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,20 @@ def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, 
     return place + 1
 
 
+class SavedParts(Protocol):
+    """What a save reads of the run (``utils.training.loop.TrainParts`` is one): the unwrapped model and its
+    arguments, the optimizer step (``optimizer``, ``scaler``), the scheduler, the average, the data and the flags."""
+
+    position: TrainPosition
+    raw_model: torch.nn.Module
+    model_args: dict[str, Any]
+    step: Any
+    scheduler: Any
+    ema: Any
+    data: Any
+    run_args: dict[str, Any]
+
+
 class Checkpointer:
     """When and which checkpoint files a run writes (see the module docstring), from the checkpoint flags.
 
@@ -106,7 +120,7 @@ class Checkpointer:
         config: CheckpointSection,
         ctx: DistributedContext,
         folder: RunFolder,
-        parts: TrainParts,
+        parts: SavedParts,
         *,
         skipped_steps: Callable[[], int],
         phase: Callable[[str], AbstractContextManager[None]],

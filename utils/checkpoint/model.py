@@ -59,13 +59,10 @@ _INT_RANGES = {"n_channels": (1, 64), "n_classes": (1, 1024), "base_channels": (
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """What builds a model from a checkpoint: UNet's constructor arguments and the mask value of each class."""
+class ModelSpec(UNetArgs):
+    """What builds a model from a checkpoint: UNet's constructor arguments (``UNetArgs``, the one owner of their names
+    and defaults) and the mask value of each class."""
 
-    n_channels: int
-    n_classes: int
-    bilinear: bool
-    base_channels: int
     mask_values: list | None = None
     training_scale: float | None = None
     """The ``--scale`` the model was trained at, when the file records it (ours do; milesial's do not)."""
@@ -73,10 +70,6 @@ class ModelSpec:
     """The void mask values the model was trained with (``--ignore-value``): never a class, never predicted."""
     class_names: tuple[str, ...] = ()
     """One name per class (``--class-names`` in training), for legends and tables; empty when the file has none."""
-    encoder: str = UNetArgs.encoder
-    """``unet`` or a ResNet (``--encoder``); a ResNet model normalises its own input (``unet.resnet_unet``)."""
-    deep_supervision: bool = UNetArgs.deep_supervision
-    """Whether the model has auxiliary heads; they are used in training only, so inference ignores them."""
 
     @property
     def scale(self) -> float:
@@ -92,9 +85,7 @@ class ModelSpec:
         return dataclasses.asdict(self._unet_args())
 
     def _unet_args(self) -> UNetArgs:
-        return UNetArgs(
-            self.n_channels, self.n_classes, self.bilinear, self.base_channels, self.encoder, self.deep_supervision
-        )
+        return UNetArgs(**{field.name: getattr(self, field.name) for field in dataclasses.fields(UNetArgs)})
 
     def build(self) -> torch.nn.Module:
         return build_model(self.model_args)

@@ -253,13 +253,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 def load_resume_checkpoint(path: Path) -> dict[str, Any]:
     """A checkpoint that holds everything needed to continue training, else a CheckpointError naming what is missing.
 
-    Returned as read (the trainer's builders take their parts from it); ``read_training_state`` is the typed view.
+    Returned as read (the run folder compares its digests and position); ``TrainingState.of`` is the typed view.
     """
     payload = load_checkpoint_file(path)
     TrainingState.of(payload, path)
     return payload
-
-
-def read_training_state(path: Path) -> TrainingState:
-    """The typed state of a resumable checkpoint (format version and digests checked), else a CheckpointError."""
-    return TrainingState.of(load_checkpoint_file(path), path)
