@@ -90,11 +90,11 @@ def _write_atomic(path: Path, write: Any) -> None:
         os.replace(tmp_name, path)
         _fsync_directory(path.parent)
     except OSError as error:
-        _remove_quietly(tmp_name)
+        Path(tmp_name).unlink(missing_ok=True)
         raise CheckpointError(write_failure_message(path, error)) from error
     except BaseException:
         # KeyboardInterrupt or a crash mid-write: never leave the temporary file behind under any name.
-        _remove_quietly(tmp_name)
+        Path(tmp_name).unlink(missing_ok=True)
         raise
 
 
@@ -206,10 +206,3 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _remove_quietly(name: str) -> None:
-    try:
-        os.unlink(name)
-    except FileNotFoundError:
-        pass

@@ -183,7 +183,7 @@ def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
                 f"checkpoint {path} is damaged: {len(changed)} tensor(s) differ from what was saved (e.g. "
                 f"{changed[0]}), its bytes changed on disk; use another checkpoint"
             )
-    weights = raw[KEY_MODEL] if _is_ours(raw) else _foreign_weights(dict(raw))
+    weights = _model_weights(raw)
     items = weights.items() if isinstance(weights, Mapping) else ()
     tensors = [(name, tensor) for name, tensor in items if isinstance(tensor, torch.Tensor)]
     if not all_finite(tensor for _, tensor in tensors):
@@ -242,10 +242,7 @@ def check_format_version(raw: Mapping[str, Any], path: str | Path) -> None:
 
 def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
     """The model weights of ``raw`` (``load_checkpoint_file``'s result for ``path``), wrapper prefixes removed."""
-    if _is_ours(raw):
-        state_dict, model_args = raw[KEY_MODEL], raw.get(KEY_MODEL_ARGS)
-    else:
-        state_dict, model_args = _foreign_weights(raw), None
+    state_dict, model_args = _model_weights(raw), raw.get(KEY_MODEL_ARGS) if _is_ours(raw) else None
     if not isinstance(state_dict, Mapping) or not state_dict:
         state_dict = {}
     if not state_dict or not all(isinstance(value, torch.Tensor) for value in state_dict.values()):
@@ -254,7 +251,10 @@ def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
     return LoadedWeights(_strip_wrapper_prefixes(state_dict), model_args, mask_values, InferenceRecord.of(raw))
 
 
-def _foreign_weights(raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _model_weights(raw: Mapping[str, Any]) -> Any:
+    """What ``raw`` holds as the model's weights: ours under ``KEY_MODEL``, a foreign file's where it put them."""
+    if _is_ours(raw):
+        return raw[KEY_MODEL]
     for key in _NESTED_WEIGHT_KEYS:
         if isinstance(raw.get(key), dict):
             return dict(raw[key])

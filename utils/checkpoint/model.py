@@ -104,12 +104,11 @@ def validate_model_args(args: Any, path: str | Path) -> dict[str, Any]:
         value = args[key]
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise CheckpointError(f"{path}: model_args {key}={value!r} is not an integer in [{low}, {high}]")
-    if not isinstance(args["bilinear"], bool):
-        raise CheckpointError(f"{path}: model_args bilinear={args['bilinear']!r} is not true or false")
+    for key in ("bilinear", "deep_supervision"):
+        if not isinstance(args.get(key, False), bool):
+            raise CheckpointError(f"{path}: model_args {key}={args[key]!r} is not true or false")
     if args.get("encoder", UNetArgs.encoder) not in ENCODERS:
         raise CheckpointError(f"{path}: model_args encoder={args['encoder']!r} is not one of {', '.join(ENCODERS)}")
-    if not isinstance(args.get("deep_supervision", False), bool):
-        raise CheckpointError(f"{path}: model_args deep_supervision={args['deep_supervision']!r} is not true or false")
     if args.get("encoder", UNetArgs.encoder) != UNetArgs.encoder and args["bilinear"]:
         raise CheckpointError(f"{path}: model_args asks for bilinear upsampling, which only the unet encoder has")
     return dict(args)

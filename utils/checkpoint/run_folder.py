@@ -48,6 +48,7 @@ import fcntl
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,10 +203,14 @@ class RunFolder:
 
         Cheap: no file is read.
         """
+        names = {self.last.name, self.interrupted.name}
+        return self._files(lambda name: name in names or _EPOCH_PATTERN.match(name))
+
+    def _files(self, wanted: Callable[[str], Any]) -> list[Path]:
+        """The files of the folder whose names ``wanted`` accepts (none when the folder does not exist)."""
         if not self.path.is_dir():
             return []
-        names = {self.last.name, self.interrupted.name}
-        return [p for p in self.path.iterdir() if p.is_file() and (p.name in names or _EPOCH_PATTERN.match(p.name))]
+        return [path for path in self.path.iterdir() if path.is_file() and wanted(path.name)]
 
     def checkpoints(self) -> list[Path]:
         """Checkpoints of the run folder, furthest recorded position first (``recorded_position``).
@@ -293,14 +298,11 @@ class RunFolder:
 
     def prune_epoch_checkpoints(self, keep_last: int) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoint_epoch files (by epoch number); returns those deleted."""
-        if keep_last <= 0 or not self.path.is_dir():
+        if keep_last <= 0:
             return []
-        numbered = []
-        for path in self.path.iterdir():
-            match = _EPOCH_PATTERN.match(path.name)
-            if match:
-                numbered.append((int(match.group(1)), path))
-        numbered.sort()
+        numbered = sorted(
+            (int(_EPOCH_PATTERN.match(path.name).group(1)), path) for path in self._files(_EPOCH_PATTERN.match)
+        )
         doomed = [path for _, path in numbered[:-keep_last]]
         for path in doomed:
             path.unlink(missing_ok=True)
@@ -312,13 +314,9 @@ class RunFolder:
         Only under the lock: the files of a write in progress look the same.
         """
         assert self._lock_fd is not None, "remove_partial_files needs the folder's lock"
-        if not self.path.is_dir():
-            return []
-        removed = []
-        for candidate in self.path.iterdir():
-            if PARTIAL_FILE_PATTERN.match(candidate.name) and candidate.is_file():
-                candidate.unlink(missing_ok=True)
-                removed.append(candidate)
+        removed = self._files(PARTIAL_FILE_PATTERN.match)
+        for candidate in removed:
+            candidate.unlink(missing_ok=True)
         return removed
 
 

@@ -45,7 +45,6 @@ from utils.checkpoint.format import (
     weights_of,
 )
 from utils.errors import CheckpointError
-from utils.flags import split_class_names
 
 # What best.pth and best-K.pth hold: the weights, what inference rebuilds the model and prepares images from, and where
 # the run stood; no optimizer state (two more copies of the weights' size with AdamW), so they cannot be resumed.
@@ -178,15 +177,10 @@ def inference_of_run(run_args: dict[str, Any], n_channels: int) -> InferenceReco
     """What a run's checkpoints record for inference: how its images were prepared (--scale, --ignore-value, channels)
     and what its classes are called (--class-names).
 
-    Read from the flags here, at save time, once: readers of the file never depend on what a flag is called.
+    Read from the flags here, at save time, once (by the reader of files that predate the record, with these flags):
+    readers of the file never depend on what a flag is called.
     """
-    names = run_args.get("class_names")
-    return InferenceRecord(
-        scale=float(run_args["scale"]),
-        ignore_values=tuple(run_args.get("ignore_values") or ()),
-        channels=n_channels,
-        class_names=split_class_names(names) if names else (),
-    )
+    return InferenceRecord.of({KEY_ARGS: run_args, KEY_MODEL_ARGS: {"n_channels": n_channels}})
 
 
 def dataset_record(image_ids: Sequence[str]) -> dict[str, Any]:
