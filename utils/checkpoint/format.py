@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +84,8 @@ class InferenceRecord:
     """One name per class (``--class-names``), shown by predict's legends and evaluate's table; empty when unnamed."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "ignore_values": list(self.ignore_values),
-            "channels": self.channels,
-            "class_names": list(self.class_names),
-        }
+        """The record as files hold it (its tuples as lists)."""
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
     @classmethod
     def of(cls, raw: Mapping[str, Any]) -> InferenceRecord:
