@@ -25,7 +25,6 @@ from collections.abc import Sequence
 
 from torch.utils.data import DataLoader, Subset
 
-from utils.checkpoint import model as model_spec
 from utils.cli import setup_logging
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import validation_positions
@@ -33,7 +32,7 @@ from utils.errors import DatasetError, count
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.hardware import SharedMemoryGuard, check_room, loader_timeout, pick_device, warn_if_emulated
 from utils.inference.config import EvaluateConfig, parse_evaluate_config
-from utils.inference.engine import keep_as_list
+from utils.inference.engine import WORKERS_FIX, keep_as_list, load_model
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, check_json_path, format_table, write_json
 from utils.launch.runner import run_main
 from utils.launch.signals import startup_done
@@ -41,7 +40,6 @@ from utils.launch.signals import startup_done
 __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", "main", "run"]
 
 OOM_FIX = "lower --batch-size or --scale"
-WORKERS_FIX = "--workers 0 (-j 0)"  # the flag that keeps loading in the main process (utils.hardware)
 
 
 def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...]]:
@@ -50,10 +48,7 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
     device = pick_device(config.device)
     warn_if_emulated(device, config.precision)
     check_json_path(config)
-    model, spec = model_spec.load_model(
-        config.model, expected={"n_classes": config.classes, "bilinear": True if config.bilinear else None}
-    )
-    scale = model_spec.resolve_scale(spec, config.scale, config.model)
+    model, spec, scale = load_model(config)
     dataset = BasicDataset(
         config.images_dir,
         config.masks_dir,

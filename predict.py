@@ -33,8 +33,7 @@ from utils.cli import setup_logging
 from utils.errors import count
 from utils.hardware import pick_device, warn_if_emulated
 from utils.inference.config import PredictConfig, parse_predict_config
-from utils.inference.engine import PredictionInputs, load_predictor, predict_items
-from utils.inference.export import run_export
+from utils.inference.engine import PredictionInputs, load_predictor, predict_items, run_export
 from utils.inference.file_plan import (
     check_writable,
     collect_inputs,

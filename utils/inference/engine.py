@@ -35,11 +35,12 @@ from utils.datasets.pixel_cache import IMAGE, PixelCache
 from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
 from utils.hardware import SharedMemoryGuard, check_room, loader_timeout
-from utils.inference.config import DEFAULT_MASK_THRESHOLD, PredictConfig
-from utils.inference.export import Preprocessing
+from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
+from utils.inference.export import Preprocessing, export_model
 from utils.inference.memory import MemoryPlanner
 from utils.inference.outputs import check_mask_values, default_mask_values
 from utils.inference.tiling import TileSettings, forward_logits, predict_logits_tiled
+from utils.output_files import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,19 @@ WORKERS_FIX = "--workers 0 (-j 0)"
 """predict.py's flag that keeps decoding in the main process (see utils.hardware)."""
 
 
-def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
-    """The checkpoint's model (eval mode, on the CPU) and how predict.py prepares images for it and writes its classes:
-    the image scale, the mask value of each class, void values and class names (empty when the checkpoint has none)."""
+def load_model(config: InferenceConfig) -> tuple[UNet, model_spec.ModelSpec, float]:
+    """The checkpoint's model (checked against --classes/--bilinear), its spec and the image scale (--scale or the
+    checkpoint's)."""
     model, spec = model_spec.load_model(
         config.model, expected={"n_classes": config.classes, "bilinear": True if config.bilinear else None}
     )
-    scale = model_spec.resolve_scale(spec, config.scale, config.model)
+    return model, spec, model_spec.resolve_scale(spec, config.scale, config.model)
+
+
+def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
+    """The checkpoint's model (eval mode, on the CPU) and how predict.py prepares images for it and writes its classes:
+    the image scale, the mask value of each class, void values and class names (empty when the checkpoint has none)."""
+    model, spec, scale = load_model(config)
     mask_values = spec.mask_values
     if mask_values is None:
         mask_values = default_mask_values(model.n_classes)
@@ -77,6 +84,22 @@ def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
         )
     preprocessing = Preprocessing(scale, mask_values, model.n_channels, spec.ignore_values, spec.class_names)
     return model.eval(), preprocessing
+
+
+def run_export(model: nn.Module, config: PredictConfig, preprocessing: Preprocessing) -> None:
+    """predict.py's ``--export``: the file may replace neither the checkpoint nor a TorchScript archive it cannot
+    recognise as an export (``check_outputs``); it carries ``preprocessing`` (in an ONNX file's metadata)."""
+    assert config.export_format is not None and config.export_path is not None
+    check_outputs(
+        [(config.export_path, "--export")],
+        {config.model: "the checkpoint"},
+        writes_images=False,
+        replaces_torchscript=config.export_format == "torchscript",
+    )
+    report = export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
+    report_fields = (report.format, report.path, report.checked_with)
+    difference = "n/a" if report.max_abs_difference is None else f"{report.max_abs_difference:.3g}"
+    logger.info("Exported %s to %s (checked with %s, max |difference| %s)", *report_fields, difference)
 
 
 @dataclass

@@ -30,16 +30,12 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from utils.errors import UserError
-from utils.output_files import check_outputs, replacing
-
-if TYPE_CHECKING:
-    from utils.inference.config import PredictConfig
+from utils.output_files import replacing
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +109,6 @@ def export_model(
     ``sample_size`` is ``(height, width)`` of the sample input used to trace the model; both must be multiples of 16.
     ``preprocessing`` goes into an ONNX file's ``metadata_props``.
     """
-    if export_format not in EXPORT_FORMATS:
-        raise ExportError(f"--export {export_format}: choose one of {', '.join(EXPORT_FORMATS)}")
     if any(side < SIZE_MULTIPLE or side % SIZE_MULTIPLE for side in sample_size):
         raise ExportError(f"--export-size {sample_size[1]}x{sample_size[0]}: use multiples of {SIZE_MULTIPLE}")
     path = Path(path)
@@ -143,22 +137,6 @@ def export_model(
             report = _export_onnx(model, temporary, sample, other, preprocessing, _weights_file(path))
     report.path = path
     return report
-
-
-def run_export(model: nn.Module, config: PredictConfig, preprocessing: Preprocessing) -> None:
-    """predict.py's ``--export``: the file may replace neither the checkpoint nor a TorchScript archive it cannot
-    recognise as an export (``check_outputs``); it carries ``preprocessing`` (in an ONNX file's metadata)."""
-    assert config.export_format is not None and config.export_path is not None
-    check_outputs(
-        [(config.export_path, "--export")],
-        {config.model: "the checkpoint"},
-        writes_images=False,
-        replaces_torchscript=config.export_format == "torchscript",
-    )
-    report = export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
-    report_fields = (report.format, report.path, report.checked_with)
-    difference = "n/a" if report.max_abs_difference is None else f"{report.max_abs_difference:.3g}"
-    logger.info("Exported %s to %s (checked with %s, max |difference| %s)", *report_fields, difference)
 
 
 @contextlib.contextmanager
