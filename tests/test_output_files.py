@@ -146,16 +146,32 @@ def test_curves_on_a_full_disk_warn_and_leave_no_temporary(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("torn", ['{"event": "train", "glo', "12"])
-def test_a_torn_last_metrics_line_does_not_swallow_the_next_record(tmp_path, caplog, torn):
+def test_a_torn_last_metrics_line_is_dropped_with_one_warning(tmp_path, caplog, torn):
     metrics = tmp_path / "metrics.jsonl"
     first = {"event": "train", "global_step": 1, "loss": 0.5}
     metrics.write_text(json.dumps(first) + "\n" + torn)
     with caplog.at_level(logging.WARNING), open_for_append(metrics) as handle:
         handle.write(json.dumps({"event": "train", "global_step": 2, "loss": 0.25}) + "\n")
-    assert "torn line" in caplog.text
+    assert caplog.text.count("torn line") == 1
     assert read_series(metrics).loss == [(1, 0.5), (2, 0.25)]
     lines = metrics.read_text().splitlines()
-    assert lines[1] == torn and json.loads(lines[2])["global_step"] == 2
+    assert len(lines) == 2 and all(isinstance(json.loads(line), dict) for line in lines), lines
+
+
+def test_a_last_record_that_lost_only_its_newline_is_kept(tmp_path, caplog):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"a": 1}\n{"b": 2}')
+    with caplog.at_level(logging.WARNING), open_for_append(metrics) as handle:
+        handle.write('{"c": 3}\n')
+    assert metrics.read_text() == '{"a": 1}\n{"b": 2}\n{"c": 3}\n'
+    assert "ended without a newline" in caplog.text
+
+
+def test_a_file_that_is_one_torn_line_becomes_empty(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"event": "tr')
+    open_for_append(metrics).close()
+    assert metrics.read_text() == ""
 
 
 def test_a_complete_metrics_file_is_appended_to_as_it_is(tmp_path):

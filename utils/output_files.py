@@ -7,18 +7,24 @@ Two promises, kept here and nowhere else:
   so a hard link or a symbolic link to an input is caught. An existing file at an output path that is a PyTorch
   checkpoint (a ``torch.save`` archive, whatever its name) or an image inside one of the run's input folders is
   refused too, as is an existing ``.pth`` file.
+* **An existing file is replaced only when asked** (``overwrite=False``: exports without ``--overwrite``), and never a
+  file of a training run (``metrics.jsonl``, ``split.json``, ``config.yaml``, ``curves.png`` or anything under
+  ``tensorboard/`` in a folder holding a run's ``metrics.jsonl``), whatever the flag.
 * **A write is all or nothing** (``replacing``, ``write_file``). Each file is written to a temporary file in its own
   folder, flushed to disk, then renamed over the output path with ``os.replace``: a link at the output path is
   replaced, never written through, and a write that fails (a full disk) leaves the previous file whole and no
   temporary file behind.
 
-``metrics.jsonl`` is appended to, not replaced: ``open_for_append`` starts a new line after a torn last line.
+``metrics.jsonl`` is appended to, not replaced: ``open_for_append`` drops a torn last line (a crash mid-write) with
+one warning. A side output's folder (``side_output_folder``: TensorBoard's) is never a link or a file in the way, and a
+side output that cannot be written is one warning (``side_output_failed``): the run goes on without it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import pickle
@@ -39,6 +45,10 @@ LOCATION_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACC
 _LEGACY_TORCH_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[:-1]
 
 FileKey = tuple[int, int]
+
+# The files of a training run folder (``utils.checkpoint.run_folder.RunFolder``) that no other output may replace.
+RUN_FILE_NAMES = ("metrics.jsonl", "split.json", "config.yaml", "curves.png")
+RUN_MARKER = "metrics.jsonl"
 
 
 class OutputError(UserError):
@@ -85,6 +95,7 @@ def check_outputs(
     *,
     writes_images: bool = True,
     replaces_torchscript: bool = False,
+    overwrite: bool | None = None,
 ) -> None:
     """Raise ``ConfigError`` naming both files when an output would replace something a run must keep.
 
@@ -94,7 +105,8 @@ def check_outputs(
     ``.pth`` or ``torch.save`` file (a checkpoint under any name); an existing TorchScript archive unless
     ``replaces_torchscript`` (an export replacing an earlier export); an existing image inside one of
     ``input_folders`` other than an earlier output (``*_OUT``/``*_VIZ``); any existing image when the outputs are not
-    images (``writes_images=False``: JSON, exports).
+    images (``writes_images=False``: JSON, exports); a file of a training run (``run_file_role``); with
+    ``overwrite=False``, any existing file (the message names ``--overwrite``).
     """
     kept: dict[FileKey, tuple[Path, str]] = {}
     for path, role in protected.items():
@@ -110,13 +122,32 @@ def check_outputs(
             raise ConfigError(
                 f"{role} would be written to {path}, which is {other_role} {other}; choose another output name"
             )
+        if key is not None or os.path.islink(path):
+            run_file = run_file_role(path)
+            if run_file is not None:
+                raise ConfigError(f"{role} would be written to {path}, {run_file}; choose another name")
         if key is not None:
             _check_existing(path, role, folders, writes_images, replaces_torchscript)
+            if overwrite is False:
+                raise ConfigError(f"{role}: {path} already exists; add --overwrite to replace it, or choose another name")
         slot = key if key is not None else _future_key(path)
         if slot in written:
             other, other_role = written[slot]
             raise ConfigError(f"{other_role} and {role} would both be written to {path}; rename one or use --output")
         written[slot] = (path, role)
+
+
+def run_file_role(path: Path) -> str | None:
+    """What ``path`` is when it is a file of a training run (see ``RUN_FILE_NAMES``), through links; else ``None``."""
+    path = Path(os.path.realpath(path))
+    for folder in (path.parent, *path.parents):
+        if (folder / RUN_MARKER).is_file():
+            if folder == path.parent and path.name in RUN_FILE_NAMES:
+                return f"the run file {path.name} of the training run {folder}"
+            if folder != path.parent and path.relative_to(folder).parts[0] == "tensorboard":
+                return f"a TensorBoard file of the training run {folder}"
+            return None
+    return None
 
 
 def _check_existing(
@@ -188,19 +219,46 @@ def write_text(path: Path, text: str, role: str | None = None) -> None:
 
 
 def open_for_append(path: Path) -> IO[str]:
-    """``path`` opened to append lines; a torn last line (a crash mid-write) is ended first, so the next record
-    starts on a line of its own and readers skip only the torn one."""
-    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - the caller closes it
-    size = handle.seek(0, os.SEEK_END)
-    if size:
-        with open(path, "rb") as raw:
-            raw.seek(size - 1)
-            torn = raw.read(1) != b"\n"
-        if torn:
-            logger.warning("%s ended in a torn line (a crash while writing); it is kept and skipped", path)
-            handle.write("\n")
-            handle.flush()
-    return handle
+    """``path`` opened to append lines. A torn last line (a crash mid-write) is repaired first, with one warning: a
+    whole JSON object that lost only its newline gets it back, anything else is cut off, so readers never meet it."""
+    with open(path, "a+b") as raw:
+        size = raw.seek(0, os.SEEK_END)
+        start = _last_line_start(raw, size)
+        raw.seek(start)
+        tail = raw.read()
+        if tail and not tail.endswith(b"\n"):
+            if _is_json(tail):
+                raw.write(b"\n")
+                logger.warning("%s ended without a newline (a crash while writing); the line is ended", path)
+            else:
+                raw.truncate(start)
+                logger.warning(
+                    "%s ended in a torn line of %d bytes (a crash while writing); it is dropped", path, len(tail)
+                )
+            raw.flush()
+            os.fsync(raw.fileno())
+    return open(path, "a", encoding="utf-8")  # noqa: SIM115 - the caller closes it
+
+
+def _last_line_start(raw: IO[bytes], size: int, chunk: int = 65536) -> int:
+    """The offset just after the last newline before ``size`` - 1 (0 when there is none)."""
+    end = max(size - 1, 0)
+    while end > 0:
+        begin = max(end - chunk, 0)
+        raw.seek(begin)
+        found = raw.read(end - begin).rfind(b"\n")
+        if found >= 0:
+            return begin + found + 1
+        end = begin
+    return 0
+
+
+def _is_json(line: bytes) -> bool:
+    """Whether ``line`` is one whole record (a JSON object; a torn record can still parse, as a number say)."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def _output_error(path: Path, role: str | None, error: OSError) -> OutputError:

@@ -100,7 +100,7 @@ class RunLog:
             return
         run_folder.path.mkdir(parents=True, exist_ok=True)
         # Appending keeps the history of a resumed run in the same file; the curves keep the last value per step.
-        # A torn last line (a crash mid-write) is ended first, so it cannot swallow the next record.
+        # A torn last line (a crash mid-write) is dropped first, so it cannot swallow the next record.
         self._metrics_file = open_for_append(run_folder.metrics)
         if config.logging.tensorboard:
             self._tensorboard = _start_tensorboard(run_folder, resumed_step)
