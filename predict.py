@@ -120,7 +120,7 @@ def run(config: PredictConfig) -> int:
     model, preprocessing = load_predictor(config)
     config = dataclasses.replace(config, scale=preprocessing.scale)
     if config.export_format is not None:
-        run_export(model, config, preprocessing)
+        run_export(model, config, preprocessing, read_paths(collect_inputs(config.inputs), config))
         if not config.inputs:
             return 0
     return predict_files(model, preprocessing.mask_values, config, device, preprocessing.class_names)

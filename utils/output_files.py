@@ -127,9 +127,10 @@ def check_outputs(
             if run_file is not None:
                 raise ConfigError(f"{role} would be written to {path}, {run_file}; choose another name")
         if key is not None:
-            _check_existing(path, role, folders, writes_images, replaces_torchscript)
+            _check_existing(path, role, folders, writes_images, replaces_torchscript, overwrite is False)
             if overwrite is False:
-                raise ConfigError(f"{role}: {path} already exists; add --overwrite to replace it, or choose another name")
+                fix = "add --overwrite to replace it, or choose another name"
+                raise ConfigError(f"{role}: {path} already exists; {fix}")
         slot = key if key is not None else _future_key(path)
         if slot in written:
             other, other_role = written[slot]
@@ -151,7 +152,12 @@ def run_file_role(path: Path) -> str | None:
 
 
 def _check_existing(
-    path: Path, role: str, input_folders: set[FileKey], writes_images: bool, replaces_torchscript: bool
+    path: Path,
+    role: str,
+    input_folders: set[FileKey],
+    writes_images: bool,
+    replaces_torchscript: bool,
+    overwrite_fixes: bool,
 ) -> None:
     kind = torch_archive_kind(path)
     if path.suffix.lower() == ".pth" or kind == "checkpoint":
@@ -159,7 +165,8 @@ def _check_existing(
     if kind == "torchscript":
         if replaces_torchscript:
             return  # an earlier export (a .pt TorchScript file is no dataset tensor)
-        raise ConfigError(f"{role} would be written to {path}, an existing TorchScript model; choose another name")
+        fix = "add --overwrite to replace it, or choose another name" if overwrite_fixes else "choose another name"
+        raise ConfigError(f"{role} would be written to {path}, an existing TorchScript model; {fix}")
     if path.suffix.lower() not in IMAGE_EXTENSIONS:
         return
     if not writes_images:

@@ -172,13 +172,63 @@ def test_export_never_replaces_a_checkpoint_under_another_name_or_an_image(
     expect_refused(capsys, before, tmp_path, path)
 
 
-def test_export_replaces_an_earlier_export_with_a_new_file(tmp_path, binary_checkpoint):
+def export(path: Path, checkpoint: Path, *extra: object) -> int:
+    return run_predict("-m", checkpoint, "--export", "torchscript", path, "--export-size", "32x32", *extra)
+
+
+def test_export_replaces_an_earlier_export_only_with_overwrite(tmp_path, binary_checkpoint, capsys):
     path = tmp_path / "model.pt"
-    assert run_predict("-m", binary_checkpoint, "--export", "torchscript", path, "--export-size", "32x32") == 0
+    assert export(path, binary_checkpoint) == 0
     first = path.stat().st_ino
-    assert run_predict("-m", binary_checkpoint, "--export", "torchscript", path, "--export-size", "32x32") == 0
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    assert export(path, binary_checkpoint) == USER_ERROR_EXIT_CODE
+    expect_refused(capsys, before, tmp_path, path, "--overwrite")
+    assert export(path, binary_checkpoint, "--overwrite") == 0
     assert path.stat().st_ino != first, "the second export was not written"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("export_format", ["onnx", "torchscript"])
+def test_export_never_replaces_an_existing_file_without_overwrite(tmp_path, binary_checkpoint, capsys, export_format):
+    path = tmp_path / "notes.onnx"
+    path.write_text("my notes")
+    before = snapshot(tmp_path)
+    code = run_predict("-m", binary_checkpoint, "--export", export_format, path, "--export-size", "32x32")
+    assert code == USER_ERROR_EXIT_CODE
+    expect_refused(capsys, before, tmp_path, path, "--overwrite")
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "split.json", "config.yaml", "tensorboard/events.out"])
+@pytest.mark.parametrize("through", ["path", "link"])
+def test_export_never_replaces_a_training_run_file_even_with_overwrite(
+    tmp_path, binary_checkpoint, capsys, name, through
+):
+    run = tmp_path / "run"
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"event": "train", "global_step": 1}\n')
+    (run / name).write_text("kept\n") if name != "metrics.jsonl" else None
+    path = run / name
+    if through == "link":
+        path = tmp_path / "model.pt"
+        path.symlink_to(run / name)
+    before = snapshot(tmp_path)
+    assert export(path, binary_checkpoint, "--overwrite") == USER_ERROR_EXIT_CODE
+    expect_refused(capsys, before, tmp_path, path, "training run")
+
+
+def test_export_never_replaces_an_input_image_even_with_overwrite(tmp_path, images, binary_checkpoint, capsys):
+    before = snapshot(tmp_path)
+    assert export(images[0], binary_checkpoint, "-i", images[0], "--overwrite") == USER_ERROR_EXIT_CODE
+    expect_refused(capsys, before, tmp_path, images[0])
+
+
+def test_export_may_write_a_new_file_into_a_run_folder(tmp_path, binary_checkpoint):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"event": "train", "global_step": 1}\n')
+    assert export(run / "model.pt", binary_checkpoint) == 0
+    assert export(run / "model.pt", binary_checkpoint, "--overwrite") == 0
 
 
 def test_predict_into_a_full_disk_with_workers_stops_with_one_line(tmp_path, binary_checkpoint):

@@ -88,6 +88,8 @@ class PredictConfig(InferenceConfig):
     """write the model as onnx or torchscript to PATH and check it"""
     export_size: tuple[int, int] = flag((256, 256), "--export-size", metavar="WxH", value_type=_height_width)
     """sample input size for --export (256x256)"""
+    overwrite: bool = flag(False, "--overwrite")
+    """let --export replace an existing file (never a checkpoint, an input or a training run's file)"""
     pixel_cache: Path | None = flag(None, "--pixel-cache", metavar="DIR")
     """read the resized inputs from train.py's --pixel-cache DIR (same --scale), filling it on a miss"""
 

@@ -86,15 +86,19 @@ def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
     return model.eval(), preprocessing
 
 
-def run_export(model: nn.Module, config: PredictConfig, preprocessing: Preprocessing) -> None:
-    """predict.py's ``--export``: the file may replace neither the checkpoint nor a TorchScript archive it cannot
-    recognise as an export (``check_outputs``); it carries ``preprocessing`` (in an ONNX file's metadata)."""
+def run_export(
+    model: nn.Module, config: PredictConfig, preprocessing: Preprocessing, protected: dict[Path, str] | None = None
+) -> None:
+    """predict.py's ``--export``: the file may replace neither the checkpoint, ``protected`` (the inputs), a training
+    run's file, nor an existing file without ``--overwrite`` (``check_outputs``); it carries ``preprocessing`` (in an
+    ONNX file's metadata)."""
     assert config.export_format is not None and config.export_path is not None
     check_outputs(
         [(config.export_path, "--export")],
-        {config.model: "the checkpoint"},
+        {**(protected or {}), config.model: "the checkpoint"},
         writes_images=False,
-        replaces_torchscript=config.export_format == "torchscript",
+        replaces_torchscript=config.overwrite and config.export_format == "torchscript",
+        overwrite=config.overwrite,
     )
     report = export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
     report_fields = (report.format, report.path, report.checked_with)
