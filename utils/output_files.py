@@ -268,6 +268,31 @@ def _is_json(line: bytes) -> bool:
         return False
 
 
+def side_output_folder(folder: Path, role: str) -> Path:
+    """``folder`` made ready for a side output's files (TensorBoard's events), or ``OutputError`` saying why not.
+
+    The folder must be a real folder inside the run's own folder: a symbolic link is refused (its files would land
+    wherever it points, an input folder say), as is a file in the way. A probe file proves the folder writable, so
+    an unwritable one is found here, not by a writer thread later.
+    """
+    if folder.is_symlink():
+        raise OutputError(
+            f"{role}: {folder} is a link to {os.path.realpath(folder)}; a run writes only inside its own folder: "
+            "remove the link",
+            location_failure=False,
+        )
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"{role}: {folder} is a file, not a folder; move it away", location_failure=False)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe.{secrets.token_hex(4)}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        probe.unlink()
+    except OSError as error:
+        raise _output_error(folder, role, error) from error
+    return folder
+
+
 def _output_error(path: Path, role: str | None, error: OSError) -> OutputError:
     what = f"{role} to {path}" if role else str(path)
     location = error.errno in LOCATION_ERRNOS

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,3 +114,80 @@ def test_under_ddp_only_global_rank_0_writes_events(runner) -> None:
     trained = read_metrics(run_dir, event="train")
     assert [step for step, _ in _scalars(_read(run_dir), "train/loss")] == [event["global_step"] for event in trained]
     assert len(trained) > 1 and len({event["global_step"] for event in trained}) == len(trained)
+
+
+# A side output never ends a run nor writes outside the run folder: each case is one warning, the run trains on.
+
+
+def _run_dir_with(runner, make) -> Path:
+    run_dir = runner.run_dir("tb")
+    run_dir.mkdir(parents=True)
+    make(run_dir / "tensorboard")
+    return run_dir
+
+
+def test_a_linked_tensorboard_folder_is_not_followed(runner, tmp_path, caplog) -> None:
+    elsewhere = tmp_path / "inputs"
+    elsewhere.mkdir()
+    run_dir = _run_dir_with(runner, lambda folder: folder.symlink_to(elsewhere, target_is_directory=True))
+    assert runner.main("tb", "--epochs", "1", "--tensorboard") == 0
+    assert list(elsewhere.iterdir()) == [], "events were written through the link"
+    warnings = [r.getMessage() for r in caplog.records if "--tensorboard" in r.getMessage()]
+    assert len(warnings) == 1 and "is a link to" in warnings[0] and "remove the link" in warnings[0], warnings
+    assert (run_dir / "last.pth").is_file()
+
+
+def test_a_file_in_the_way_of_the_tensorboard_folder_is_named(runner, caplog) -> None:
+    run_dir = _run_dir_with(runner, lambda folder: folder.write_text("notes"))
+    assert runner.main("tb", "--epochs", "1", "--tensorboard") == 0
+    assert (run_dir / "tensorboard").read_text() == "notes"
+    assert f"{run_dir / 'tensorboard'} is a file, not a folder" in caplog.text
+    assert (run_dir / "last.pth").is_file()
+
+
+def test_an_unwritable_tensorboard_folder_is_one_warning(runner, caplog) -> None:
+    from tests.helpers import small_tmpfs
+
+    run_dir = runner.run_dir("tb")
+    with small_tmpfs(run_dir / "tensorboard", "1m") as folder:
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)  # root ignores chmod
+        assert runner.main("tb", "--epochs", "1", "--tensorboard") == 0
+    assert caplog.text.count("cannot write --tensorboard") == 1, caplog.text
+    assert (run_dir / "last.pth").is_file()
+
+
+def test_a_full_disk_at_the_start_of_tensorboard_is_one_warning(runner) -> None:
+    from tests.helpers import fill_disk, small_tmpfs
+
+    run_dir = runner.run_dir("tb")
+    with small_tmpfs(run_dir / "tensorboard", "64k") as folder:
+        fill_disk(folder)
+        process = runner.popen([sys.executable], "tb", "--epochs", "1", "--tensorboard", "--no-progress")
+        out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err
+    assert "Traceback" not in out + err, err
+    assert (out + err).count("No space left on device") == 1, out + err
+    assert (run_dir / "last.pth").is_file()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_disk_that_fills_during_the_run_is_one_warning_and_the_run_goes_on(runner, monkeypatch, caplog) -> None:
+    """The disk fills after the writer started: its thread fails on a write (an ``OSError`` injected where the event
+    file is written), the next flush meets it; one warning, no thread traceback, and the run trains to its end."""
+    from tensorboard.summary.writer import record_writer
+
+    real_write, calls = record_writer.RecordWriter.write, []
+
+    def write(self, data):
+        calls.append(len(data))
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    assert runner.main("tb", "--epochs", "2", "--log-every", "1", "--tensorboard") == 0
+    assert len(calls) > 3, "the injected failure never happened"
+    run_dir = runner.run_dir("tb")
+    assert caplog.text.count("training continues without --tensorboard") == 1, caplog.text
+    assert [event["epoch"] for event in read_metrics(run_dir, event="val")] == [1, 2]
+    assert (run_dir / "checkpoint_epoch2.pth").is_file()

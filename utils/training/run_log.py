@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -38,7 +39,7 @@ from utils.cli import stderr_is_terminal
 from utils.errors import ConfigError
 from utils.evaluation import EvalResult
 from utils.launch.process_group import DistributedContext, sum_across_ranks
-from utils.output_files import open_for_append
+from utils.output_files import OutputError, open_for_append, side_output_folder
 from utils.training.config import TrainConfig
 from utils.training.curves import write_curves_if_possible
 from utils.training.sampler import BatchPlan
@@ -259,7 +260,8 @@ class RunLog:
             return
         self._metrics_file.close()
         if self._tensorboard is not None:
-            self._tensorboard.close()
+            with contextlib.suppress(OSError):  # a full disk was said by the write that met it
+                self._tensorboard.close()
             self._tensorboard = None
         if self._wandb_run is not None:
             self._wandb_run.finish()
@@ -275,19 +277,33 @@ class RunLog:
     def _publish(self, step: int, scalars: Scalars, samples: dict[str, Any] | None = None, n_classes: int = 2) -> None:
         """``scalars`` and the validation ``samples`` to TensorBoard and wandb, those that are on."""
         if self._tensorboard is not None:
-            for tag, value in scalars.values():
-                self._tensorboard.add_scalar(tag, value, step)
-            if samples is not None:
-                self._tensorboard.add_images("val/image", samples["image"].detach().float().cpu().clamp(0, 1), step)
-                self._tensorboard.add_images("val/truth", class_images(samples["true"], n_classes), step)
-                self._tensorboard.add_images("val/prediction", class_images(samples["pred"], n_classes), step)
-            self._tensorboard.flush()
+            try:  # a side output: a full or failing disk is one warning, and the run goes on without it
+                _write_events(self._tensorboard, step, scalars, samples, n_classes)
+            except OSError as error:
+                logger.warning(
+                    "cannot write TensorBoard events to %s: %s; training continues without --tensorboard",
+                    self.run_folder.tensorboard,
+                    error.strerror or error,
+                )
+                with contextlib.suppress(Exception):
+                    self._tensorboard.close()
+                self._tensorboard = None
         if self._wandb_run is not None:
             try:  # telemetry must never end a training run: on any wandb failure, warn once and continue without it
                 self._wandb_run.log(_wandb_record(scalars, samples, n_classes), step=step)
             except Exception as error:
                 logger.warning("wandb logging failed (%s); continuing without wandb", error)
                 self._wandb_run = None
+
+
+def _write_events(writer: Any, step: int, scalars: Scalars, samples: dict[str, Any] | None, n_classes: int) -> None:
+    for tag, value in scalars.values():
+        writer.add_scalar(tag, value, step)
+    if samples is not None:
+        writer.add_images("val/image", samples["image"].detach().float().cpu().clamp(0, 1), step)
+        writer.add_images("val/truth", class_images(samples["true"], n_classes), step)
+        writer.add_images("val/prediction", class_images(samples["pred"], n_classes), step)
+    writer.flush()  # a write error of the writer's thread surfaces here
 
 
 def class_images(classes: torch.Tensor, n_classes: int) -> torch.Tensor:
@@ -318,8 +334,35 @@ def _start_tensorboard(run_folder: RunFolder, resumed_step: int | None) -> Any:
         raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard, or drop --tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
+    try:
+        folder = side_output_folder(run_folder.tensorboard, "--tensorboard")
+    except OutputError as error:
+        logger.warning("%s; training continues without TensorBoard events", error)
+        return None
+    _quiet_event_writer_threads()
     purge_step = None if resumed_step is None else resumed_step + 1
-    return SummaryWriter(log_dir=str(run_folder.tensorboard), purge_step=purge_step)
+    try:
+        return SummaryWriter(log_dir=str(folder), purge_step=purge_step)
+    except OSError as error:
+        logger.warning("cannot write TensorBoard events to %s: %s; training continues without them", folder, error)
+        return None
+
+
+def _quiet_event_writer_threads() -> None:
+    """TensorBoard's writer thread re-raises its write error (a full disk) as a traceback on stderr, and the main
+    thread meets the same error at its next flush (one warning, ``RunLog._publish``): the traceback goes to debug."""
+    if getattr(threading.excepthook, "_quiets_event_writers", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            logger.debug("TensorBoard's writer thread failed", exc_info=(args.exc_type, args.exc_value, None))
+            return
+        previous(args)
+
+    hook._quiets_event_writers = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _start_wandb(run_folder: RunFolder, config: TrainConfig) -> Any:
