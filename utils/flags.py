@@ -66,8 +66,6 @@ class Flag:
     nargs: str | int | None = None
     """For a list field: its values follow the flag (``-i a.jpg b.jpg``) instead of repeating it."""
     required: bool = False
-    must_match: bool = False
-    """A resumed run must repeat the value its checkpoint was trained with (``utils.training.setup``)."""
 
     @property
     def name(self) -> str:

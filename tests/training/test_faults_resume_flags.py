@@ -83,3 +83,22 @@ def test_resume_refuses_an_objective_flag_set_unset_or_changed(
     assert last.read_bytes() == before
     # The control: the same flags again resume (nothing else in the command trips the check).
     assert runner.main("objective", "-e", "3", *TRAINED[2:], *trained, "--resume", "auto") == 0
+
+
+def test_resume_says_a_changed_may_change_flag_and_refuses_a_changed_ema(
+    runner: TrainRunner, capsys: pytest.CaptureFixture
+) -> None:
+    """The resume rules end to end: --patience may change (one line, old -> new), --ema's decay must match."""
+    averaged = [*TRAINED, "--ema", "0.9", "--patience", "3"]
+    assert runner.main("rules", *averaged) == 0
+    last = runner.run_dir("rules") / "last.pth"
+    before = last.read_bytes()
+    capsys.readouterr()
+    assert runner.main("rules", *TRAINED, "--ema", "0.5", "--patience", "3", "--resume", "auto") == 2
+    error = one_error_line(capsys.readouterr().err)
+    assert "--ema 0.9 but this run asks for --ema 0.5" in error and f"--load {last}" in error, error
+    assert last.read_bytes() == before
+    assert runner.main("rules", "-e", "3", *TRAINED[2:], "--ema", "0.9", "--resume", "auto") == 0
+    out = capsys.readouterr().out
+    changed = [line for line in out.splitlines() if "The resumed run changes" in line]
+    assert len(changed) == 1 and changed[0].endswith("changes 1 flag: --patience 3 -> 0"), changed

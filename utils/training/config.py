@@ -58,25 +58,24 @@ class DataSection:
     """Folder of input images."""
     masks: str = flag("data/masks", "--masks")
     """Folder of masks (Carvana '<id>_mask' naming is detected)."""
-    scale: float = flag(0.5, "--scale", "-s", range=Range(0, 1, True), must_match=True)
+    scale: float = flag(0.5, "--scale", "-s", range=Range(0, 1, True))
     """Downscaling factor of the images, in (0, 1]."""
     validation: float = flag(
         10.0,
         "--validation",
         "-v",
         range=Range(0, 100, low_open=True, high_open=True, note=" (a percentage)"),
-        must_match=True,
     )
     """Percent of the data used as validation, in (0, 100)."""
-    augment: bool = flag(False, "--augment", must_match=True)
+    augment: bool = flag(False, "--augment")
     """Random flips, scaled crops and colour jitter of training images."""
     ignore_values: list[int] = flag(
-        [], "--ignore-value", metavar="V", range=Range(0, MAX_MASK_VALUE, what="a mask value"), must_match=True
+        [], "--ignore-value", metavar="V", range=Range(0, MAX_MASK_VALUE, what="a mask value")
     )
     """Void mask value, not a class: left out of the loss and the metrics (repeatable; e.g. 255)."""
-    oversample_foreground: float = flag(0.0, "--oversample-foreground", metavar="P", range=Range(0, 1), must_match=True)
+    oversample_foreground: float = flag(0.0, "--oversample-foreground", metavar="P", range=Range(0, 1))
     """Fraction in [0, 1] of each process's images taken from images with a non-background class."""
-    seed: int = flag(0, "--seed", range=Range(0, MAX_SEED), must_match=True)
+    seed: int = flag(0, "--seed", range=Range(0, MAX_SEED))
     """Seed of initialisation, data order and augmentation (0..4294967295)."""
     split_by: str = flag(SPLIT_BY_IMAGE, "--split-by", choices=SPLIT_RULES)
     """Train/validation split: 'image' (seeded random over images) or 'prefix' (ids sharing the part before the last
@@ -122,17 +121,15 @@ class OptimisationSection:
     """Number of epochs to train (numbered --start_from .. --start_from + epochs - 1)."""
     batch_size: int = flag(1, "--batch-size", "-b", range=Range(1))
     """Batch size per process."""
-    learning_rate: float = flag(
-        1e-5, "--learning-rate", "-l", range=Range(0, MAX_LEARNING_RATE, low_open=True), must_match=True
-    )
+    learning_rate: float = flag(1e-5, "--learning-rate", "-l", range=Range(0, MAX_LEARNING_RATE, low_open=True))
     """Peak learning rate, in (0, 1]."""
-    optimizer: str = flag("adamw", "--optimizer", choices=OPTIMIZERS, must_match=True)
+    optimizer: str = flag("adamw", "--optimizer", choices=OPTIMIZERS)
     """Optimizer."""
-    scheduler: str = flag("cosine", "--scheduler", choices=SCHEDULERS, must_match=True)
+    scheduler: str = flag("cosine", "--scheduler", choices=SCHEDULERS)
     """cosine annealing per step, poly (nnU-Net: (1 - t/T)^0.9 per step), or ReduceLROnPlateau on validation Dice."""
-    weight_decay: float = flag(1e-8, "--weight-decay", range=Range(0, MAX_WEIGHT_DECAY), must_match=True)
+    weight_decay: float = flag(1e-8, "--weight-decay", range=Range(0, MAX_WEIGHT_DECAY))
     """Weight decay, in [0, 1]."""
-    momentum: float = flag(0.999, "--momentum", range=Range(0, 1, high_open=True), must_match=True)
+    momentum: float = flag(0.999, "--momentum", range=Range(0, 1, high_open=True))
     """RMSprop momentum, in [0, 1)."""
     grad_clip: float = flag(1.0, "--grad-clip", range=Range(0, note=" (0 = off)"))
     """Max global gradient norm (0 = no clipping)."""
@@ -144,10 +141,10 @@ class OptimisationSection:
     """Stop after N optimizer steps in a row with NaN/inf gradients, each skipped (0 = never stop)."""
     deterministic: bool = flag(False, "--deterministic")
     """Deterministic algorithms (bit-exact resume on CPU)."""
-    class_weights: str | None = flag(None, "--class-weights", metavar="auto|W,W,...", must_match=True)
+    class_weights: str | None = flag(None, "--class-weights", metavar="auto|W,W,...")
     """Cross-entropy class weights: 'auto' (inverse pixel frequency of the training images, clipped at 10x the most
     frequent class, mean 1) or one number per class (two for --classes 1)."""
-    warmup_steps: int = flag(0, "--warmup-steps", metavar="N", range=Range(0, zero="none"), must_match=True)
+    warmup_steps: int = flag(0, "--warmup-steps", metavar="N", range=Range(0, zero="none"))
     """Optimizer steps of linear warmup from ~0 to the learning rate, before any --scheduler (0 = none)."""
     ema: float | None = flag(None, "--ema", metavar="DECAY", range=Range(0, 1, low_open=True, high_open=True))
     """Keep an exponential moving average of the weights with this decay in (0, 1), e.g. 0.999; validation, best.pth and
@@ -280,6 +277,40 @@ class TrainConfig:
     def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
         """The config of a flat dict (``as_dict``, config.yaml); a flag missing from it takes its default."""
         return build_config(cls, values)
+
+
+# How a resumed run treats each flag (utils.training.setup.check_resume_flags); every flag of TrainConfig is in one row
+# (tests/training/test_train_config.py walks the table).
+MUST_MATCH = "must match"
+"""The run's value or none: a resume asking for another is refused, naming the flag and ``--load`` (what the loss
+measures, which images train and validate, the optimizer's and the averages' state, the model's arguments)."""
+MAY_CHANGE = "may change"
+"""Takes this command's value; a value other than the run's is said in one line at the resume (``old -> new``)."""
+NEW_PLAN = "new plan"
+"""How a run starts: a resume keeps the run's recorded plan (another plan is a new run, ``--load``)."""
+RESUME_RULES: dict[str, tuple[str, ...]] = {
+    MUST_MATCH: (
+        "--scale", "--validation", "--augment", "--ignore-value", "--oversample-foreground", "--seed", "--split-by",
+        "--group-pattern", "--folds", "--fold", "--classes", "--bilinear", "--base-channels", "--encoder",
+        "--deep-supervision", "--learning-rate", "--optimizer", "--scheduler", "--weight-decay", "--momentum",
+        "--class-weights", "--warmup-steps", "--ema",
+    ),
+    MAY_CHANGE: (
+        "--imgs", "--masks", "--class-names", "--encoder-weights", "--freeze-encoder-epochs", "--batch-size",
+        "--grad-clip", "--grad-accum", "--max-steps", "--max-nonfinite-steps", "--deterministic", "--patience",
+        "--min-delta", "--ddp_mode", "--sync-bn", "--dist-timeout", "--rank", "--world-size", "--dist-url",
+        "--local-rank", "--val-mode", "--requeue-signal", "--exp_name", "--checkpoint-dir", "--save_every",
+        "--keep-last", "--save-every-minutes", "--keep-best", "--save-every-steps", "--val-every", "--log-every",
+        "--no-progress", "--wandb", "--tensorboard", "--device", "--amp", "--precision", "--num-workers",
+        "--pixel-cache", "--threads", "--channels-last", "--checkpointing", "--compile",
+    ),
+    NEW_PLAN: ("--epochs", "--start_from", "--load", "--resume"),
+}  # fmt: skip
+
+
+def resume_rule(flag_name: str) -> str:
+    """The row of ``RESUME_RULES`` that holds ``flag_name`` (its primary spelling)."""
+    return next(rule for rule, names in RESUME_RULES.items() if flag_name in names)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,7 +33,7 @@ from utils.launch.signals import InterruptFlag
 from utils.training.build_loaders import build_loaders
 from utils.training.build_model import build_model, check_resume, wrap_for_training
 from utils.training.build_optimization import build_optimization, build_step
-from utils.training.config import TrainConfig
+from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, resume_rule
 from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, record_split
 from utils.training.ema import WeightAverage
@@ -262,14 +262,14 @@ def build_parts(
 
 
 def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
-    """Refuse a resume whose objective or data flags differ from the run's, set or unset alike.
+    """Apply the resume rules (``RESUME_RULES`` in ``utils.training.config``) to this command's flags.
 
-    Which flags a resume must repeat is marked on each (``must_match``): the optimizer restores its own learning rate,
-    weight decay and momentum from the checkpoint (a new value would be logged but not used), the data flags decide
-    which images are trained and which validate (a larger --validation would move trained images into the validation
-    set), and the objective's flags (class weights, void values, oversampling, augmentation) decide what the loss
-    measures. Every other flag takes its new value; the model's own arguments are checked by utils.checkpoint.model.
-    docs/RELIABILITY.md, "Resume and stop".
+    A ``must match`` flag that differs from the run's, set or unset alike, is refused: the optimizer restores its own
+    learning rate, weight decay and momentum from the checkpoint (a new value would be logged but not used), the data
+    flags decide which images are trained and which validate (a larger --validation would move trained images into
+    the validation set), the objective's flags decide what the loss measures, --ema's decay made the average the
+    checkpoint holds, and the model's arguments made its weights. A ``may change`` flag takes its new value, said in
+    one line; a ``new plan`` flag is the run's (``planned_run_args``). docs/RELIABILITY.md, "Resume and stop".
 
     A flag missing from the checkpoint's record (saved before the flag existed) counts as its default, the behaviour
     that run had; a checkpoint recording no flags at all is not checked.
@@ -278,17 +278,29 @@ def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) ->
     if not saved_args:
         return
     wanted_args = config.as_dict()
+    changed = []
     for item in flag_fields(TrainConfig):
-        if not item.flag.must_match:
-            continue
-        flag = item.flag.name
+        rule, flag = resume_rule(item.flag.name), item.flag.name
         saved, wanted = saved_args.get(item.dest, item.default), wanted_args[item.dest]
-        if _as_recorded(saved) != _as_recorded(wanted):
+        if rule == NEW_PLAN or _as_recorded(saved) == _as_recorded(wanted):
+            continue
+        if rule == MUST_MATCH:
             raise ConfigError(
                 f"{path} was trained with {_describe_flag(flag, saved)} but this run asks for "
                 f"{_describe_flag(flag, wanted)}; resume with {_describe_flag(flag, saved)}, or start a new run from "
                 f"its weights with --load {path}"
             )
+        changed.append(f"{flag} {_show_value(saved)} -> {_show_value(wanted)}")
+    if changed:
+        logger.info("The resumed run changes %s: %s", count(len(changed), "flag"), ", ".join(changed))
+
+
+def _show_value(value: Any) -> str:
+    if value is None or (isinstance(value, list | tuple) and not value):
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
 def _as_recorded(value: Any) -> Any:
