@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.helpers import launch_flags
@@ -75,3 +77,39 @@ def test_each_torchrun_attempt_uses_its_own_namespace_of_the_agents_store() -> N
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a new store per attempt, nothing to separate.
     fresh = {**environ, "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_RESTART_COUNT": "1"}
     assert plan_launch(launch_flags(ddp_mode=True), environ=fresh).store_namespace is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "named"),
+    [
+        ({}, {"SLURM_PROCID": "-1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"},
+         "environment variable SLURM_PROCID=-1 is outside 0..1"),
+        ({}, {"SLURM_PROCID": "5", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"},
+         "environment variable SLURM_PROCID=5 is outside 0..1 (environment variable SLURM_NTASKS=2)"),
+        ({}, {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+         "environment variable RANK=2 is outside 0..1"),
+        ({}, {"RANK": "0", "WORLD_SIZE": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+         "environment variable WORLD_SIZE=0 is not a number of processes"),
+        ({}, {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h"},
+         "environment variable LOCAL_RANK=2 is outside 0..1 (LOCAL_WORLD_SIZE=2)"),
+        ({}, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1", "MASTER_ADDR": "h"},
+         "environment variable LOCAL_RANK=-1 is outside 0..1"),
+        ({}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "3", "SLURM_JOB_ID": "7",
+              "SLURM_JOB_NODELIST": "n1"}, "environment variable SLURM_LOCALID=3 is outside 0..1"),
+        ({"rank": 3, "world_size": 2, "dist_url": "tcp://h:1"}, {}, "--rank=3 is outside 0..1 (--world-size=2)"),
+        ({"rank": 0, "world_size": 2, "local_rank": 5, "dist_url": "tcp://h:1"}, {}, "--local-rank=5 is outside"),
+        ({}, {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"},
+         "MASTER_PORT=70000 is not a port"),
+    ],
+)  # fmt: skip
+def test_launch_values_out_of_range_are_one_line_naming_the_variable(flags, environ, named) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        plan_launch(launch_flags(ddp_mode=True, **flags), environ=environ)
+
+
+def test_launch_values_in_range_pass_and_slurm_nodes_of_other_sizes_too() -> None:
+    # "2,4": the second node's local ids run to 3, above the first node's count; only the world size bounds them.
+    environ = {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "3", "SLURM_JOB_ID": "7",
+               "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2,4"}  # fmt: skip
+    plan = plan_launch(launch_flags(ddp_mode=True), environ=environ)
+    assert (plan.rank, plan.local_rank, plan.world_size) == (5, 3, 6)

@@ -288,6 +288,8 @@ def plan_launch(
         )
     warning = launcher.warning()
     distributed = config.ddp_mode or warning is not None
+    if distributed:
+        check_launch_values(launcher)
     # A single process needs no address: a stray MASTER_PORT must not stop it.
     host, port = (launcher.master_address(), launcher.master_port()) if distributed else (None, None)
     return LaunchPlan(
@@ -306,6 +308,40 @@ def plan_launch(
         requeue_signal=None if requeue is None else int(getattr(signal, f"SIG{requeue}")),
         address_hint=launcher.address_hint,
     )
+
+
+def check_launch_values(launcher: LaunchEnvironment) -> None:
+    """Refuse, at once and naming the variable or flag, a world size below 1, a rank outside ``0..world size - 1``,
+    a local rank below 0 or not below the local world size (``LOCAL_WORLD_SIZE`` where the launcher sets it, else
+    the world size), or a port outside 1..65535: otherwise the process group would wait its whole --dist-timeout
+    for ranks that can never come."""
+    manual = isinstance(launcher, ManualLaunch)
+    rank_name = "--rank" if manual else f"environment variable {launcher.rank_variable}"
+    world_name = "--world-size" if manual else f"environment variable {launcher.world_size_variable}"
+    world, rank, local_rank = launcher.world_size(), launcher.rank(), launcher.local_rank()
+    if not manual:  # world_size() reads an unset or 0 as 1
+        world = _first_set(_env_int(launcher.environ, launcher.world_size_variable), world)
+    if world < 1:
+        raise ConfigError(f"{world_name}={world} is not a number of processes (1 or more); check the launcher")
+    if not 0 <= rank < world:
+        raise ConfigError(
+            f"{rank_name}={rank} is outside 0..{world - 1} ({world_name}={world}): every rank must be below the world "
+            "size; check the launcher"
+        )
+    local_world = _env_int(launcher.environ, "LOCAL_WORLD_SIZE")
+    local_limit, limit_name = (local_world, "LOCAL_WORLD_SIZE") if local_world is not None else (world, world_name)
+    if not 0 <= local_rank < local_limit:
+        if _env_int(launcher.environ, launcher.local_rank_variable) is not None:
+            local_name = f"environment variable {launcher.local_rank_variable}"
+        else:
+            local_name = "--local-rank" if launcher.config.local_rank is not None else rank_name
+        raise ConfigError(
+            f"{local_name}={local_rank} is outside 0..{local_limit - 1} ({limit_name}={local_limit}); check the "
+            "launcher"
+        )
+    port = _env_int(launcher.environ, "MASTER_PORT")
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"environment variable MASTER_PORT={port} is not a port (1..65535); choose a free port")
 
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
