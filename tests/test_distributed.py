@@ -113,3 +113,15 @@ def test_launch_values_in_range_pass_and_slurm_nodes_of_other_sizes_too() -> Non
                "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2,4"}  # fmt: skip
     plan = plan_launch(launch_flags(ddp_mode=True), environ=environ)
     assert (plan.rank, plan.local_rank, plan.world_size) == (5, 3, 6)
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_named_with_where_it_came_from() -> None:
+    from utils.launch.process_group import check_rendezvous_host
+
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"}
+    with pytest.raises(ConfigError, match=r"'no-such-host.invalid' \(from MASTER_ADDR/MASTER_PORT\) cannot be resolved"):
+        check_rendezvous_host(plan_launch(launch_flags(ddp_mode=True), environ=environ))
+    check_rendezvous_host(plan_launch(launch_flags(ddp_mode=True), environ={**environ, "MASTER_ADDR": "127.0.0.1"}))
+    manual = launch_flags(ddp_mode=True, rank=0, world_size=2, dist_url="tcp://localhost")
+    with pytest.raises(ConfigError, match="--dist-url tcp://localhost is not tcp://HOST:PORT"):
+        check_rendezvous_host(plan_launch(manual, environ={}))

@@ -48,6 +48,12 @@ from utils.errors import ConfigError
 if TYPE_CHECKING:
     from utils.training.config import TrainConfig
 
+
+class LaunchValueError(ConfigError):
+    """A launch value of this process (its rank, world size, local rank, address) is wrong: the process itself says
+    so, whatever its rank (other processes may have other values)."""
+
+
 # Rendezvous port of a job started by srun without MASTER_PORT: every task of a job must compute the same one without
 # talking to the others, and two jobs sharing a node should rarely collide, so it comes from the job id. The range
 # stays above the well-known and registered ports most clusters use and below Linux's ephemeral range (32768+), from
@@ -322,9 +328,9 @@ def check_launch_values(launcher: LaunchEnvironment) -> None:
     if not manual:  # world_size() reads an unset or 0 as 1
         world = _first_set(_env_int(launcher.environ, launcher.world_size_variable), world)
     if world < 1:
-        raise ConfigError(f"{world_name}={world} is not a number of processes (1 or more); check the launcher")
+        raise LaunchValueError(f"{world_name}={world} is not a number of processes (1 or more); check the launcher")
     if not 0 <= rank < world:
-        raise ConfigError(
+        raise LaunchValueError(
             f"{rank_name}={rank} is outside 0..{world - 1} ({world_name}={world}): every rank must be below the world "
             "size; check the launcher"
         )
@@ -335,13 +341,13 @@ def check_launch_values(launcher: LaunchEnvironment) -> None:
             local_name = f"environment variable {launcher.local_rank_variable}"
         else:
             local_name = "--local-rank" if launcher.config.local_rank is not None else rank_name
-        raise ConfigError(
+        raise LaunchValueError(
             f"{local_name}={local_rank} is outside 0..{local_limit - 1} ({limit_name}={local_limit}); check the "
             "launcher"
         )
     port = _env_int(launcher.environ, "MASTER_PORT")
     if port is not None and not 0 < port < 65536:
-        raise ConfigError(f"environment variable MASTER_PORT={port} is not a port (1..65535); choose a free port")
+        raise LaunchValueError(f"environment variable MASTER_PORT={port} is not a port (1..65535); choose a free port")
 
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:

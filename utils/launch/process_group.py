@@ -8,9 +8,15 @@ the default group, on the training device.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
-from collections.abc import Callable
+import os
+import socket
+import sys
+import tempfile
+import urllib.parse
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,7 +28,7 @@ from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 from utils import errors
 from utils.errors import ConfigError, UserError
 from utils.hardware import available_cpus, pick_device, threads_per_process
-from utils.launch.environments import LaunchPlan
+from utils.launch.environments import LaunchPlan, LaunchValueError
 from utils.launch.signals import InterruptFlag
 
 logger = logging.getLogger(__name__)
@@ -63,22 +69,78 @@ def setup(
     if not plan.distributed:
         return DistributedContext(**vars(plan), device=device)
 
+    check_rendezvous_host(plan)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     join = {"backend": backend, "rank": plan.rank, "world_size": plan.world_size, "timeout": timeout}
     try:
-        if plan.store_namespace is not None and plan.master_address is not None:
-            host, port = plan.master_address.rsplit(":", 1)
-            # torchrun's agent serves this store; a client of it, with keys of this attempt only.
-            agent_store = dist.TCPStore(host, int(port), plan.world_size, is_master=False, timeout=timeout)
-            dist.init_process_group(store=dist.PrefixStore(plan.store_namespace, agent_store), **join)
-        else:
-            dist.init_process_group(init_method=plan.init_method, **join)
+        with _native_output_to_debug():
+            if plan.store_namespace is not None and plan.master_address is not None:
+                host, port = plan.master_address.rsplit(":", 1)
+                # torchrun's agent serves this store; a client of it, with keys of this attempt only.
+                agent_store = dist.TCPStore(host, int(port), plan.world_size, is_master=False, timeout=timeout)
+                dist.init_process_group(store=dist.PrefixStore(plan.store_namespace, agent_store), **join)
+            else:
+                dist.init_process_group(init_method=plan.init_method, **join)
     except dist.DistError as error:
         raise ConfigError(_rendezvous_failure(plan, timeout_s, error)) from error
     # The timeout must be given again: a new group does not inherit it and would wait 30 minutes for a dead rank.
     control_group = dist.new_group(backend="gloo", timeout=timeout)
     return DistributedContext(**vars(plan), device=device, backend=backend, control_group=control_group)
+
+
+@contextlib.contextmanager
+def _native_output_to_debug() -> Iterator[None]:
+    """While the ranks meet, what PyTorch's C++ side prints on stderr (each retry, then the failure with some 40 lines
+    of C++ stack frames) goes to the debug log instead: the user gets the one line of ``_rendezvous_failure``. The
+    level is read once when torch loads (``TORCH_CPP_LOG_LEVEL``), too early to be changed for this step alone."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace").strip()
+            if text:
+                logger.debug("PyTorch's output while joining the process group:\n%s", text)
+
+
+def rendezvous_host(plan: LaunchPlan) -> tuple[str, int] | None:
+    """``(host, port)`` where the ranks meet: ``--dist-url tcp://HOST:PORT`` or the launcher's address; else None."""
+    parsed = urllib.parse.urlsplit(plan.init_method)
+    if parsed.scheme == "tcp":
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if parsed.hostname and port:
+            return parsed.hostname, port
+        raise LaunchValueError(f"--dist-url {plan.init_method} is not tcp://HOST:PORT; name rank 0's host and a port")
+    if plan.master_address is not None:
+        host, _, port_text = plan.master_address.rpartition(":")
+        return host.strip("[]"), int(port_text)
+    return None
+
+
+def check_rendezvous_host(plan: LaunchPlan) -> None:
+    """Refuse a rendezvous host that does not resolve, in one line, before the process group waits its timeout."""
+    address = rendezvous_host(plan)
+    if address is None:
+        return
+    host, port = address
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
+        raise LaunchValueError(
+            f"the rendezvous host {host!r} (from {plan.address_hint}) cannot be resolved ({reason}); give rank 0's "
+            "machine name or address"
+        ) from error
 
 
 def first_line(error: BaseException) -> str:

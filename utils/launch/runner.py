@@ -24,6 +24,7 @@ import torch
 
 from utils.cli import print_error
 from utils.errors import USER_ERROR_EXIT_CODE, UserError
+from utils.launch.environments import LaunchValueError
 from utils.launch.process_group import DistributedContext, barrier, first_line, is_raised_on_every_rank
 from utils.launch.signals import signal_exit_code
 
@@ -110,9 +111,11 @@ def lost_contact(error: BaseException) -> bool:
 def report_user_error(error: UserError, stage: RunStage) -> None:
     """Print ``error`` once per job: a bad flag (found before joining) and an error the ranks agreed on reach every
     rank, and rank 0 alone prints it; a failure to join, or one found by one rank alone (a corrupt image), is printed
-    where it happened. With a shared error the other ranks leave after rank 0."""
+    where it happened, as is a launch value of this process's own (``LaunchValueError``: its rank, say). With a shared
+    error the other ranks leave after rank 0."""
     ctx = stage.ctx
-    shared = (ctx is None and not stage.joining) or is_raised_on_every_rank(error)
+    own = isinstance(error, LaunchValueError)
+    shared = (ctx is None and not stage.joining and not own) or is_raised_on_every_rank(error)
     quiet = shared and stage.rank != 0
     if not quiet:
         print_error(error)

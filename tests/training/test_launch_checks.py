@@ -1,0 +1,54 @@
+"""Launch values are checked before anything waits: a rank out of range or an unresolvable rendezvous host is one
+line at once (a process that waited would be killed by the timeout below, the default --dist-timeout being 30 min),
+and a rendezvous that fails prints no C++ stack frames."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.conftest import TrainRunner, free_port
+from tests.helpers import one_error_line
+
+HANG_GUARD_S = 300  # far below --dist-timeout's 1800 s: a process that waits for its ranks fails the test
+
+
+def _run(runner: TrainRunner, *flags: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    process = runner.popen([sys.executable], "launch", "--epochs", "1", "--ddp_mode", *flags, env=env)
+    try:
+        _, err = process.communicate(timeout=HANG_GUARD_S)
+    finally:
+        process.kill()
+    return process.returncode, err
+
+
+SLURM = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "localhost", "SLURM_LOCALID": "0"}
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({**SLURM, "SLURM_PROCID": "5", "SLURM_NTASKS": "2"}, "SLURM_PROCID=5 is outside 0..1"),
+        ({**SLURM, "SLURM_PROCID": "-1", "SLURM_NTASKS": "2"}, "SLURM_PROCID=-1 is outside 0..1"),
+    ],
+)
+def test_a_slurm_rank_out_of_range_is_one_line_at_once(runner: TrainRunner, env, named) -> None:
+    code, err = _run(runner, env=env)
+    assert code == 2, err
+    assert named in one_error_line(err) and "Traceback" not in err, err
+
+
+def test_an_unresolvable_dist_url_host_is_one_line_without_waiting(runner: TrainRunner) -> None:
+    code, err = _run(runner, "--rank", "1", "--world-size", "2", "--dist-url", "tcp://no-such-host.invalid:29500")
+    assert code == 2, err
+    line = one_error_line(err)
+    assert "'no-such-host.invalid' (from --dist-url) cannot be resolved" in line, err
+
+
+def test_a_failed_rendezvous_is_one_line_without_cpp_stack_frames(runner: TrainRunner) -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"  # rank 0 never comes
+    code, err = _run(runner, "--rank", "1", "--world-size", "2", "--dist-url", url, "--dist-timeout", "3")
+    assert code == 2, err
+    assert "could not join the other 1 process(es)" in one_error_line(err), err
+    assert "frame #" not in err and "[c10d]" not in err, err
