@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,24 @@ def test_a_run_writes_config_yaml_and_rerunning_it_reproduces_the_run(runner, tm
     # --deterministic on CPU: the rerun trains to the very same weights.
     for key, tensor in first["model_state"].items():
         assert torch.equal(tensor, again["model_state"][key]), key
+
+
+def test_config_yaml_goes_through_the_one_writer(tmp_path) -> None:
+    """Written all or nothing like every output: a link at the path is replaced, never written through, and an
+    unwritable folder is one OutputError naming the file (not an OSError traceback)."""
+    from utils.output_files import OutputError
+    from utils.training.config_file import write_config_file
+
+    kept = tmp_path / "input.yaml"
+    kept.write_text("mine: 1\n")
+    path = tmp_path / "run" / "config.yaml"
+    path.parent.mkdir()
+    path.symlink_to(kept)
+    write_config_file(path, {"epochs": 3})
+    assert kept.read_text() == "mine: 1\n" and not path.is_symlink() and "epochs: 3" in path.read_text()
+    from tests.helpers import small_tmpfs
+
+    with small_tmpfs(tmp_path / "ro", "1m") as folder:
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        with pytest.raises(OutputError, match=r"cannot write the run's config.yaml to .*config.yaml"):
+            write_config_file(folder / "config.yaml", {"epochs": 3})

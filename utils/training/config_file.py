@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ import yaml
 
 from utils.errors import ConfigError
 from utils.flags import FlagField, flag_fields
+from utils.output_files import write_text
 
 CONFIG_FLAG = "--config"
 CONFIG_DEST = "config_file"
@@ -89,18 +88,10 @@ def read_config_file(path: Path, config_class: type) -> dict[str, Any]:
 
 
 def write_config_file(path: Path, run_args: Mapping[str, Any]) -> None:
-    """Write ``run_args`` (a ``TrainConfig.as_dict()``) to ``path`` as YAML, atomically (temp file and replace)."""
+    """Write ``run_args`` (a ``TrainConfig.as_dict()``) to ``path`` as YAML, all or nothing (``output_files``)."""
     text = HEADER.format(path=path) + yaml.safe_dump(dict(run_args), sort_keys=False, default_flow_style=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(tmp_name, 0o644)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    write_text(path, text, "the run's config.yaml")
 
 
 def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, Any]:
