@@ -185,7 +185,7 @@ def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
     if not all_finite(tensor for _, tensor in tensors):
         name = next(name for name, tensor in tensors if not all_finite([tensor]))
         raise CheckpointError(
-            f"checkpoint {path} holds NaN or inf weights ({name}); it cannot be used, take an earlier checkpoint"
+            f"checkpoint {path} holds NaN or inf weights ({name}): the file is damaged; take an earlier checkpoint"
         )
 
 
