@@ -70,6 +70,8 @@ class ModelSpec(UNetArgs):
     """The void mask values the model was trained with (``--ignore-value``): never a class, never predicted."""
     class_names: tuple[str, ...] = ()
     """One name per class (``--class-names`` in training), for legends and tables; empty when the file has none."""
+    split_digest: str | None = None
+    """sha256 of the train/validation split it was trained on (``evaluate.py --split`` checks it); None: unrecorded."""
 
     @property
     def scale(self) -> float:
@@ -146,6 +148,7 @@ def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
         training_scale=inference.scale,
         ignore_values=inference.ignore_values,
         class_names=inference.class_names,
+        split_digest=loaded.split_digest,
     )
 
 
