@@ -42,7 +42,9 @@ def read_encoder_weights(path: str | Path) -> dict[str, torch.Tensor]:
         # The one safe read of every weights file, and its reading of wrapped and nested state dicts.
         weights = weights_of(load_checkpoint_file(path), path).state_dict
     except CheckpointError as error:
-        raise ConfigError(f"--encoder-weights {path} cannot be used ({error}); {HOW_TO_GET}") from None
+        raise ConfigError(
+            f"--encoder-weights {path} is not a usable torch state dict ({error}); {HOW_TO_GET}"
+        ) from None
     weights = {key: value for key, value in weights.items() if not key.startswith(DROPPED_PREFIXES)}
     check_weight_values(weights, path, source="--encoder-weights", fix=f"make the file again: {HOW_TO_GET}")
     return weights
