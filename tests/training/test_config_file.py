@@ -118,7 +118,7 @@ def test_hostile_config_files_are_one_error_line(tmp_path: Path, capsys, content
 def test_overridden_file_values_are_said_and_still_checked(tmp_path: Path, caplog) -> None:
     path = _write(tmp_path / "c.yaml", "epochs: 3\nbatch_size: 2\n")
     with caplog.at_level(logging.WARNING, logger="utils.training.config_file"):
-        assert parse_config(["--config", str(path), "--epochs", "4"]).optimisation.epochs == 4
+        assert parse_config(["--config", str(path), "--epochs", "4", "--batch-size", "2"]).optimisation.epochs == 4
     overrides = [record.getMessage() for record in caplog.records if "overrides" in record.getMessage()]
     assert overrides == [f"--config {path}: the command line overrides epochs 3 -> 4"]
     # The file's own value is refused though the command line sets the flag: the file is meant to be rerun.

@@ -73,7 +73,9 @@ def apply_config_file(
     given = _given_on_command_line(parser, argv)
     given.pop(CONFIG_DEST, None)
     overridden = [
-        f"{key} {_short(from_file[key])} -> {_short(value)}" for key, value in given.items() if key in from_file
+        f"{key} {_short(from_file[key])} -> {_short(value)}"
+        for key, value in given.items()
+        if key in from_file and from_file[key] != value
     ]
     if overridden:
         logger.warning("%s %s: the command line overrides %s", CONFIG_FLAG, path, ", ".join(overridden))
