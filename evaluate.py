@@ -61,9 +61,16 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
     )
     mask_values = align_mask_values(dataset, spec.mask_values, config.model)
     # --split: exactly the validation images of the run that wrote the file, whatever else the folders hold.
-    scored = (
-        dataset if config.split_path is None else Subset(dataset, validation_positions(dataset.ids, config.split_path))
-    )
+    scored = dataset
+    if config.split_path is not None:
+        positions = validation_positions(
+            dataset.ids,
+            config.split_path,
+            trained_on=spec.split_digest,
+            model=config.model,
+            other_split=config.other_split,
+        )
+        scored = Subset(dataset, positions)
     first = scored[0]
     if first["image"].shape[0] != model.n_channels:
         raise DatasetError(

@@ -25,6 +25,7 @@ from utils.datasets.splits import (
     read_split_file,
     split_positions,
     validation_positions,
+    validation_share_warning,
     write_split_file,
 )
 from utils.errors import ConfigError, DatasetError
@@ -151,3 +152,66 @@ def test_unreadable_split_file_names_the_flag(tmp_path: Path) -> None:
         read_split_file(bad)
     with pytest.raises(ConfigError, match="cannot read it"):
         read_split_file(tmp_path / "missing.json")
+
+
+def _edited_split(tmp_path: Path, **changes: object) -> Path:
+    ids = carvana_ids(6, 2)
+    rule = SplitRule(by="prefix", validation=30.0)
+    raw = make_record(ids, rule, *split_positions(ids, rule)).as_dict()
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps({**raw, **changes}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"seed": "abc"}, r"seed must be int, got 'abc'"),
+        ({"folds": 2.5}, r"folds must be int, got 2\.5"),
+        ({"fold": True}, r"fold must be int or null, got True"),
+        ({"validation_percent": "30"}, r"validation_percent must be int or float or null"),
+        ({"validation": []}, r"lists no validation images"),
+        ({"validation": [1, 2]}, r"the validation ids must be text"),
+        ({"rule": "random"}, r"rule 'random' / folds 0 is not a split this makes"),
+    ],
+)
+def test_split_file_fields_are_typed_and_checked(tmp_path: Path, changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=rf"--split .*split\.json: .*{message}|--split .*split\.json {message}"):
+        read_split_file(_edited_split(tmp_path, **changes))
+
+
+def test_split_file_ids_listed_twice_or_on_both_sides_are_refused(tmp_path: Path) -> None:
+    path = _edited_split(tmp_path)
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, "validation": raw["validation"] * 3}))
+    with pytest.raises(ConfigError, match=r"lists 4 validation id\(s\) more than once \(.+\)"):
+        read_split_file(path)
+    path.write_text(json.dumps({**raw, "validation": raw["validation"] + raw["train"][:1]}))
+    with pytest.raises(ConfigError, match=rf"puts 1 id\(s\) on both sides \({re.escape(raw['train'][0])}\)"):
+        read_split_file(path)
+    del raw["seed"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"seed must be int, got None"):
+        read_split_file(path)
+
+
+def test_a_split_other_than_the_recorded_one_is_refused_unless_asked(tmp_path: Path) -> None:
+    path = _edited_split(tmp_path)
+    ids = carvana_ids(6, 2)
+    record = read_split_file(path)
+    assert validation_positions(ids, path, trained_on=record.digest)  # the model's own split
+    assert validation_positions(ids, path, trained_on=None)  # a checkpoint that records none
+    with pytest.raises(ConfigError, match=r"split\.json is not the split m\.pth was trained on.*add --other-split"):
+        validation_positions(ids, path, trained_on="0" * 64, model="m.pth")
+    assert validation_positions(ids, path, trained_on="0" * 64, other_split=True)
+
+
+def test_group_split_far_above_the_asked_share_warns_in_one_line() -> None:
+    ids = carvana_ids(2, 8)  # two groups of 8: whole groups cannot come near 10 %
+    rule = SplitRule(by="prefix", validation=10.0)
+    train, validation = split_positions(ids, rule)
+    line = validation_share_warning(len(ids), len(validation), rule)
+    assert line is not None and "validates 8 of 16 images (50%) where --validation asked 10%" in line
+    # Control: groups small enough to come near the share say nothing.
+    many = carvana_ids(10, 2)
+    assert validation_share_warning(len(many), len(split_positions(many, rule)[1]), rule) is None

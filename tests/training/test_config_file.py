@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import subprocess
 from pathlib import Path
 
@@ -85,6 +87,46 @@ def test_a_run_writes_config_yaml_and_rerunning_it_reproduces_the_run(runner, tm
     # --deterministic on CPU: the rerun trains to the very same weights.
     for key, tensor in first["model_state"].items():
         assert torch.equal(tensor, again["model_state"][key]), key
+
+
+# A 9-level alias bomb: 9 aliases of the level below each, 9**9 (387 million) strings once expanded.
+_ALIAS_BOMB = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n' + "".join(
+    f"{name}: &{name} [{','.join([f'*{below}'] * 9)}]\n" for below, name in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (_ALIAS_BOMB.encode(), r"c\.yaml: its aliases expand to more than 100000 values"),
+        (b"a: &a [*a]\n", r"c\.yaml: an alias contains itself"),
+        (b"epochs: " + b"[" * 20_000 + b"]" * 20_000 + b"\n", r"c\.yaml: values nest more than 16 deep"),
+        ("exp_name: caf\xe9\n".encode("latin-1"), r"c\.yaml is not UTF-8 text \(byte 13\); save it as UTF-8"),
+        (b"epochs: 2\nbatch_size: 3\nepochs: 4\n", r"c\.yaml: key 'epochs' is given twice \(line 3\)"),
+        (b"# padding\n" * 110_000, r"c\.yaml is larger than 1024 KiB"),
+    ],
+    ids=["alias-bomb", "self-alias", "deep", "latin-1", "duplicate-key", "too-large"],
+)
+def test_hostile_config_files_are_one_error_line(tmp_path: Path, capsys, content: bytes, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    assert train.main(["--config", str(path)]) == USER_ERROR_EXIT_CODE
+    line = one_error_line(capsys.readouterr().err)
+    assert re.search(message, line), line
+    assert len(line) < 300  # never the expanded value
+
+
+def test_overridden_file_values_are_said_and_still_checked(tmp_path: Path, caplog) -> None:
+    path = _write(tmp_path / "c.yaml", "epochs: 3\nbatch_size: 2\n")
+    with caplog.at_level(logging.WARNING, logger="utils.training.config_file"):
+        assert parse_config(["--config", str(path), "--epochs", "4", "--batch-size", "2"]).optimisation.epochs == 4
+    overrides = [record.getMessage() for record in caplog.records if "overrides" in record.getMessage()]
+    assert overrides == [f"--config {path}: the command line overrides epochs 3 -> 4"]
+    # The file's own value is refused though the command line sets the flag: the file is meant to be rerun.
+    with pytest.raises(
+        ConfigError, match=r"c5\.yaml: --scale must be a finite number in \(0, 1\], got 5; fix the file"
+    ):
+        parse_config(["--config", str(_write(tmp_path / "c5.yaml", "scale: 5\n")), "--scale", "0.5"])
 
 
 def test_config_yaml_goes_through_the_one_writer(tmp_path) -> None:

@@ -3,6 +3,7 @@ in predict.py, export and torch.hub, with every socket connection refused (nothi
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -121,6 +122,47 @@ def test_encoder_flag_errors_are_one_line(runner, resnet18_file, capsys, extra, 
     extra = [arg.format(file=resnet18_file, missing=resnet18_file.with_name("absent.pth")) for arg in extra]
     assert runner.main("bad", "-e", "1", *extra) == 2
     assert message in one_error_line(capsys.readouterr().err)
+
+
+def _damage(weights: dict[str, torch.Tensor], kind: str) -> None:
+    if kind == "nan":
+        weights["layer1.0.conv1.weight"].view(-1)[3] = float("nan")
+    elif kind == "inf variance":
+        weights["bn1.running_var"][0] = float("inf")
+    elif kind == "negative variance":
+        weights["bn1.running_var"][0] = -1.0
+    elif kind == "int64":
+        weights["conv1.weight"] = weights["conv1.weight"].long()
+    elif kind == "complex":
+        weights["conv1.weight"] = weights["conv1.weight"].to(torch.complex64)
+    else:
+        weights["bn1.weight"] = weights["bn1.weight"].to_sparse()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("nan", r"holds NaN or inf weights \(layer1\.0\.conv1\.weight\): the file is damaged"),
+        ("inf variance", r"holds NaN or inf weights \(bn1\.running_var\): the file is damaged"),
+        (
+            "negative variance",
+            r"holds a negative BatchNorm variance in bn1\.running_var \(min -1\).*the file is damaged",
+        ),
+        ("int64", r"holds conv1\.weight as torch\.int64, not floating point"),
+        ("complex", r"holds conv1\.weight as torch\.complex64, not floating point"),
+        ("sparse", r"holds bn1\.weight as a torch\.sparse_coo tensor, not a dense one"),
+    ],
+)
+def test_damaged_encoder_weights_are_refused_as_checkpoints_are(runner, resnet18_file, capsys, kind, message):
+    """The checkpoint reader's checks, for --encoder-weights: refused before any step, naming the file and the fix."""
+    weights = torch.load(resnet18_file, weights_only=True)
+    _damage(weights, kind)
+    torch.save(weights, resnet18_file)
+    assert runner.main("damaged", "-e", "1", "--encoder", "resnet18", "--encoder-weights", str(resnet18_file)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert re.search(rf"--encoder-weights {re.escape(str(resnet18_file))}.*{message}", line), line
+    assert "torchvision.models.resnet34(weights='IMAGENET1K_V1')" in line  # the fix: make the file again
+    assert not (runner.run_dir("damaged") / "last.pth").exists()
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 
 import evaluate
 from tests.conftest import SyntheticData, TrainRunner, finish, load_checkpoint, torchrun_prefix
+from tests.helpers import one_error_line
 from utils.checkpoint.format import KEY_SPLIT_DIGEST
 from utils.datasets.splits import prefix_of, read_split_file
 from utils.datasets.synthetic import generate_carvana_like
@@ -124,3 +125,50 @@ def test_two_ranks_make_one_split_and_rank_0_records_it(views_runner: TrainRunne
     assert (record.folds, record.fold) == (2, 1) and cars(record.train).isdisjoint(cars(record.validation))
     assert load_checkpoint(run_dir / "last.pth")[KEY_SPLIT_DIGEST] == record.digest
     assert sorted(p.name for p in views_runner.checkpoint_dir.iterdir()) == ["ddp-fold1"]
+
+
+def test_evaluate_refuses_a_split_the_model_was_not_trained_on(
+    views_runner: TrainRunner, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert views_runner.main("own", "--epochs", "1", "--split-by", "prefix", "-v", "25") == 0
+    run_dir, data = views_runner.run_dir("own"), views_runner.data
+    raw = json.loads((run_dir / "split.json").read_text())
+    swapped = tmp_path / "swapped.json"  # validates the model's training images
+    swapped.write_text(json.dumps({**raw, "train": raw["validation"], "validation": raw["train"]}))
+    tripled = tmp_path / "tripled.json"  # each id three times: would score every image three times
+    tripled.write_text(json.dumps({**raw, "validation": raw["validation"] * 3}))
+    capsys.readouterr()
+
+    def scored(model: str, split: Path, *extra: str) -> int:
+        return evaluate.main(["-m", str(run_dir / model), "-s", "1", "-j", "0", "--no-progress", "--imgs",
+                              str(data.imgs), "--masks", str(data.masks), "--split", str(split), *extra])  # fmt: skip
+
+    for model in ("last.pth", "best.pth"):  # best.pth, the file to share, records the split too
+        assert scored(model, swapped) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert f"swapped.json is not the split {run_dir / model} was trained on" in line and "--other-split" in line
+    assert scored("last.pth", swapped, "--other-split") == 0  # asked for: scored
+    assert f"on {len(raw['train'])} images" in capsys.readouterr().out
+    assert scored("last.pth", tripled, "--other-split") == 2
+    assert "lists 6 validation id(s) more than once" in one_error_line(capsys.readouterr().err)
+    assert scored("last.pth", run_dir / "split.json") == 0  # control: its own split
+
+
+def test_more_folds_than_images_names_the_number_that_fits(runner: TrainRunner, capsys) -> None:
+    for fold in (
+        "0",
+        "16",
+    ):  # the empty fold and one that is not: both runs belong to a cross-validation that cannot be
+        assert runner.main("f17", "--epochs", "1", "--folds", "17", "--fold", fold) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert "16 images cannot fill 17 folds (a fold stays empty): use --folds 16 or fewer" in line, line
+
+
+def test_a_group_split_far_above_the_asked_share_warns(runner: TrainRunner, caplog) -> None:
+    # Views 01-09 and 10-16 of the one car as two groups: whole groups put about half in validation, not 10 %.
+    with caplog.at_level(logging.WARNING):
+        code = runner.main("share", "--epochs", "1", "--max-steps", "1", "--split-by", "prefix",
+                           "--group-pattern", r"_(\d)\d$", "-v", "10")  # fmt: skip
+    assert code == 0
+    warnings = [r.getMessage() for r in caplog.records if "where --validation asked 10%" in r.getMessage()]
+    assert len(warnings) == 1 and "--group-pattern with smaller groups" in warnings[0]

@@ -151,6 +151,8 @@ class LoadedWeights:
     model_args: dict[str, Any] | None
     mask_values: list | None
     inference: InferenceRecord
+    split_digest: str | None = None
+    """sha256 of the split the weights were trained on (``KEY_SPLIT_DIGEST``), when the file records it."""
 
 
 def tensor_digests(payload: Mapping[str, Any]) -> dict[str, str]:
@@ -185,7 +187,7 @@ def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
     if not all_finite(tensor for _, tensor in tensors):
         name = next(name for name, tensor in tensors if not all_finite([tensor]))
         raise CheckpointError(
-            f"checkpoint {path} holds NaN or inf weights ({name}); it cannot be used, take an earlier checkpoint"
+            f"checkpoint {path} holds NaN or inf weights ({name}): the file is damaged; take an earlier checkpoint"
         )
 
 
@@ -244,7 +246,10 @@ def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
     if not state_dict or not all(isinstance(value, torch.Tensor) for value in state_dict.values()):
         raise CheckpointError(f"{path} is not a model checkpoint: it holds no tensors of model weights")
     mask_values = raw.get(KEY_MASK_VALUES)
-    return LoadedWeights(_strip_wrapper_prefixes(state_dict), model_args, mask_values, InferenceRecord.of(raw))
+    split_digest = raw.get(KEY_SPLIT_DIGEST) if _is_ours(raw) and isinstance(raw.get(KEY_SPLIT_DIGEST), str) else None
+    return LoadedWeights(
+        _strip_wrapper_prefixes(state_dict), model_args, mask_values, InferenceRecord.of(raw), split_digest
+    )
 
 
 def _model_weights(raw: Mapping[str, Any]) -> Any:

@@ -70,6 +70,8 @@ class ModelSpec(UNetArgs):
     """The void mask values the model was trained with (``--ignore-value``): never a class, never predicted."""
     class_names: tuple[str, ...] = ()
     """One name per class (``--class-names`` in training), for legends and tables; empty when the file has none."""
+    split_digest: str | None = None
+    """sha256 of the train/validation split it was trained on (``evaluate.py --split`` checks it); None: unrecorded."""
 
     @property
     def scale(self) -> float:
@@ -146,6 +148,7 @@ def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
         training_scale=inference.scale,
         ignore_values=inference.ignore_values,
         class_names=inference.class_names,
+        split_digest=loaded.split_digest,
     )
 
 
@@ -256,20 +259,36 @@ def key_count(keys: Sequence[str]) -> str:
     return f"{len(keys)} tensor{'s' if len(keys) != 1 else ''}"
 
 
-def check_weight_values(state_dict: Mapping[str, torch.Tensor], path: Any) -> None:
-    """Floating-point weights, and non-negative BatchNorm variances."""
+def check_weight_values(
+    state_dict: Mapping[str, torch.Tensor],
+    path: Any,
+    *,
+    source: str = "checkpoint",
+    fix: str = "use another checkpoint",
+) -> None:
+    """Dense floating-point weights, and non-negative BatchNorm variances: the one check of a weights file's values.
+
+    Every weights file passes it: checkpoints (``spec_of``) and ``--encoder-weights``; NaN and inf are refused by every
+    read before (``utils.checkpoint.format.verify_checkpoint``). ``source`` names the file's flag, ``fix`` what to do.
+    """
+    where = f"{source} {path}"
     for key, tensor in state_dict.items():
+        if tensor.layout != torch.strided:
+            raise CheckpointError(
+                f"{where} holds {key} as a {tensor.layout} tensor, not a dense one: model weights are dense; the file "
+                f"is damaged or was converted wrongly, {fix}"
+            )
         if key.endswith("num_batches_tracked"):
             continue  # BatchNorm's step counter is an integer by design
         if not tensor.is_floating_point():
             raise CheckpointError(
-                f"checkpoint {path} holds {key} as {tensor.dtype}, not floating point: such weights cannot have been "
-                f"trained; the file is damaged or was converted wrongly, use another checkpoint"
+                f"{where} holds {key} as {tensor.dtype}, not floating point: such weights cannot have been "
+                f"trained; the file is damaged or was converted wrongly, {fix}"
             )
         if key.endswith("running_var") and tensor.numel() and bool((tensor < 0).any()):
             raise CheckpointError(
-                f"checkpoint {path} holds a negative BatchNorm variance in {key} (min {float(tensor.min()):g}), which "
-                f"no training produces; the file is damaged, use another checkpoint"
+                f"{where} holds a negative BatchNorm variance in {key} (min {float(tensor.min()):g}), which "
+                f"no training produces; the file is damaged, {fix}"
             )
 
 

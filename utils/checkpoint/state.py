@@ -57,6 +57,7 @@ WEIGHTS_ONLY_KEYS = (
     KEY_EPOCH,
     KEY_GLOBAL_STEP,
     KEY_BEST_DICE,
+    KEY_SPLIT_DIGEST,  # evaluate.py --split refuses another split than the weights were trained on
 )
 RESUME_KEYS = (KEY_MODEL, KEY_OPTIMIZER, KEY_SCHEDULER, KEY_EPOCH, KEY_GLOBAL_STEP, KEY_STEP_IN_EPOCH)
 

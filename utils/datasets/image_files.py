@@ -133,8 +133,9 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
 
     Hidden files (``.DS_Store``, ``._a.jpg``), sub-folders, files with other extensions and predict.py's outputs
     (``*_OUT.png``, ``*_VIZ.png``, with one warning) are ignored. ``role`` (e.g.
-    ``"image"``) only words the error messages. Raises ``DatasetError`` if the folder is missing or two files share a
-    stem (``a.jpg`` and ``a.png``), since either could be meant.
+    ``"image"``) only words the error messages. Raises ``DatasetError`` if the folder is missing, two files share a
+    stem (``a.jpg`` and ``a.png``), since either could be meant, or a link named like a file it would take leads to
+    no file (a dangling link, a link loop): that file is missing, so the link is named, once, with the fix.
     """
     folder = Path(folder)
     if not folder.exists():
@@ -144,12 +145,22 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     files: dict[str, FileInfo] = {}
     duplicates: dict[str, list[str]] = {}
     skipped_predictions: list[str] = []
+    broken_links: list[str] = []
     # One abspath per folder; each entry's path is then string concatenation (no Path, no per-file abspath).
     prefix = os.path.join(os.path.abspath(folder), "")
     with os.scandir(folder) as entries:
         for entry in entries:
             name = entry.name
-            if name.startswith(".") or not entry.is_file():
+            if name.startswith("."):
+                continue
+            try:
+                if not entry.is_file():
+                    if entry.is_symlink() and not os.path.exists(entry.path) and _is_image_name(name):
+                        broken_links.append(f"{name} -> {os.readlink(entry.path)} (no such file)")
+                    continue
+            except OSError as error:  # a link loop (ELOOP), or a link into a folder that cannot be read
+                if _is_image_name(name):
+                    broken_links.append(f"{name} ({error.strerror or error})")
                 continue
             # split_name, inlined: this loop runs once per directory entry at every start.
             stem, dot, ext = name.rpartition(".")
@@ -178,6 +189,11 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
             VIZ_SUFFIX,
             sorted(skipped_predictions)[0],
         )
+    if broken_links:
+        raise DatasetError(
+            f"{len(broken_links)} link(s) in {role} folder {folder} lead to no file: "
+            f"{format_examples(sorted(broken_links))}; fix or remove the link(s)"
+        )
     if duplicates:
         examples = "; ".join(" and ".join(sorted(names)) for _, names in sorted(duplicates.items())[:5])
         raise DatasetError(
@@ -185,6 +201,11 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
             "keep one file per name (delete or rename the others)"
         )
     return files
+
+
+def _is_image_name(name: str) -> bool:
+    stem, dot, ext = name.rpartition(".")
+    return bool(dot and stem) and "." + ext.lower() in IMAGE_EXTENSIONS
 
 
 def pair_files(images: dict[str, FileInfo], masks: dict[str, FileInfo], mask_suffix: str | None) -> Pairing:

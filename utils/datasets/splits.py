@@ -17,6 +17,7 @@ checkpoints; ``evaluate.py --split`` reads it back.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -207,6 +208,38 @@ def assign_folds(sizes: Sequence[int], folds: int) -> list[int]:
     return fold_of
 
 
+def group_count(ids: Sequence[str], rule: SplitRule) -> int:
+    """How many units ``rule`` deals into folds or sides: images with ``image``, groups with ``prefix``."""
+    if rule.by == SPLIT_BY_IMAGE:
+        return len(ids)
+    return len(groups_of(ids, compile_group_pattern(rule.group_pattern) if rule.group_pattern else None))
+
+
+def empty_side_fix(ids: Sequence[str], rule: SplitRule) -> str:
+    """What to change when ``rule`` left a side empty: the flag and the value that would leave both sides images."""
+    units = group_count(ids, rule)
+    kind = "images" if rule.by == SPLIT_BY_IMAGE else "groups"
+    if rule.folds and units >= 2:
+        return f"{units} {kind} cannot fill {rule.folds} folds (a fold stays empty): use --folds {units} or fewer"
+    if rule.by == SPLIT_BY_PREFIX:
+        return f"the ids form {units} group(s), too few to split: use --split-by image or another --group-pattern"
+    return "too few images to split"
+
+
+def validation_share_warning(n_images: int, n_validation: int, rule: SplitRule) -> str | None:
+    """A line when whole groups put more than twice the asked ``--validation`` share into validation, else None."""
+    if rule.folds or rule.by != SPLIT_BY_PREFIX or n_images == 0:
+        return None
+    share = 100 * n_validation / n_images
+    if share <= 2 * rule.validation:
+        return None
+    return (
+        f"--split-by prefix validates {n_validation} of {n_images} images ({share:.0f}%) where --validation asked "
+        f"{rule.validation:g}%: the groups are too large to come closer; use a --group-pattern with smaller groups, "
+        f"or more groups of images"
+    )
+
+
 def groups_on_both_sides(groups: Sequence[Sequence[int]], validation: Sequence[int]) -> list[int]:
     """Indices of the groups (lists of positions) with members both in ``validation`` and in training (the rest)."""
     validating = set(validation)
@@ -260,35 +293,107 @@ def write_split_file(path: Path, record: SplitRecord) -> None:
         ) from cause
 
 
+# A split file lists ids (tens of bytes each): 64 MiB is millions of images, and bounds what a wrong path can cost.
+MAX_SPLIT_FILE_BYTES = 64 << 20
+# The fields of a split file and their types (what ``SplitRecord`` holds; None where the rule leaves one unset).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "rule": (str,),
+    "seed": (int,),
+    "validation_percent": (int, float, type(None)),
+    "group_pattern": (str, type(None)),
+    "folds": (int,),
+    "fold": (int, type(None)),
+}
+
+
 def read_split_file(path: Path, flag: str = "--split") -> SplitRecord:
-    """The split a run wrote to ``path``; a ConfigError naming ``flag`` when it is missing or not a split file."""
+    """The split a run wrote to ``path``, every field typed and checked; a ConfigError naming ``flag`` otherwise.
+
+    Refused: a file that is not a run's split.json (not JSON, no id lists, another version), a field of the wrong
+    type (``"seed": "abc"``), no validation ids, an id listed twice (it would be scored twice), an id on both sides.
+    """
+    where = f"{flag} {path}"
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_SPLIT_FILE_BYTES + 1)
     except OSError as error:
-        raise ConfigError(f"{flag} {path}: cannot read it ({error.strerror or error})") from error
-    except ValueError as error:
-        raise ConfigError(f"{flag} {path} is not JSON ({error}); pass the split.json of a run folder") from error
-    if not isinstance(raw, dict) or not all(isinstance(raw.get(key), list) for key in ("train", "validation")):
+        raise ConfigError(f"{where}: cannot read it ({error.strerror or error})") from error
+    if len(data) > MAX_SPLIT_FILE_BYTES:
         raise ConfigError(
-            f"{flag} {path} has no 'train' and 'validation' id lists; pass the split.json of a run folder"
+            f"{where} is larger than {MAX_SPLIT_FILE_BYTES >> 20} MiB; pass the split.json of a run folder"
         )
-    if raw.get("version") != SPLIT_FILE_VERSION:
-        raise ConfigError(f"{flag} {path} has format version {raw.get('version')!r}; this version reads version 1")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, RecursionError, ValueError) as error:
+        reason = " ".join(str(error).split())[:120]
+        raise ConfigError(f"{where} is not JSON ({reason}); pass the split.json of a run folder") from None
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(key), list) for key in ("train", "validation")):
+        raise ConfigError(f"{where} has no 'train' and 'validation' id lists; pass the split.json of a run folder")
+    if raw.get("version") != SPLIT_FILE_VERSION or isinstance(raw.get("version"), bool):
+        raise ConfigError(f"{where} has format version {_short(raw.get('version'))}; this version reads version 1")
+    for key, types in _FIELD_TYPES.items():
+        value = raw.get(key)
+        if key not in raw or isinstance(value, bool) or not isinstance(value, types):
+            kind = " or ".join("null" if kind is type(None) else kind.__name__ for kind in types)
+            raise ConfigError(f"{where}: {key} must be {kind}, got {_short(value)}; the file is damaged or was edited")
+    if raw["rule"] not in SPLIT_RULES or raw["folds"] < 0:
+        raise ConfigError(f"{where}: rule {_short(raw['rule'])} / folds {raw['folds']} is not a split this makes")
+    sides = {}
+    for side in ("train", "validation"):
+        ids = raw[side]
+        if not all(isinstance(image_id, str) for image_id in ids):
+            raise ConfigError(f"{where}: the {side} ids must be text; the file is damaged or was edited")
+        repeated = sorted(image_id for image_id, times in collections.Counter(ids).items() if times > 1)
+        if repeated:
+            raise ConfigError(
+                f"{where} lists {len(repeated)} {side} id(s) more than once ({format_examples(repeated)}); each "
+                f"image is on one side once, the file was edited: pass the split.json the run wrote"
+            )
+        sides[side] = tuple(ids)
+    if not sides["validation"]:
+        raise ConfigError(f"{where} lists no validation images; pass the split.json of a run that validated")
+    both = sorted(set(sides["train"]) & set(sides["validation"]))
+    if both:
+        raise ConfigError(
+            f"{where} puts {len(both)} id(s) on both sides ({format_examples(both)}); the file was edited: pass the "
+            "split.json the run wrote"
+        )
     return SplitRecord(
-        rule=str(raw.get("rule")),
-        seed=int(raw.get("seed") or 0),
-        validation_percent=raw.get("validation_percent"),
-        group_pattern=raw.get("group_pattern"),
-        folds=int(raw.get("folds") or 0),
-        fold=raw.get("fold"),
-        train=tuple(str(i) for i in raw["train"]),
-        validation=tuple(str(i) for i in raw["validation"]),
+        rule=raw["rule"],
+        seed=raw["seed"],
+        validation_percent=raw["validation_percent"],
+        group_pattern=raw["group_pattern"],
+        folds=raw["folds"],
+        fold=raw["fold"],
+        train=sides["train"],
+        validation=sides["validation"],
     )
 
 
-def validation_positions(ids: Sequence[str], split_file: Path) -> list[int]:
-    """Positions in ``ids`` of the validation images of the run that wrote ``split_file`` (evaluate.py --split)."""
-    return positions_of(ids, read_split_file(split_file).validation, f"--split {split_file}")
+OTHER_SPLIT_FLAG = "--other-split"
+
+
+def validation_positions(
+    ids: Sequence[str], split_file: Path, *, trained_on: str | None = None, model: Any = None, other_split: bool = False
+) -> list[int]:
+    """Positions in ``ids`` of the validation images of the run that wrote ``split_file`` (evaluate.py --split).
+
+    ``trained_on`` is the split digest the checkpoint ``model`` records (None: not recorded): another split is
+    refused unless ``other_split`` (its validation images may be the model's training images).
+    """
+    record = read_split_file(split_file)
+    if trained_on is not None and record.digest != trained_on and not other_split:
+        raise ConfigError(
+            f"--split {split_file} is not the split {model} was trained on (its recorded split_sha256 differs), so "
+            f"its validation images may be training images of the model; pass the split.json of the model's run "
+            f"folder, or add {OTHER_SPLIT_FLAG} to score this split anyway"
+        )
+    return positions_of(ids, record.validation, f"--split {split_file}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def positions_of(ids: Sequence[str], wanted: Sequence[str], source: str) -> list[int]:

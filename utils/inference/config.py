@@ -137,6 +137,8 @@ class EvaluateConfig(InferenceConfig):
     """also write the scores as JSON to FILE"""
     split_path: Path | None = flag(None, "--split", metavar="FILE")
     """score only the validation images of a run's split.json (from --imgs/--masks)"""
+    other_split: bool = flag(False, "--other-split")
+    """score a --split other than the one the checkpoint records it was trained on (refused without this flag)"""
 
 
 def parse_predict_config(argv: Sequence[str] | None, doc: str) -> PredictConfig:

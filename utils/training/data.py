@@ -19,10 +19,13 @@ from utils.datasets.splits import (
     SplitRecord,
     SplitRule,
     check_same_split,
+    empty_side_fix,
+    group_count,
     groups_across,
     looks_grouped,
     make_record,
     split_positions,
+    validation_share_warning,
     write_split_file,
 )
 from utils.errors import ConfigError
@@ -126,7 +129,8 @@ def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int
     """(train, validation) positions of the dataset's ids under the split flags; a ConfigError when a side is empty."""
     rule = split_rule(config)
     train, validation = split_positions(ids, rule)
-    if not train or not validation:
+    # More folds than images (or groups) leave a fold empty, whichever --fold this run is.
+    if not train or not validation or (rule.folds and rule.folds > group_count(ids, rule)):
         if rule.by == SPLIT_BY_IMAGE and not rule.folds:
             raise ConfigError(
                 f"--validation {config.validation:g} leaves {len(train)} training and {len(validation)} validation "
@@ -135,9 +139,11 @@ def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int
             )
         raise ConfigError(
             f"--split-by {rule.by}{f' --folds {rule.folds}' if rule.folds else ''} leaves {len(train)} training and "
-            f"{len(validation)} validation images out of {len(ids)}: the ids form too few groups; use --split-by "
-            f"image, fewer --folds, or add images to {config.imgs}"
+            f"{len(validation)} validation images out of {len(ids)}: {empty_side_fix(ids, rule)} (or add images to "
+            f"{config.imgs})"
         )
+    if (too_many := validation_share_warning(len(ids), len(validation), rule)) is not None:
+        logger.warning(too_many)
     if rule.by == SPLIT_BY_IMAGE and looks_grouped(ids):
         spanning, n_groups = groups_across(ids, train, validation)
         if spanning:

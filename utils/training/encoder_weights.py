@@ -4,8 +4,10 @@ The file is what torchvision itself downloads and caches (``~/.cache/torch/hub/c
 a plain state dict with keys ``conv1.weight``, ``bn1.*``, ``layer1.*`` ... ``fc.*``. The classifier (``fc.*``) is
 dropped; every other key must match the encoder exactly, so a resnet50 file given to ``--encoder resnet34`` (or a
 file that is not a ResNet's) is refused with one message naming the file. Nothing is downloaded here or anywhere
-else: the file is read as every weights file is (``utils.checkpoint.files.load_checkpoint_file``: never unpickles
-code; ``module.`` prefixes and a ``state_dict`` wrapper are taken off).
+else: the file is read and checked as every weights file is (``utils.checkpoint.files.load_checkpoint_file``: never
+unpickles code, refuses NaN and inf; ``module.`` prefixes and a ``state_dict`` wrapper are taken off), and its values
+pass the checkpoints' check (``utils.checkpoint.model.check_weight_values``: dense, floating point, BatchNorm
+variances >= 0), so a damaged file is refused naming it before a step is trained.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 
 from utils.checkpoint.files import load_checkpoint_file
 from utils.checkpoint.format import weights_of
-from utils.checkpoint.model import key_differences
+from utils.checkpoint.model import check_weight_values, key_differences
 from utils.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -41,9 +43,11 @@ def read_encoder_weights(path: str | Path) -> dict[str, torch.Tensor]:
         weights = weights_of(load_checkpoint_file(path), path).state_dict
     except CheckpointError as error:
         raise ConfigError(
-            f"--encoder-weights {path} is not a readable torch state dict ({error}); {HOW_TO_GET}"
+            f"--encoder-weights {path} is not a usable torch state dict ({error}); {HOW_TO_GET}"
         ) from None
-    return {key: value for key, value in weights.items() if not key.startswith(DROPPED_PREFIXES)}
+    weights = {key: value for key, value in weights.items() if not key.startswith(DROPPED_PREFIXES)}
+    check_weight_values(weights, path, source="--encoder-weights", fix=f"make the file again: {HOW_TO_GET}")
+    return weights
 
 
 def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str) -> None:
