@@ -88,9 +88,12 @@ def read_config_file(path: Path, config_class: type) -> dict[str, Any]:
     return values
 
 
-def write_config_file(path: Path, run_args: Mapping[str, Any]) -> None:
-    """Write ``run_args`` (a ``TrainConfig.as_dict()``) to ``path`` as YAML, atomically (temp file and replace)."""
-    text = HEADER.format(path=path) + yaml.safe_dump(dict(run_args), sort_keys=False, default_flow_style=False)
+def write_config_file(path: Path, run_args: Mapping[str, Any], summary: str = "") -> None:
+    """Write ``run_args`` (a ``TrainConfig.as_dict()``) to ``path`` as YAML, atomically (temp file and replace);
+    ``summary`` (the run's changed settings) goes above them as comment lines."""
+    comments = "".join(f"# {line}\n" for line in summary.splitlines())
+    flags = yaml.safe_dump(dict(run_args), sort_keys=False, default_flow_style=False)
+    text = HEADER.format(path=path) + comments + flags
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

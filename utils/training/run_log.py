@@ -39,7 +39,7 @@ from utils.errors import ConfigError
 from utils.evaluation import EvalResult
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import open_for_append
-from utils.training.config import TrainConfig
+from utils.training.config import TrainConfig, non_default_settings
 from utils.training.curves import write_curves_if_possible
 from utils.training.sampler import BatchPlan
 
@@ -62,6 +62,37 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(max(int(round(seconds)), 0), 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def start_phrase(epochs: tuple[int, int], resumed: TrainPosition | None) -> str:
+    """``Starting training: epochs 1..6``, or for a resumed run where in that plan it goes on."""
+    first, last = epochs
+    if resumed is None:
+        return f"Starting training: epochs {first}..{last}"
+    return (
+        f"Resuming at epoch {resumed.epoch + 1}, step {resumed.global_step} "
+        f"({resumed.step_in_epoch} batches of the epoch done) of epochs {first}..{last}"
+    )
+
+
+def settings_block(run_args: dict[str, Any]) -> str:
+    """The flags of this run that differ from their defaults, one per line (``python train.py --help`` has the
+    rest): what the run changed, said once at its start and in config.yaml."""
+    changed = non_default_settings(run_args)
+    if not changed:
+        return "Settings: all flags at their defaults"
+    return "Settings that differ from the defaults:" + "".join(
+        f"\n  {flag_and_value(flag, value)}" for flag, value in changed.items()
+    )
+
+
+def flag_and_value(flag: str, value: Any) -> str:
+    """``--ema 0.999``, ``--deep-supervision`` for a switch that is on, ``--ignore-values 255,0`` for a list."""
+    if value is True:
+        return flag
+    if isinstance(value, list):
+        return f"{flag} {','.join(str(item) for item in value)}"
+    return f"{flag} {value}"
 
 
 class RunLog:
