@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 WANDB_PROJECT = "U-Net"
 SAMPLE_IMAGES = 4  # validation images (with true and predicted masks) shown per validation
 
+ZERO_DICE_HINT = (
+    "Dice 0.0000 in the first validations is expected: a model early in training predicts no foreground pixel at "
+    "all; it rises once the model starts to find the objects"
+)
 Scalars = dict[str, tuple[str, float]]
 """wandb name -> (TensorBoard tag, value): one score, named as each of them shows it."""
 
@@ -124,6 +128,7 @@ class RunLog:
         # of this epoch (for the epoch line's mean).
         self._window, self._epoch = [0.0, 0.0], [0.0, 0.0]
         self._last_validation: tuple[float, float] | None = None
+        self._scored_any_foreground = False
         self._bar: tqdm | None = None
         self._wandb_run = None
         self._tensorboard = None
@@ -246,6 +251,10 @@ class RunLog:
     def log_val(self, *, epoch: int, global_step: int, result: EvalResult, samples: dict[str, Any] | None) -> None:
         """``samples``: optional ``image``/``true``/``pred`` tensors (+ ``histograms`` for wandb) of a few images."""
         self._last_validation = (result.dice, result.iou)
+        if result.dice == 0 and not self._scored_any_foreground:
+            self._scored_any_foreground = True  # said once: the next zeros need no repeat
+            logger.info(ZERO_DICE_HINT)
+        self._scored_any_foreground |= result.dice > 0
         # The scores as evaluate.py writes them: the headline macro (per-image mean) Dice and IoU, and both reductions
         # (with micro: dataset-level), per class and averaged; see utils.evaluation.
         self._write(
