@@ -7,8 +7,9 @@
 # new run folder. Each case is said in one line (scripts/quickstart_plan.py decides).
 #
 # Settings (environment): DEMO_EPOCHS (4). For tests and small machines: QUICKSTART_ROOT (the folder that holds
-# data/, checkpoints/ and outputs/; default the repository), DEMO_IMAGES (200), DEMO_TEST_IMAGES (32), DEMO_SIZE
-# (480x320), DEMO_BASE_CHANNELS (16), DEMO_BATCH_SIZE (8), QUICKSTART_SETUP=0 to use .venv as it is.
+# data/, checkpoints/ and outputs/; default the repository), DEMO_IMAGES (200), DEMO_VIEWS (views per demo car, 16 as
+# in Carvana), DEMO_TEST_IMAGES (32, 4 views per car: 8 test cars), DEMO_SIZE (480x320), DEMO_BASE_CHANNELS (16),
+# DEMO_BATCH_SIZE (8), QUICKSTART_SETUP=0 to use .venv as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${QUICKSTART_SETUP:-1}" != 0 ]; then
@@ -26,12 +27,13 @@ has_images() { [ -n "$(find "$1" -maxdepth 1 -type f ! -name '.*' -print -quit 2
 
 if ! has_images "$DATA/imgs"; then
     echo "$DATA/imgs is empty: generating the Carvana-style demo dataset"
-    "$PY" -m utils.datasets.synthetic "$DATA" --n "${DEMO_IMAGES:-200}" --size "$SIZE" --seed 0
+    "$PY" -m utils.datasets.synthetic "$DATA" --n "${DEMO_IMAGES:-200}" --size "$SIZE" --seed 0 \
+        --views "${DEMO_VIEWS:-16}"
 fi
 # The test set: other cars (another seed) in a folder of their own; train.py reads data/imgs only.
 if ! has_images "$DATA/test/imgs"; then
     echo "$DATA/test/imgs is empty: generating the held-out demo test set"
-    "$PY" -m utils.datasets.synthetic "$DATA/test" --n "${DEMO_TEST_IMAGES:-32}" --size "$SIZE" --seed 1
+    "$PY" -m utils.datasets.synthetic "$DATA/test" --n "${DEMO_TEST_IMAGES:-32}" --size "$SIZE" --seed 1 --views 4
 fi
 
 # What to train: a new run, the rest of a stopped one, more epochs from the last weights, or nothing (see above).
@@ -41,14 +43,17 @@ mapfile -t plan <<< "$plan_lines"
 run="${plan[0]}"
 [ -z "${plan[1]}" ] || echo "${plan[1]}"
 if [ "${#plan[@]}" -gt 2 ]; then
-    # A short CPU-sized run; on a GPU the same command just runs faster.
+    # A short CPU-sized run; on a GPU the same command just runs faster. --split-by prefix: the views of one car
+    # stay on one side of the split (the dataset check advises it for names like these; for names without an _
+    # each image is its own group, as with the default split).
     "$PY" train.py "${plan[@]:2}" --checkpoint-dir "$CHECKPOINTS" --imgs "$DATA/imgs" --masks "$DATA/masks" \
         --batch-size "$BATCH" --scale 0.25 --base-channels "${DEMO_BASE_CHANNELS:-16}" --learning-rate 3e-3 \
-        --validation 10 --classes 2 --wandb disabled
+        --validation 10 --classes 2 --split-by prefix --wandb disabled
 fi
 
 out="${prefix}outputs/$(basename "$run")"
-mapfile -t samples < <(find "$DATA/test/imgs" -maxdepth 1 -type f ! -name '.*' | sort | head -n 8)
+# Eight overlays of as many different cars as the test set holds.
+mapfile -t samples < <("$PY" -m scripts.quickstart_samples "$DATA/test/imgs" 8)
 "$PY" predict.py --model "$run/best.pth" --input "${samples[@]}" --output-dir "$out" --viz --masks "$DATA/test/masks"
 "$PY" evaluate.py --model "$run/best.pth" --imgs "$DATA/test/imgs" --masks "$DATA/test/masks" \
     --batch-size "$BATCH" --json "$out/test_evaluation.json"

@@ -14,6 +14,7 @@ import pytest
 
 from scripts.quickstart_plan import main as quickstart_plan_main
 from scripts.quickstart_plan import plan_quickstart
+from scripts.quickstart_samples import overlay_samples
 from tests.conftest import REPO_ROOT, TrainRunner, child_env
 from tests.helpers import one_error_line
 from utils.checkpoint.files import load_checkpoint_file
@@ -85,10 +86,22 @@ def test_a_folder_of_damaged_checkpoints_is_one_error_line(tmp_path, carvana_dat
     assert f"no usable checkpoint in run folder {tmp_path / 'demo'}" in one_error_line(capsys.readouterr().err)
 
 
+def test_overlay_samples_show_different_cars_first(tmp_path):
+    for car in ("aaa", "bbb", "ccc"):
+        for view in range(1, 5):
+            (tmp_path / f"{car}_{view:02d}.jpg").write_bytes(b"")
+    (tmp_path / ".hidden.jpg").write_bytes(b"")
+    names = [path.name for path in overlay_samples(tmp_path, 8)]
+    assert names == ["aaa_01.jpg", "bbb_01.jpg", "ccc_01.jpg", "aaa_02.jpg", "bbb_02.jpg", "ccc_02.jpg",
+                     "aaa_03.jpg", "bbb_03.jpg"]  # fmt: skip
+    assert len(overlay_samples(tmp_path, 20)) == 12
+
+
 # At this size each run of the script takes about a minute on two busy cores, most of it interpreter start-ups.
 TINY = {
     "QUICKSTART_SETUP": "0",
     "DEMO_IMAGES": "12",
+    "DEMO_VIEWS": "1",  # 12 cars: --split-by prefix can validate on 10 % of them
     "DEMO_TEST_IMAGES": "2",
     "DEMO_SIZE": "64x48",
     "DEMO_BASE_CHANNELS": "8",
@@ -109,8 +122,11 @@ def quickstart(root: Path, epochs: int) -> str:
 def test_the_script_reruns_with_more_epochs(tmp_path):
     # The other rerun, the user's own images, is the plan's case above (a first run's flags, in a new folder); the
     # script passes the plan's flags the same way in every case, so one rerun through it shows the wiring.
-    quickstart(tmp_path, 1)
+    out = quickstart(tmp_path, 1)
     checkpoints = tmp_path / "checkpoints"
+    # It trains as it advises: views of one car on one side of the split, so no warning that recommends it.
+    assert "split_by: prefix\n" in (checkpoints / "demo" / "config.yaml").read_text()
+    assert "use --split-by prefix" not in out
     assert epochs_done(checkpoints / "demo" / "last.pth") == 1
 
     out = quickstart(tmp_path, 2)

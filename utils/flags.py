@@ -204,7 +204,7 @@ class FlagParser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage and exiting, so every error is one line."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see python {self.prog} --help)")
+        raise ConfigError(f"{message} {help_hint(self.prog)}")
 
 
 def parse_flags(parser: argparse.ArgumentParser, config_class: type, argv: Sequence[str] | None) -> Any:
@@ -228,7 +228,14 @@ def parse_known_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
             if close:
                 message += f"; did you mean {close[0]}?"
             break
-    raise ConfigError(f"{message} (see python {parser.prog} --help)")
+    raise ConfigError(f"{message} {help_hint(parser.prog)}")
+
+
+def help_hint(prog: str) -> str:
+    """``(see unet-train --help)``: the program as the user started it (``utils.cli.command_name``)."""
+    from utils.cli import command_name  # here: utils.cli imports torch, which flags alone must not
+
+    return f"(see {command_name(prog)} --help)"
 
 
 def flat_values(config: Any) -> dict[str, Any]:

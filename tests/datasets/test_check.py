@@ -101,7 +101,7 @@ def test_duplicates_and_the_ones_that_cross_the_split(tmp_path: Path, capsys: py
 
     code, lines = run_check(root, tmp_path, "--split-by", "image", "--validation", "50", capsys=capsys)
     assert code == 0  # duplicates do not stop training
-    assert any(line.startswith("warning: duplicates: 12 photos are exact copies") for line in lines)
+    assert any(line.startswith("warning: duplicates: 6 photos are exact copies of others (6 groups") for line in lines)
     crossing = [line for line in lines if line.startswith("warning: duplicates across the split")]
     assert len(crossing) == 1 and "under --split-by image" in crossing[0]
 
@@ -110,6 +110,22 @@ def test_duplicates_and_the_ones_that_cross_the_split(tmp_path: Path, capsys: py
 
     code, lines = run_check(root, tmp_path, "--split-by", "image", "--validation", "50", "--strict", capsys=capsys)
     assert code == 1 and any(line.startswith("problem: duplicates across the split") for line in lines)
+
+
+def test_one_copy_is_one_photo_and_a_prefix_split_is_not_told_to_use_itself(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "data"
+    ids = make_cars(root, cars=6, views=2)
+    copy_pair(root, ids[0], "othercar_01")  # a copy under another prefix: --split-by prefix cannot keep it beside
+    code, lines = run_check(root, tmp_path, "--split-by", "prefix", "--validation", "50", capsys=capsys)
+    assert code == 0
+    assert any(line.startswith("warning: duplicates: 1 photo is an exact copy of another (1 group ") for line in lines)
+    # Copies of other cars under prefixes of their own: some land on the other side of the prefix split.
+    for car in range(1, 6):
+        copy_pair(root, ids[2 * car], f"othercar{car}_01")
+    code, lines = run_check(root, tmp_path, "--split-by", "prefix", "--validation", "50", capsys=capsys)
+    crossing = [line for line in lines if line.startswith("warning: duplicates across the split")]
+    assert len(crossing) == 1 and "with a --group-pattern" in crossing[0], lines
+    assert "--split-by prefix /" not in crossing[0]
 
 
 def test_bad_flags_and_missing_folders_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,6 +93,12 @@ def test_onnx_export_is_one_file_that_matches_pytorch_and_carries_its_preprocess
         "class_names": ["bg", "car"],
     }
     assert "/ 255" in recorded["input"] and "mask_values[class]" in recorded["output"]
+    import onnx
+
+    graph = onnx.load(str(path)).graph
+    shapes = [[dim.dim_param or dim.dim_value for dim in value.type.tensor_type.shape.dim]
+              for value in (graph.input[0], graph.output[0])]  # fmt: skip
+    assert shapes == [["batch", 3, "height", "width"], ["batch", 2, "height", "width"]]
     # It travels alone: copied elsewhere by itself, it loads and runs.
     moved = shutil.copy(path, tmp_path / "alone.onnx")
     session = onnxruntime.InferenceSession(str(moved), providers=["CPUExecutionProvider"])

@@ -8,11 +8,13 @@ from PIL import Image
 
 from utils.inference.overlays import (
     GAP_PIXELS,
+    OVERLAY_ALPHA,
     PALETTE,
     ROW_PIXELS,
     SWATCH_PIXELS,
     class_colours,
     find_truth_mask,
+    inside_edge,
     legend_entries,
     load_truth_classes,
     overlay,
@@ -27,15 +29,36 @@ def test_colour_masks_keep_their_colours_and_grey_masks_get_the_palette():
 
 
 def test_only_foreground_classes_are_painted():
-    image = torch.full((3, 4, 5), 100, dtype=torch.uint8)
-    classes = np.zeros((4, 5), dtype=np.uint8)
-    classes[1:3, 2:4] = 2
+    image = torch.full((3, 6, 7), 100, dtype=torch.uint8)
+    classes = np.zeros((6, 7), dtype=np.uint8)
+    classes[1:5, 2:6] = 2
     painted = overlay(image, classes, [(0, 0, 0), (255, 0, 0), (0, 0, 255)])
     changed = (painted != image).any(dim=0).numpy()
     np.testing.assert_array_equal(changed, classes == 2)
-    # Half image, half class colour.
-    red, green, blue = painted[:, 1, 2].tolist()
+    # Inside: half image, half class colour; on the region's edge a white outline (the image is dark).
+    red, green, blue = painted[:, 2, 3].tolist()
     assert (red, green) == (50, 50) and blue in (177, 178)
+    assert painted[:, 1, 2].tolist() == [255, 255, 255]
+
+
+def test_the_outline_stands_out_where_the_fill_does_not():
+    """A red fill on a maroon car barely changes it; the outline is white there and black on a light car."""
+    classes = np.zeros((6, 6), dtype=np.uint8)
+    classes[1:5, 1:5] = 1
+    for car, outline in (((128, 0, 0), 255), ((230, 230, 230), 0)):
+        image = torch.tensor(car, dtype=torch.uint8)[:, None, None].expand(3, 6, 6).contiguous()
+        painted = overlay(image, classes, [(0, 0, 0), (200, 0, 0)])
+        edge = inside_edge(torch.from_numpy(classes == 1))
+        assert edge.sum() == 12 and not edge[2:4, 2:4].any()  # the 4x4 square's ring, not its middle
+        assert (painted[:, edge] == outline).all()
+        assert (painted[:, ~edge] == overlay_without_outline(image, classes)[:, ~edge]).all()
+
+
+def overlay_without_outline(image, classes):
+    from torchvision.utils import draw_segmentation_masks
+
+    mask = torch.from_numpy(classes == 1)[None]
+    return draw_segmentation_masks(image, mask, alpha=OVERLAY_ALPHA, colors=[(200, 0, 0)])
 
 
 def test_grey_images_are_shown_in_colour():

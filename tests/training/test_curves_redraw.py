@@ -42,3 +42,21 @@ def test_a_figure_without_a_digest_is_redrawn(tmp_path: Path) -> None:
     assert drawn_digest(png) is None
     assert write_curves_if_possible(metrics, png)
     assert drawn_digest(png) == series_digest(read_series(metrics))
+
+
+def _dice_legend(metrics: Path) -> list[str]:
+    from utils.training.curves import build_figure
+
+    dice_axes = next(axes for axes in build_figure(read_series(metrics)).axes if axes.get_title() == "Validation Dice")
+    return [text.get_text() for text in dice_axes.get_legend().get_texts()]
+
+
+def test_a_binary_task_draws_its_one_foreground_class_as_the_mean_not_hidden_under_it(tmp_path: Path) -> None:
+    binary, three = tmp_path / "binary.jsonl", tmp_path / "three.jsonl"
+    for step, (background, car) in enumerate([(0.9, 0.5), (0.95, 0.7)], start=1):
+        _append(binary, {"event": "val", "epoch": step, "global_step": step, "dice": car,
+                         "per_class_dice": [background, car]})  # fmt: skip
+        _append(three, {"event": "val", "epoch": step, "global_step": step, "dice": (car + 0.3) / 2,
+                        "per_class_dice": [background, car, 0.3]})  # fmt: skip
+    assert _dice_legend(binary) == ["class 0", "mean (foreground) = class 1"]
+    assert _dice_legend(three) == ["class 0", "class 1", "class 2", "mean (foreground)"]

@@ -38,8 +38,15 @@ from utils.datasets.image_files import (
     pool_map,
 )
 from utils.datasets.mask_values import Finding, class_totals, scan_masks
-from utils.datasets.splits import SPLIT_RULES, SplitRule, check_split_flags, groups_on_both_sides, split_positions
-from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError, UserError, user_message
+from utils.datasets.splits import (
+    SPLIT_BY_PREFIX,
+    SPLIT_RULES,
+    SplitRule,
+    check_split_flags,
+    groups_on_both_sides,
+    split_positions,
+)
+from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError, UserError, count, user_message
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +176,9 @@ def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[
             by_hash.setdefault(fact.sha256, []).append(fact.name)
     duplicates = sorted(sorted(names) for names in by_hash.values() if len(names) > 1)
     if duplicates:
-        what = f"{sum(map(len, duplicates))} photos are exact copies of another ({len(duplicates)} group(s))"
+        copies = sum(len(names) - 1 for names in duplicates)  # a group of n identical photos: one and n-1 copies
+        verb = "is an exact copy of another" if copies == 1 else "are exact copies of others"
+        what = f"{count(copies, 'photo')} {verb} ({count(len(duplicates), 'group')} of identical photos)"
         fix = "delete the copies: they weigh twice in training"
         report.warnings.append(Finding("duplicates", what, tuple(map(_copies, duplicates)), fix))
     if rule is None or not duplicates:
@@ -184,7 +193,9 @@ def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[
                 f"{len(crossing)} group(s) of identical photos are both in training and in validation under "
                 f"--split-by {rule.by}",
                 tuple(map(_copies, crossing)),
-                "delete the copies, or group them with --split-by prefix / --group-pattern",
+                # Under --split-by prefix these copies have different prefixes: only a pattern can group them.
+                "delete the copies, or group them with "
+                + ("a --group-pattern" if rule.by == SPLIT_BY_PREFIX else "--split-by prefix / --group-pattern"),
             )
         )
 

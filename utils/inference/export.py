@@ -25,11 +25,13 @@ import importlib.util
 import io
 import json
 import logging
+import re
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -257,6 +259,7 @@ def _write_metadata(path: Path, preprocessing: Preprocessing | None, weights_fil
     import onnx
 
     proto = onnx.load(str(path))
+    _name_dynamic_dims(proto)
     if preprocessing is not None:
         props = {prop.key: prop.value for prop in proto.metadata_props}
         onnx.helper.set_model_props(proto, {**props, **preprocessing.metadata()})
@@ -268,6 +271,24 @@ def _write_metadata(path: Path, preprocessing: Preprocessing | None, weights_fil
         proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=weights_file.name
     )
     _weights_file(path).unlink(missing_ok=True)
+
+
+DYNAMIC_DIM_NAMES = {0: "batch", 2: "height", 3: "width"}
+"""The names the input's dynamic dimensions carry in the file (the exporter generates ``s77``, ``s53``, ...)."""
+
+
+def _name_dynamic_dims(proto: Any) -> None:
+    """Rename the exporter's symbols of the input's batch, height and width everywhere they occur (the output's
+    dimensions and intermediate shapes use the same symbols), so tools show ``batch x 3 x height x width``."""
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    renamed = {dims[axis].dim_param: name for axis, name in DYNAMIC_DIM_NAMES.items() if dims[axis].dim_param}
+    if not renamed:
+        return
+    symbol = re.compile(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b")
+    for value in [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = symbol.sub(lambda found: renamed[found.group(1)], dim.dim_param)
 
 
 def _check_onnx(model: nn.Module, path: Path, sample: Tensor, other: Tensor) -> ExportReport:

@@ -1,7 +1,9 @@
 """Prediction overlays written as images (``predict.py --viz``), with the true mask beside them when one is given.
 
 Class 0 is treated as background and left undrawn; the other classes are painted over the image in their own colour:
-the dataset's colour when its mask values are colours, else a fixed palette. Below the image(s) a white strip holds
+the dataset's colour when its mask values are colours, else a fixed palette. A half-transparent colour can vanish on
+an object of about that colour (red on a maroon car), so each region also gets a one-pixel outline on its inside
+edge, black or white, whichever stands out more from the image under it. Below the image(s) a white strip holds
 the captions (``truth`` under the true mask's overlay, ``prediction`` under the model's) and a legend: a swatch of
 each foreground class's colour labelled with its name (``--class-names`` in training) or else its mask value
 (``value 255``), the value a person finds in the mask files. The image pixels themselves carry no text.
@@ -66,7 +68,20 @@ def overlay(image: Tensor, classes: np.ndarray, colours: Sequence[tuple[int, int
     if not present:
         return rgb.clone()
     masks = torch.stack([class_map == k for k in present])
-    return draw_segmentation_masks(rgb, masks, alpha=OVERLAY_ALPHA, colors=[colours[k] for k in present])
+    painted = draw_segmentation_masks(rgb, masks, alpha=OVERLAY_ALPHA, colors=[colours[k] for k in present])
+    for mask in masks:
+        edge = inside_edge(mask)
+        # Rec. 601 luma of the image under the outline: a light background gets black, a dark one white.
+        luma = (torch.tensor([0.299, 0.587, 0.114]) @ rgb[:, edge].float()).mean()
+        painted[:, edge] = 0 if luma > 127 else 255
+    return painted
+
+
+def inside_edge(mask: Tensor) -> Tensor:
+    """The pixels of ``mask`` ``[H, W]`` bool with a 4-neighbour outside it (the image border does not count)."""
+    padded = torch.nn.functional.pad(mask[None, None].float(), (1, 1, 1, 1), mode="replicate")[0, 0] > 0.5
+    interior = padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
+    return mask & ~interior
 
 
 def legend_entries(

@@ -24,6 +24,7 @@ from utils.flags import (
     build_config,
     check_ranges,
     flag,
+    flag_fields,
     flat_values,
     parse_class_names,
     parse_known_flags,
@@ -424,3 +425,13 @@ def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def non_default_settings(run_args: Mapping[str, Any]) -> dict[str, Any]:
+    """``{flag: value}`` of the flags in ``run_args`` (``as_dict``) whose value is not the flag's default, in field
+    order, each under its first name (``--ema``): what a run's start block and config.yaml say it changed."""
+    return {
+        item.flag.names[0]: run_args[item.dest]
+        for item in flag_fields(TrainConfig)
+        if item.dest in run_args and run_args[item.dest] != item.default
+    }

@@ -202,9 +202,12 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def write_config_file(path: Path, run_args: Mapping[str, Any]) -> None:
-    """Write ``run_args`` (a ``TrainConfig.as_dict()``) to ``path`` as YAML, all or nothing (``output_files``)."""
-    text = HEADER.format(path=path) + yaml.safe_dump(dict(run_args), sort_keys=False, default_flow_style=False)
+def write_config_file(path: Path, run_args: Mapping[str, Any], summary: str = "") -> None:
+    """Write ``run_args`` (a ``TrainConfig.as_dict()``) to ``path`` as YAML, all or nothing (``output_files``);
+    ``summary`` (the run's changed settings) goes above them as comment lines."""
+    comments = "".join(f"# {line}\n" for line in summary.splitlines())
+    flags = yaml.safe_dump(dict(run_args), sort_keys=False, default_flow_style=False)
+    text = HEADER.format(path=path) + comments + flags
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, text, "the run's config.yaml")
 

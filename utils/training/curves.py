@@ -136,9 +136,9 @@ def build_figure(series: Series) -> Figure:
 
     _plot(panel(grid[0, :3], "Training loss", "loss"), series.loss, "training loss", LOSS_COLOUR)
     dice_axes = panel(grid[0, 3:], "Validation Dice", "validation Dice")
-    for index, points in sorted(series.per_class_dice.items()):
+    for index, points in class_lines(series):
         _plot(dice_axes, points, f"class {index}", None, alpha=0.6, linestyle="--")
-    _plot(dice_axes, series.dice, "mean (foreground)", DICE_COLOUR)
+    _plot(dice_axes, series.dice, mean_label(series), DICE_COLOUR)
     if series.dice or series.per_class_dice:
         dice_axes.legend(loc="lower right", fontsize="small")
     _plot(panel(grid[1, :2], "Learning rate", "learning rate"), series.learning_rate, "learning rate", "#2ca02c")
@@ -148,6 +148,18 @@ def build_figure(series: Series) -> Figure:
     _plot(epoch_axes, series.epoch_seconds, "epoch time", "#8c564b")
     epoch_axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     return figure
+
+
+def class_lines(series: Series) -> list[tuple[int, Points]]:
+    """The per-class Dice lines worth drawing: not one that is the foreground mean at every point (the one foreground
+    class of a binary task), which would hide under the mean's line; the mean's label names it instead."""
+    return [(index, points) for index, points in sorted(series.per_class_dice.items()) if points != series.dice]
+
+
+def mean_label(series: Series) -> str:
+    """``mean (foreground)``, or ``mean (foreground) = class 1`` where that class's line is the mean's."""
+    same = [f"class {index}" for index, points in sorted(series.per_class_dice.items()) if points == series.dice]
+    return "mean (foreground)" + "".join(f" = {name}" for name in same)
 
 
 def _plot(axes, points: Points, label: str, colour: str | None, *, alpha: float = 1.0, linestyle: str = "-") -> None:

@@ -40,7 +40,7 @@ from utils.errors import ConfigError
 from utils.evaluation import EvalResult
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
-from utils.training.config import TrainConfig
+from utils.training.config import TrainConfig, non_default_settings
 from utils.training.curves import write_curves_if_possible
 from utils.training.sampler import BatchPlan
 
@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 WANDB_PROJECT = "U-Net"
 SAMPLE_IMAGES = 4  # validation images (with true and predicted masks) shown per validation
 
+ZERO_DICE_HINT = (
+    "Dice 0.0000 in the first validations is expected: a model early in training predicts no foreground pixel at "
+    "all; it rises once the model starts to find the objects"
+)
 Scalars = dict[str, tuple[str, float]]
 """wandb name -> (TensorBoard tag, value): one score, named as each of them shows it."""
 
@@ -63,6 +67,37 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(max(int(round(seconds)), 0), 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def start_phrase(epochs: tuple[int, int], resumed: TrainPosition | None) -> str:
+    """``Starting training: epochs 1..6``, or for a resumed run where in that plan it goes on."""
+    first, last = epochs
+    if resumed is None:
+        return f"Starting training: epochs {first}..{last}"
+    return (
+        f"Resuming at epoch {resumed.epoch + 1}, step {resumed.global_step} "
+        f"({resumed.step_in_epoch} batches of the epoch done) of epochs {first}..{last}"
+    )
+
+
+def settings_block(run_args: dict[str, Any]) -> str:
+    """The flags of this run that differ from their defaults, one per line (``python train.py --help`` has the
+    rest): what the run changed, said once at its start and in config.yaml."""
+    changed = non_default_settings(run_args)
+    if not changed:
+        return "Settings: all flags at their defaults"
+    return "Settings that differ from the defaults:" + "".join(
+        f"\n  {flag_and_value(flag, value)}" for flag, value in changed.items()
+    )
+
+
+def flag_and_value(flag: str, value: Any) -> str:
+    """``--ema 0.999``, ``--deep-supervision`` for a switch that is on, ``--ignore-values 255,0`` for a list."""
+    if value is True:
+        return flag
+    if isinstance(value, list):
+        return f"{flag} {','.join(str(item) for item in value)}"
+    return f"{flag} {value}"
 
 
 class RunLog:
@@ -94,6 +129,7 @@ class RunLog:
         # of this epoch (for the epoch line's mean).
         self._window, self._epoch = [0.0, 0.0], [0.0, 0.0]
         self._last_validation: tuple[float, float] | None = None
+        self._scored_any_foreground = False
         self._bar: tqdm | None = None
         self._wandb_run = None
         self._tensorboard = None
@@ -216,6 +252,10 @@ class RunLog:
     def log_val(self, *, epoch: int, global_step: int, result: EvalResult, samples: dict[str, Any] | None) -> None:
         """``samples``: optional ``image``/``true``/``pred`` tensors (+ ``histograms`` for wandb) of a few images."""
         self._last_validation = (result.dice, result.iou)
+        if result.dice == 0 and not self._scored_any_foreground:
+            self._scored_any_foreground = True  # said once: the next zeros need no repeat
+            logger.info(ZERO_DICE_HINT)
+        self._scored_any_foreground |= result.dice > 0
         # The scores as evaluate.py writes them: the headline macro (per-image mean) Dice and IoU, and both reductions
         # (with micro: dataset-level), per class and averaged; see utils.evaluation.
         self._write(

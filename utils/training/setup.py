@@ -38,7 +38,7 @@ from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, record_split
 from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
-from utils.training.run_log import RunLog
+from utils.training.run_log import RunLog, settings_block, start_phrase
 from utils.training.sampler import BatchPlan
 from utils.training.validation import Validator
 
@@ -151,7 +151,7 @@ def _open_run_log(
     """The run's log, after its resolved flags (those its checkpoints store) are written to config.yaml."""
     try:
         if ctx.is_main:
-            write_config_file(run_folder.config_file, parts.run_args)
+            write_config_file(run_folder.config_file, parts.run_args, settings_block(parts.run_args))
         resumed_step = parts.position.global_step if resume_path is not None else None
         return RunLog(config, ctx, run_folder, parts.batch_plan, last_epoch=last_epoch, resumed_step=resumed_step)
     except OSError as error:
@@ -235,14 +235,10 @@ def build_parts(
         parts = {"model": model, "position": position, "ema": ema, **vars(optimization)}
         restore(state, parts)
         resume_images = _resumed_images_in_epoch(plan, state)
-        logger.info(
-            "Resuming at epoch %d, step %d (%d batches of the epoch done)",
-            position.epoch + 1,
-            position.global_step,
-            position.step_in_epoch,
-        )
     loaders = build_loaders(config, ctx, data)
-    _log_run_summary(config, ctx, data, plan, precision, loaders.num_workers, epoch_range(run_args), run_folder)
+    start = start_phrase(epoch_range(run_args), position if state is not None else None)
+    _log_run_summary(config, ctx, data, plan, precision, loaders.num_workers, start, run_folder)
+    logger.info("%s", settings_block(run_args))
     return TrainParts(
         raw_model=model,
         step=step,
@@ -359,14 +355,14 @@ def _log_run_summary(
     plan: BatchPlan,
     precision: str,
     num_workers: int,
-    epochs: tuple[int, int],
+    start: str,
     run_folder: RunFolder,
 ) -> None:
     logger.info(
-        "Starting training: epochs %d..%d, batch size %d per process x %s x %d accumulation = %d, "
+        "%s, batch size %d per process x %s x %d accumulation = %d, "
         "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
         "%s and %s per process, run folder %s",
-        *epochs,
+        start,
         plan.batch_size,
         count(plan.world_size, "process", "processes"),
         plan.grad_accum,
