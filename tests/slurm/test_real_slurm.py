@@ -59,7 +59,7 @@ def test_time_limit_requeues_and_ends_completed_with_the_uninterrupted_weights(
 
 def test_scancel_then_a_resubmission_continues(slurm_data: SyntheticData, tmp_path: Path) -> None:
     script = adapted_example("srun_tasks.sbatch", tmp_path)
-    args = train_args(slurm_data, tmp_path / "ck", "--epochs", "30")
+    args = train_args(slurm_data, tmp_path / "ck", "--epochs", "8")
     first = sbatch(script, tmp_path, [*TASKS, "--job-name=cancelled", "--time=10"], args)
     deadline = time.monotonic() + 600
     while "Saved last.pth" not in first.log() and first.state() in {"PENDING", "RUNNING"}:
@@ -69,7 +69,7 @@ def test_scancel_then_a_resubmission_continues(slurm_data: SyntheticData, tmp_pa
     assert first.wait(release_requeued=False)["JobState"] == "CANCELLED"
     assert (tmp_path / "ck" / "cancelled" / "INTERRUPTED.pth").is_file(), first.log()[-3000:]
     stopped_at = max(_global_steps(first.log()))
-    second = sbatch(script, tmp_path, [*TASKS, "--job-name=cancelled", "--time=10", "--epochs", "2"], args)
+    second = sbatch(script, tmp_path, [*TASKS, "--job-name=cancelled", "--time=10"], args)
     fields = second.wait()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), second.log()[-3000:]
     assert min(_global_steps(second.log())) == stopped_at + 1, second.log()[-3000:]
