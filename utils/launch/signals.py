@@ -7,8 +7,9 @@ orphaned worker. Standard library only: the entry scripts import this before tor
   train.py catches SIGTERM and the requeue signals from its first line too (``catch_signals_from_start``): SLURM's
   ``--signal`` can land while torch is imported, whose default action would end the job FAILED with nothing saved.
   Such a signal is remembered and the first ``InterruptFlag.install`` takes it (the run stops at its first step
-  boundary: saved, requeued). Once training is over the same handler ignores every signal: the work is done, and a
-  requeue would train nothing, so the job ends with the run's own status (COMPLETED 0:0 after "Training complete").
+  boundary: saved, requeued). Once training is over they are ignored (``InterruptFlag.restore``): the work is done,
+  and a requeue would train nothing, so the job ends with the run's own status (COMPLETED 0:0 after "Training
+  complete").
 * Graceful stop: the handler only records the signal (saving inside a handler can hang, Lightning #21406); the ranks
   agree on the step to stop at (``utils.launch.process_group.StopAgreement``), rank 0 writes ``INTERRUPTED.pth`` and
   every process exits with ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
@@ -71,16 +72,12 @@ def stop_quietly_while_starting() -> None:
 
 
 class _EarlySignals:
-    """What ``catch_signals_from_start``'s handler saw: the first signal before ``InterruptFlag.install`` (then taken
-    by it), and whether the run got that far (after which its handlers coming back means the training is over)."""
+    """The first signal ``catch_signals_from_start``'s handler saw, until ``InterruptFlag.install`` takes it."""
 
     signum = 0
-    started = False
 
 
-def _remember_or_ignore(signum: int, frame: FrameType | None) -> None:
-    if _EarlySignals.started:
-        return  # training is over (InterruptFlag gave the handlers back): exit with the run's own status
+def _remember(signum: int, frame: FrameType | None) -> None:
     if signum == signal.SIGINT:
         _stop_during_startup(signum, frame)
     if not _EarlySignals.signum:
@@ -91,10 +88,10 @@ def catch_signals_from_start() -> None:
     """train.py's first call: SIGINT as ``stop_quietly_while_starting``; SIGTERM/SIGUSR1/SIGUSR2 remembered for the
     run's ``InterruptFlag``; all of them ignored once the training is over. Handlers a parent chose are left alone."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _remember_or_ignore)
+        signal.signal(signal.SIGINT, _remember)
     for signum in REMEMBERED_SIGNALS:
         if signal.getsignal(signum) == signal.SIG_DFL:
-            signal.signal(signum, _remember_or_ignore)
+            signal.signal(signum, _remember)
 
 
 def startup_done() -> None:
@@ -117,15 +114,17 @@ class InterruptFlag:
         handled = [signum for signum in (*HANDLED_SIGNALS, requeue_signal) if signum is not None]
         for signum in handled:
             self._previous[signum] = signal.signal(signum, self._handle)
-        _EarlySignals.started = True
         if _EarlySignals.signum in handled:
             self._handle(_EarlySignals.signum, None)
         _EarlySignals.signum = 0
         return self
 
     def restore(self) -> None:
+        """Give the handlers back; train.py's start-up ones become SIG_IGN: the run is over, and Python's own exit
+        resets every handler it installed to SIG_DFL (a signal during its seconds-long finalisation would kill the
+        process), but leaves ignored signals ignored."""
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if handler is _remember else handler)
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
