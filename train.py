@@ -14,10 +14,10 @@ answering, 130/143 when SIGINT/SIGTERM stopped it (after INTERRUPTED.pth was wri
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gives one line, not their traceback
-    from utils.launch.signals import stop_quietly_while_starting
+if __name__ == "__main__":  # before the heavy imports: a signal while they run is one line or remembered (SLURM's)
+    from utils.launch.signals import catch_signals_from_start
 
-    stop_quietly_while_starting()
+    catch_signals_from_start()
 
 import logging  # noqa: E402 - after the start-up handler above, as every import below
 import signal
@@ -55,6 +55,8 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
     interrupts = InterruptFlag()
     try:
         config = parse_config(raw_argv)
+        if not config.launch.ddp_mode:
+            stage.rank = 0  # every process is a run of its own (a wrong launch too): each says what stopped it
         plan = launch_plan(config, raw_argv)
         stage.rank = plan.rank
         setup_logging(plan.rank, plan.world_size)

@@ -100,3 +100,26 @@ def test_the_requeue_signal_is_handled_inside_a_slurm_job_only() -> None:
     assert plan_launch(launch_flags(requeue_signal="USR2"), environ=SRUN_TASK).requeue_signal == signal.SIGUSR2
     assert plan_launch(launch_flags(requeue_signal="none"), environ=SRUN_TASK).requeue_signal is None
     assert plan_launch(launch_flags(), environ={}).requeue_signal is None
+
+
+def test_srun_tasks_without_ddp_mode_are_refused_on_every_task() -> None:
+    for procid in ("0", "1"):
+        environ = {**SRUN_TASK, "SLURM_PROCID": procid, "SLURM_STEP_NUM_TASKS": "2"}
+        with pytest.raises(ConfigError, match=r"srun started 2 tasks of train.py without --ddp_mode.*add --ddp_mode"):
+            plan_launch(launch_flags(ddp_mode=False), environ=environ)
+
+
+def test_torchrun_per_srun_task_forming_its_own_group_is_refused() -> None:
+    torchrun = {"TORCHELASTIC_RUN_ID": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "h", "MASTER_PORT": "1"}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"each run torchrun.*--ntasks-per-node=1"):
+        plan_launch(launch_flags(ddp_mode=True), environ={**SRUN_TASK, **torchrun, "SLURM_STEP_NUM_TASKS": "2"})
+    # One torchrun per node that joins the others (--nnodes): a larger world than its own workers.
+    joined = {**torchrun, "WORLD_SIZE": "2"}
+    plan = plan_launch(launch_flags(ddp_mode=True), environ={**SRUN_TASK, **joined, "SLURM_STEP_NUM_TASKS": "2"})
+    assert plan.world_size == 2
+
+
+def test_an_array_job_requeues_its_own_task() -> None:
+    environ = {**SRUN_TASK, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"}
+    assert plan_launch(launch_flags(ddp_mode=True), environ=environ).slurm_job_id == "4240_2"

@@ -74,3 +74,36 @@ def test_startup_done_gives_sigint_back_to_python() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_sigterm_during_train_imports_is_remembered_and_saves_at_the_first_step(runner) -> None:
+    # SLURM's scancel or --signal can land while torch is imported: the run still stops as for a signal in training.
+    process = runner.popen([sys.executable], "early", "--epochs", "1")
+    deadline = time.monotonic() + 60
+    while not _importing_torch(process.pid) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 143, (process.returncode, err[-3000:])
+    assert (runner.run_dir("early") / "INTERRUPTED.pth").is_file(), err[-3000:]
+    assert "Stopped by SIGTERM at epoch 1, step 1" in out + err, (out + err)[-3000:]
+
+
+def test_signals_after_the_training_are_ignored() -> None:
+    # The handlers InterruptFlag gives back once training is over: a late requeue signal or SIGTERM must not turn a
+    # finished job into a FAILED one.
+    code = (
+        "import os, signal\n"
+        "from utils.launch.signals import InterruptFlag, catch_signals_from_start\n"
+        "catch_signals_from_start()\n"
+        "flag = InterruptFlag().install(signal.SIGUSR1)\n"
+        "flag.restore()\n"
+        "for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):\n"
+        "    os.kill(os.getpid(), signum)\n"
+        # Python's exit resets handlers it installed to SIG_DFL, not ignored ones: a signal during its finalisation
+        # (seconds, with torch loaded) must not kill the finished process either.
+        "print('still here', flag.signum, signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=60, preexec_fn=_sigint_as_from_a_terminal)  # fmt: skip
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "still here 0 True", "")

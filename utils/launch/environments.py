@@ -19,7 +19,9 @@ the same ``train.py``:
   variables win when both are present (torchrun started by srun). docs/CLUSTERS.md.
 
 A launcher that starts several processes without ``--ddp_mode`` switches DDP on (with a warning) rather than running
-N independent trainings that overwrite each other's checkpoints.
+N independent trainings that overwrite each other's checkpoints. Two launches under srun are refused with one line on
+every task (``wrong_srun_launch``): srun tasks without ``--ddp_mode``, and several torchruns each forming a group of
+its own. The requeue names an array job's own task (``SLURM_ARRAY_JOB_ID``_``SLURM_ARRAY_TASK_ID``).
 
 torchrun restarts (``--max-restarts``): the agent keeps one store for the whole job, so the addresses the workers of a
 failed attempt published there are still present when the next attempt starts, and gloo/NCCL would connect to the dead
@@ -222,7 +224,8 @@ class SlurmTasks(LaunchEnvironment):
     """``srun python train.py --ddp_mode``: every task is one rank; the rendezvous is on the job's first node."""
 
     variables = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_JOB_NODELIST",
-                 "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")  # fmt: skip
+                 "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
+                 "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")  # fmt: skip
     rank_variable, world_size_variable, local_rank_variable = "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"
     address_hint = "MASTER_ADDR (else SLURM_JOB_NODELIST's first host) and MASTER_PORT (else derived from SLURM_JOB_ID)"
 
@@ -282,7 +285,8 @@ def plan_launch(
 ) -> LaunchPlan:
     """Decide single-process or DDP from the flags and the environment (pure: ``environ`` defaults to os.environ)."""
     environ = os.environ if environ is None else environ
-    slurm_job_id = environ.get("SLURM_JOB_ID") or None
+    wrong_srun_launch(config, environ)
+    slurm_job_id = slurm_requeue_id(environ)
     requeue = None if slurm_job_id is None or config.requeue_signal == "none" else config.requeue_signal
     launcher = next((kind(config, environ) for kind in LAUNCHERS if kind.detect(config, environ)), None)
     if launcher is None:
@@ -348,6 +352,37 @@ def check_launch_values(launcher: LaunchEnvironment) -> None:
     port = _env_int(launcher.environ, "MASTER_PORT")
     if port is not None and not 0 < port < 65536:
         raise LaunchValueError(f"environment variable MASTER_PORT={port} is not a port (1..65535); choose a free port")
+
+
+def wrong_srun_launch(config: TrainConfig, environ: Mapping[str, str]) -> None:
+    """Refuse what srun started wrongly, on every task: only srun steps set ``SLURM_STEP_NUM_TASKS`` (a batch script's
+    own ``python train.py`` sees ``SLURM_NTASKS`` but is one process)."""
+    step_tasks = _env_int(environ, "SLURM_STEP_NUM_TASKS") or 1
+    if step_tasks <= 1:
+        return
+    if "TORCHELASTIC_RUN_ID" in environ:
+        world = _env_int(environ, "WORLD_SIZE") or 1
+        if world == (_env_int(environ, "LOCAL_WORLD_SIZE") or world):
+            raise ConfigError(
+                f"srun started {step_tasks} tasks that each run torchrun, and each torchrun formed a group of its own "
+                f"{world} worker(s): run one srun task per node (--ntasks-per-node=1) with torchrun "
+                "--nnodes=$SLURM_NNODES --nproc_per_node=GPUS_PER_NODE --rdzv-backend=c10d "
+                "--rdzv-endpoint=FIRST_HOST:29500, or srun tasks without torchrun (srun python train.py --ddp_mode)"
+            )
+    elif not config.ddp_mode and config.rank is None and "RANK" not in environ:
+        raise ConfigError(
+            f"srun started {step_tasks} tasks of train.py without --ddp_mode (each would train alone into the same "
+            "run folder): add --ddp_mode so that the tasks train one model together, or run one task (srun --ntasks=1)"
+        )
+
+
+def slurm_requeue_id(environ: Mapping[str, str]) -> str | None:
+    """The job ``scontrol requeue`` names: an array job's own task (``1234_7``), else ``SLURM_JOB_ID``; None outside
+    SLURM."""
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return environ.get("SLURM_JOB_ID") or None
 
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:

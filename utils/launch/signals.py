@@ -4,6 +4,12 @@ orphaned worker. Standard library only: the entry scripts import this before tor
 * Start-up: until the script installs its own handling (``InterruptFlag`` in train.py; predict.py and evaluate.py
   call ``startup_done`` so that Ctrl-C raises KeyboardInterrupt again, which ``utils.launch.runner`` reports), a
   SIGINT would interrupt an import and print a long traceback through torch's modules: one line and exit 130 instead.
+  train.py catches SIGTERM and the requeue signals from its first line too (``catch_signals_from_start``): SLURM's
+  ``--signal`` can land while torch is imported, whose default action would end the job FAILED with nothing saved.
+  Such a signal is remembered and the first ``InterruptFlag.install`` takes it (the run stops at its first step
+  boundary: saved, requeued). Once training is over they are ignored (``InterruptFlag.restore``): the work is done,
+  and a requeue would train nothing, so the job ends with the run's own status (COMPLETED 0:0 after "Training
+  complete").
 * Graceful stop: the handler only records the signal (saving inside a handler can hang, Lightning #21406); the ranks
   agree on the step to stop at (``utils.launch.process_group.StopAgreement``), rank 0 writes ``INTERRUPTED.pth`` and
   every process exits with ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
@@ -40,6 +46,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REMEMBERED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+"""Caught by ``catch_signals_from_start`` before the requeue signal is known (``--requeue-signal``: USR1 or USR2)."""
 SCONTROL_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 1.0
 _PR_SET_PDEATHSIG = 1
@@ -63,6 +71,29 @@ def stop_quietly_while_starting() -> None:
         signal.signal(signal.SIGINT, _stop_during_startup)
 
 
+class _EarlySignals:
+    """The first signal ``catch_signals_from_start``'s handler saw, until ``InterruptFlag.install`` takes it."""
+
+    signum = 0
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    if signum == signal.SIGINT:
+        _stop_during_startup(signum, frame)
+    if not _EarlySignals.signum:
+        _EarlySignals.signum = signum
+
+
+def catch_signals_from_start() -> None:
+    """train.py's first call: SIGINT as ``stop_quietly_while_starting``; SIGTERM/SIGUSR1/SIGUSR2 remembered for the
+    run's ``InterruptFlag``; all of them ignored once the training is over. Handlers a parent chose are left alone."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _remember)
+    for signum in REMEMBERED_SIGNALS:
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, _remember)
+
+
 def startup_done() -> None:
     """Give SIGINT back to Python (KeyboardInterrupt) once the imports are over: from then on the script may have
     written something, and its own handling says what. Leaves any other handler alone (a test, a parent's choice)."""
@@ -78,15 +109,22 @@ class InterruptFlag:
         self._previous: dict[int, Any] = {}
 
     def install(self, requeue_signal: int | None = None) -> InterruptFlag:
-        """Handle SIGINT, SIGTERM and, under SLURM, the requeue signal (``LaunchPlan.requeue_signal``)."""
-        for signum in (*HANDLED_SIGNALS, requeue_signal):
-            if signum is not None:
-                self._previous[signum] = signal.signal(signum, self._handle)
+        """Handle SIGINT, SIGTERM and, under SLURM, the requeue signal (``LaunchPlan.requeue_signal``); one of them
+        that arrived during start-up (``catch_signals_from_start``) counts as received now."""
+        handled = [signum for signum in (*HANDLED_SIGNALS, requeue_signal) if signum is not None]
+        for signum in handled:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        if _EarlySignals.signum in handled:
+            self._handle(_EarlySignals.signum, None)
+        _EarlySignals.signum = 0
         return self
 
     def restore(self) -> None:
+        """Give the handlers back; train.py's start-up ones become SIG_IGN: the run is over, and Python's own exit
+        resets every handler it installed to SIG_DFL (a signal during its seconds-long finalisation would kill the
+        process), but leaves ignored signals ignored."""
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if handler is _remember else handler)
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
