@@ -16,7 +16,6 @@ Like the mask scan, this module does not import torch (its workers start fast).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import sys
@@ -47,6 +46,7 @@ from utils.datasets.splits import (
     split_positions,
 )
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError, UserError, count, user_message
+from utils.flags import FlagParser, flag, parse_flags
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +55,50 @@ PROBLEMS_EXIT_CODE = 1
 
 @dataclass(frozen=True)
 class CheckSettings:
-    """What to check (from the command line)."""
+    """What to check: the command line's flags (``utils.flags``; each docstring is the flag's help)."""
 
-    imgs: Path
-    masks: Path
-    classes: int | None = None
-    ignore_values: tuple[int, ...] = ()
-    split: SplitRule | None = None
-    """With --split-by: the split whose train/validation line duplicates must not cross."""
-    workers: int | None = None
-    cache_dir: Path | None = None
-    """The mask-value cache folder; None: the one training uses."""
+    imgs: Path = flag(None, "--imgs", metavar="DIR", required=True)
+    """folder of images"""
+    masks: Path = flag(None, "--masks", metavar="DIR", required=True)
+    """folder of masks"""
+    classes: int | None = flag(None, "--classes")
+    """the --classes training will use (checks the mask values)"""
+    ignore_values: list[int] = flag([], "--ignore-value", metavar="V")
+    """void mask value"""
+    split_by: str | None = flag(None, "--split-by", choices=SPLIT_RULES)
+    """also check duplicates against this split"""
+    group_pattern: str | None = flag(None, "--group-pattern", metavar="REGEX")
+    """as train.py's --group-pattern"""
+    validation: float = flag(10.0, "--validation", "-v")
+    """as train.py's --validation"""
+    folds: int = flag(0, "--folds")
+    """as train.py's --folds"""
+    fold: int = flag(0, "--fold")
+    """as train.py's --fold"""
+    workers: int | None = flag(None, "--workers")
+    """reader processes (default: CPUs, at most 8)"""
+    cache_dir: Path | None = flag(None, "--cache-dir")
+    """mask-value cache folder (default: the one training uses)"""
+    strict: bool = flag(False, "--strict")
+    """count warnings (duplicates, EXIF) as problems"""
+
+    @property
+    def split(self) -> SplitRule | None:
+        """With --split-by: the split whose train/validation line duplicates must not cross."""
+        if self.split_by is None:
+            return None
+        return SplitRule(self.split_by, self.group_pattern, self.validation, self.folds, self.fold)
+
+    def validate(self) -> None:
+        """The rules between flags (the command line's; ``check_dataset`` trusts its settings)."""
+        if self.classes is not None and self.classes < 1:
+            raise ConfigError(f"--classes {self.classes}: use 1 (binary) or more")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"--workers {self.workers}: use 1 or more")
+        if self.split_by is not None:
+            check_split_flags(self.split_by, self.group_pattern, self.folds, self.fold)
+            if not 0 < self.validation < 100:
+                raise ConfigError(f"--validation {self.validation:g}: use a percentage in (0, 100)")
 
 
 @dataclass
@@ -224,61 +257,23 @@ def format_report(report: CheckReport, settings: CheckSettings, *, strict: bool 
     return lines
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m utils.datasets.check",
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = FlagParser(
+        prog="-m utils.datasets.check",
         description="Check images and masks before training: pairing, readability, sizes, mask values, EXIF "
         "rotations, duplicates. Exit 0 when training would start, 1 with one line per problem.",
     )
-    parser.add_argument("--imgs", required=True, type=Path, metavar="DIR", help="folder of images")
-    parser.add_argument("--masks", required=True, type=Path, metavar="DIR", help="folder of masks")
-    parser.add_argument("--classes", type=int, help="the --classes training will use (checks the mask values)")
-    parser.add_argument("--ignore-value", type=int, action="append", default=[], metavar="V", help="void mask value")
-    parser.add_argument("--split-by", choices=SPLIT_RULES, help="also check duplicates against this split")
-    parser.add_argument("--group-pattern", metavar="REGEX", help="as train.py's --group-pattern")
-    parser.add_argument("--validation", "-v", type=float, default=10.0, help="as train.py's --validation")
-    parser.add_argument("--folds", type=int, default=0, help="as train.py's --folds")
-    parser.add_argument("--fold", type=int, default=0, help="as train.py's --fold")
-    parser.add_argument("--workers", type=int, help="reader processes (default: CPUs, at most 8)")
-    parser.add_argument("--cache-dir", type=Path, help="mask-value cache folder (default: the one training uses)")
-    parser.add_argument("--strict", action="store_true", help="count warnings (duplicates, EXIF) as problems")
-    return parser
-
-
-def settings_of(args: argparse.Namespace) -> CheckSettings:
-    if args.classes is not None and args.classes < 1:
-        raise ConfigError(f"--classes {args.classes}: use 1 (binary) or more")
-    if args.workers is not None and args.workers < 1:
-        raise ConfigError(f"--workers {args.workers}: use 1 or more")
-    split = None
-    if args.split_by is not None:
-        check_split_flags(args.split_by, args.group_pattern, args.folds, args.fold)
-        if not 0 < args.validation < 100:
-            raise ConfigError(f"--validation {args.validation:g}: use a percentage in (0, 100)")
-        split = SplitRule(args.split_by, args.group_pattern, args.validation, args.folds, args.fold)
-    return CheckSettings(
-        imgs=args.imgs,
-        masks=args.masks,
-        classes=args.classes,
-        ignore_values=tuple(args.ignore_value),
-        split=split,
-        workers=args.workers,
-        cache_dir=args.cache_dir,
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
-        settings = settings_of(args)
+        settings = parse_flags(parser, CheckSettings, argv)
+        settings.validate()
         report = check_dataset(settings)
     except UserError as error:
         # The same one line as utils.cli.print_error, which would import torch (through utils.hardware) for nothing.
         print(f"Error: {user_message(error)}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    print("\n".join(format_report(report, settings, strict=args.strict)))
-    failed = not report.trainable or (args.strict and report.warnings)
+    print("\n".join(format_report(report, settings, strict=settings.strict)))
+    failed = not report.trainable or (settings.strict and report.warnings)
     return PROBLEMS_EXIT_CODE if failed else 0
 
 

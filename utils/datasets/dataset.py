@@ -42,7 +42,7 @@ from utils.datasets.image_files import (
     pair_files,
 )
 from utils.datasets.mask_values import MaskValues, class_totals, mask_array, scan_masks, values_to_classes
-from utils.datasets.pixel_cache import IMAGE, MASK, PixelCache
+from utils.datasets.pixel_cache import IMAGE, MASK, PixelCache, cached
 from utils.errors import ConfigError, DatasetError
 
 logger = logging.getLogger(__name__)
@@ -252,28 +252,16 @@ class BasicDataset(Dataset):
 
     def _image_pixels(self, info: FileInfo) -> torch.Tensor:
         """The resized image, [C, H, W]: uint8, or float32 in [0, 1] for 16-bit and float images."""
-        cache = self.pixel_cache
-        if cache is not None:
-            cached = cache.read(info, IMAGE)
-            if cached is not None:
-                # Stored [H, W, C]; a writable copy of the mapped pages, seen as [C, H, W].
-                return torch.from_numpy(np.array(cached)).permute(2, 0, 1)
-        pixels = _decode(info.path, lambda img: resized_image(img, self.scale, self.channels))
-        if cache is not None and pixels.dtype == torch.uint8:
-            cache.write(info, IMAGE, pixels.permute(1, 2, 0).numpy())
-        return pixels
+        return cached_image(self.pixel_cache, info, lambda: _decode(info.path, self._resized_image))
+
+    def _resized_image(self, img: Image.Image) -> torch.Tensor:
+        return resized_image(img, self.scale, self.channels)
 
     def _mask_pixels(self, info: FileInfo) -> np.ndarray:
         """The resized mask's raw values (``mask_array`` sampled to the network's size), before the class mapping."""
-        cache = self.pixel_cache
-        if cache is not None:
-            cached = cache.read(info, MASK)
-            if cached is not None:
-                return cached
-        raw = _decode(info.path, lambda img: resized_mask(img, self.scale))
-        if cache is not None:
-            cache.write(info, MASK, raw)
-        return raw
+        return cached(
+            self.pixel_cache, info, MASK, lambda: _decode(info.path, lambda img: resized_mask(img, self.scale))
+        )
 
     @staticmethod
     def preprocess(mask_values: MaskValues, pil_img: Image.Image, scale: float, is_mask: bool) -> np.ndarray:
@@ -403,6 +391,13 @@ def _check_scaled_sizes(sizes: dict[str, tuple[int, int]], scale: float, images:
             f"scale {scale} shrinks {len(too_small)} image(s) to zero pixels: {format_examples(too_small)}; "
             "use a larger --scale or remove those images"
         )
+
+
+def cached_image(cache: PixelCache | None, info: FileInfo, decode: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``decode()``'s resized image (``resized_image``) through the pixel cache ``cache`` (``None``: no cache), as
+    [C, H, W]; a stored entry comes back as a writable copy of its mapped pages. Training and predict.py read here."""
+    pixels = cached(cache, info, IMAGE, lambda: decode().permute(1, 2, 0).numpy())  # stored [H, W, C]
+    return torch.from_numpy(pixels if pixels.flags.writeable else np.array(pixels)).permute(2, 0, 1)
 
 
 def image_tensor(img: Image.Image, scale: float, channels: int | None = None) -> torch.Tensor:

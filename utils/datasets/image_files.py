@@ -155,11 +155,11 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
                 continue
             try:
                 if not entry.is_file():
-                    if entry.is_symlink() and not os.path.exists(entry.path) and _is_image_name(name):
+                    if entry.is_symlink() and not os.path.exists(entry.path) and split_name(name) is not None:
                         broken_links.append(f"{name} -> {os.readlink(entry.path)} (no such file)")
                     continue
             except OSError as error:  # a link loop (ELOOP), or a link into a folder that cannot be read
-                if _is_image_name(name):
+                if split_name(name) is not None:
                     broken_links.append(f"{name} ({error.strerror or error})")
                 continue
             # split_name, inlined: this loop runs once per directory entry at every start.
@@ -201,11 +201,6 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
             "keep one file per name (delete or rename the others)"
         )
     return files
-
-
-def _is_image_name(name: str) -> bool:
-    stem, dot, ext = name.rpartition(".")
-    return bool(dot and stem) and "." + ext.lower() in IMAGE_EXTENSIONS
 
 
 def pair_files(images: dict[str, FileInfo], masks: dict[str, FileInfo], mask_suffix: str | None) -> Pairing:
@@ -357,11 +352,8 @@ def image_header(path: str | Path) -> tuple[int, int, int]:
     if ext in ARRAY_EXTENSIONS:
         # For .npy, mmap reads just the header; the pixels are never touched.
         loaded = np.load(path, mmap_mode="r", allow_pickle=False) if ext == ".npy" else _load_pt(path)
-        shape = loaded.shape
-        layout = _layout(shape, path)
-        height, width = shape[1:3] if layout == "chw" else shape[:2]
-        channels = 1 if layout == "hw" else shape[0] if layout == "chw" else shape[2]
-        return width, height, 1 if channels == 1 else 3
+        shape = _to_hwc(loaded, path).shape  # a view: moving or dropping an axis reads no pixel
+        return shape[1], shape[0], 1 if len(shape) == 2 else 3
     with open_pil(path, any_size=True) as img:  # a header holds no bomb: load_image checks the size
         width, height = img.size
         if exif_orientation(img) in _TRANSPOSING_ORIENTATIONS:  # turned upright by load_image: sides swap

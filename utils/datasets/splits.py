@@ -149,12 +149,7 @@ def split_positions(ids: Sequence[str], rule: SplitRule) -> tuple[list[int], lis
     """
     if rule.by == SPLIT_BY_IMAGE and not rule.folds:
         return _random_image_split(len(ids), rule.validation, rule.seed)
-    if rule.by == SPLIT_BY_IMAGE:
-        groups = [[position] for position in range(len(ids))]
-    else:
-        pattern = compile_group_pattern(rule.group_pattern) if rule.group_pattern else None
-        groups = list(groups_of(ids, pattern).values())
-    shuffled = list(groups)
+    shuffled = _units(ids, rule)
     random.Random(rule.seed).shuffle(shuffled)
     if rule.folds:
         fold_of = assign_folds([len(group) for group in shuffled], rule.folds)
@@ -208,11 +203,17 @@ def assign_folds(sizes: Sequence[int], folds: int) -> list[int]:
     return fold_of
 
 
+def _units(ids: Sequence[str], rule: SplitRule) -> list[list[int]]:
+    """What ``rule`` deals into folds or sides, as lists of positions: single images with ``image``, groups with
+    ``prefix``."""
+    if rule.by == SPLIT_BY_IMAGE:
+        return [[position] for position in range(len(ids))]
+    return list(groups_of(ids, compile_group_pattern(rule.group_pattern) if rule.group_pattern else None).values())
+
+
 def group_count(ids: Sequence[str], rule: SplitRule) -> int:
     """How many units ``rule`` deals into folds or sides: images with ``image``, groups with ``prefix``."""
-    if rule.by == SPLIT_BY_IMAGE:
-        return len(ids)
-    return len(groups_of(ids, compile_group_pattern(rule.group_pattern) if rule.group_pattern else None))
+    return len(_units(ids, rule))
 
 
 def empty_side_fix(ids: Sequence[str], rule: SplitRule) -> str:
@@ -358,16 +359,7 @@ def read_split_file(path: Path, flag: str = "--split") -> SplitRecord:
             f"{where} puts {len(both)} id(s) on both sides ({format_examples(both)}); the file was edited: pass the "
             "split.json the run wrote"
         )
-    return SplitRecord(
-        rule=raw["rule"],
-        seed=raw["seed"],
-        validation_percent=raw["validation_percent"],
-        group_pattern=raw["group_pattern"],
-        folds=raw["folds"],
-        fold=raw["fold"],
-        train=sides["train"],
-        validation=sides["validation"],
-    )
+    return SplitRecord(**{key: raw[key] for key in _FIELD_TYPES}, **sides)
 
 
 OTHER_SPLIT_FLAG = "--other-split"

@@ -65,39 +65,16 @@ def generate_carvana_like(
     *,
     force: bool = False,
     views: int = VIEWS_PER_CAR,
+    n_classes: int | None = None,
 ) -> list[str]:
     """Write ``n`` images and palette-GIF masks in Carvana's layout under ``out_dir``; return the image ids in order.
 
-    ``views``: images per car (ids ``<car>_01`` .. ``<car>_<views>``), 16 as in Carvana.
+    ``views``: images per car (ids ``<car>_01`` .. ``<car>_<views>``), 16 as in Carvana. ``n_classes``: grey PNG
+    class-index masks instead (``generate_multiclass``).
     """
-    return _generate(Path(out_dir), n, size, seed, n_classes=None, force=force, views=views)
-
-
-def generate_multiclass(
-    out_dir: str | Path,
-    n: int,
-    size: tuple[int, int] = DEFAULT_SIZE,
-    n_classes: int = 3,
-    seed: int = 0,
-    *,
-    force: bool = False,
-) -> list[str]:
-    """Write ``n`` images and grey PNG class-index masks (values 0..n_classes-1) under ``out_dir``; return the ids."""
-    if not 3 <= n_classes <= MAX_CLASSES:
+    out_dir = Path(out_dir)
+    if n_classes is not None and not 3 <= n_classes <= MAX_CLASSES:
         raise ConfigError(f"--classes must be between 3 and {MAX_CLASSES}, got {n_classes}; omit it for binary data")
-    return _generate(Path(out_dir), n, size, seed, n_classes=n_classes, force=force)
-
-
-def _generate(
-    out_dir: Path,
-    n: int,
-    size: tuple[int, int],
-    seed: int,
-    *,
-    n_classes: int | None,
-    force: bool,
-    views: int = VIEWS_PER_CAR,
-) -> list[str]:
     width, height = size
     if n < 1:
         raise ConfigError(f"--n must be at least 1, got {n}")
@@ -127,6 +104,19 @@ def _generate(
         ids.append(name)
     logger.info("Wrote %d images to %s and their masks to %s", n, images_dir, masks_dir)
     return ids
+
+
+def generate_multiclass(
+    out_dir: str | Path,
+    n: int,
+    size: tuple[int, int] = DEFAULT_SIZE,
+    n_classes: int = 3,
+    seed: int = 0,
+    *,
+    force: bool = False,
+) -> list[str]:
+    """Write ``n`` images and grey PNG class-index masks (values 0..n_classes-1) under ``out_dir``; return the ids."""
+    return generate_carvana_like(out_dir, n, size, seed, force=force, n_classes=n_classes)
 
 
 def _prepare_folder(folder: Path, force: bool) -> None:
@@ -314,10 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         size = parse_size(args.size, "--size")
-        if args.classes is None:
-            generate_carvana_like(args.out_dir, args.n, size, args.seed, force=args.force, views=args.views)
-        else:
-            generate_multiclass(args.out_dir, args.n, size, args.classes, args.seed, force=args.force)
+        views = args.views if args.classes is None else VIEWS_PER_CAR  # --views is for binary data only
+        generate_carvana_like(
+            args.out_dir, args.n, size, args.seed, force=args.force, views=views, n_classes=args.classes
+        )
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 from unet import UNet
 from utils.checkpoint import model as model_spec
-from utils.datasets.dataset import image_tensor, resized_image, unit_float
+from utils.datasets.dataset import cached_image, image_tensor, resized_image, unit_float
 from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
-from utils.datasets.pixel_cache import IMAGE, PixelCache
+from utils.datasets.pixel_cache import PixelCache
 from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
 from utils.hardware import SharedMemoryGuard, check_room, loader_timeout
@@ -189,17 +189,14 @@ class PredictionInputs(Dataset):
 
     def _cached(self, path: Path) -> tuple[Tensor, tuple[int, int], int, None]:
         """From the pixel cache (the header gives the original size), decoded and stored on a miss."""
-        assert self.pixel_cache is not None
         info = _file_info(path)
         width, height, own_channels = image_header(path)
-        cached = self.pixel_cache.read(info, IMAGE)
-        if cached is None:
+
+        def decode() -> Tensor:
             with load_image(path, any_size=self.any_size) as pil_image:
-                pixels = resized_image(pil_image, self.scale, self._convert_to)
-            if pixels.dtype == torch.uint8:  # 16-bit and float images are not cached (see the cache's docs)
-                self.pixel_cache.write(info, IMAGE, pixels.permute(1, 2, 0).numpy())
-        else:
-            pixels = torch.from_numpy(np.array(cached)).permute(2, 0, 1)
+                return resized_image(pil_image, self.scale, self._convert_to)
+
+        pixels = cached_image(self.pixel_cache, info, decode)
         return unit_float(self._checked(pixels)), (height, width), own_channels, None
 
     def _checked(self, image: Tensor) -> Tensor:

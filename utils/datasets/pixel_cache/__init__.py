@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +131,15 @@ class PixelCache:
             self.directory,
             err.strerror or err,
         )
+
+
+def cached(cache: PixelCache | None, info: FileInfo, kind: str, decode: Callable[[], np.ndarray]) -> np.ndarray:
+    """``info``'s entry in ``cache`` (read-only, memory-mapped), else ``decode()``'s array, stored in ``cache`` for the
+    next read: a mask always, an image only as uint8 (16-bit and float pixels are not cached)."""
+    stored = cache.read(info, kind) if cache is not None else None
+    if stored is not None:
+        return stored
+    array = decode()
+    if cache is not None and (kind == MASK or array.dtype == np.uint8):
+        cache.write(info, kind, array)
+    return array
