@@ -24,13 +24,13 @@ import signal
 import sys
 
 from utils.cli import setup_logging
-from utils.launch.environments import launcher_rank
+from utils.launch.environments import launcher_rank, plan_launch
 from utils.launch.process_group import DistributedContext, teardown
 from utils.launch.runner import RunStage, run_main
 from utils.launch.signals import InterruptFlag, requeue_if_asked, signal_exit_code, stop_when_orphaned
 from utils.training.config import TrainConfig, parse_config
 from utils.training.loop import TrainOutcome
-from utils.training.setup import build_trainer, join, launch_plan
+from utils.training.setup import build_trainer, join
 
 logger = logging.getLogger("train")
 
@@ -57,7 +57,7 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
         config = parse_config(raw_argv)
         if not config.launch.ddp_mode:
             stage.rank = 0  # every process is a run of its own (a wrong launch too): each says what stopped it
-        plan = launch_plan(config, raw_argv)
+        plan = plan_launch(config.launch, argv=raw_argv)
         stage.rank = plan.rank
         setup_logging(plan.rank, plan.world_size)
         # Installed before the process group exists, so that a signal during set-up is not lost either.

@@ -58,6 +58,18 @@ def user_message(error: BaseException) -> str:
     return " ".join(_worker_message(type(error).__name__, str(error)).split())
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message: some libraries (PyTorch's communication among them) write
+    paragraphs."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def shortened(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for a message, at most ``limit`` characters: a file's value can be large."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 # ----------------------------------------------------------------------------------------------------
 # counts in messages
 

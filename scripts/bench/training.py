@@ -344,13 +344,14 @@ def built_trainer(argv: list[str]) -> Iterator[Trainer]:
 
     The same wiring as train.py's main(), without the signal handlers: the benchmark never runs the loop.
     """
+    from utils.launch.environments import plan_launch
     from utils.launch.process_group import teardown
     from utils.launch.signals import InterruptFlag
     from utils.training.config import parse_config
-    from utils.training.setup import build_trainer, join, launch_plan
+    from utils.training.setup import build_trainer, join
 
     config = parse_config(argv)
-    ctx = join(config, launch_plan(config, argv))
+    ctx = join(config, plan_launch(config.launch, argv=argv))
     try:
         trainer = build_trainer(config, ctx, InterruptFlag())
         try:

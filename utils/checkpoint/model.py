@@ -38,7 +38,7 @@ import torch
 from unet import ENCODERS, OPTIONAL_ARGS, UNetArgs, build_model
 from utils.checkpoint.files import read_model_weights
 from utils.checkpoint.format import LoadedWeights
-from utils.errors import CheckpointError
+from utils.errors import CheckpointError, shortened
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,8 @@ def check_mask_values_of(mask_values: Any, n_classes: int, path: Any) -> None:
     if mask_values is None:
         return
     n_predicted = 2 if n_classes == 1 else n_classes
-    where = f"checkpoint {path}: mask_values {_short(mask_values)}"
+    shown = shortened(list(mask_values) if isinstance(mask_values, tuple) else mask_values)
+    where = f"checkpoint {path}: mask_values {shown}"
     if not isinstance(mask_values, list | tuple):
         raise CheckpointError(f"{where} are not a list; the file is damaged, use another checkpoint")
     if len(mask_values) != n_predicted:
@@ -332,8 +333,3 @@ def _is_integer(value: Any, high: int) -> bool:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return isinstance(value, int) and 0 <= value <= high
-
-
-def _short(values: Any) -> str:
-    text = repr(list(values) if isinstance(values, tuple) else values)
-    return text if len(text) <= 80 else text[:77] + "..."

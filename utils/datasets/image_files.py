@@ -22,7 +22,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 from PIL import Image, ImageOps
 
-from utils.errors import DatasetError
+from utils.errors import DatasetError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -243,11 +243,6 @@ def format_examples(items: list[str]) -> str:
     """Join the first few names of a list for a message, counting the rest."""
     shown = ", ".join(items[:MAX_NAMED_FILES])
     return shown if len(items) <= MAX_NAMED_FILES else f"{shown}, ... ({len(items) - MAX_NAMED_FILES} more)"
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message: some libraries write paragraphs."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def pool_context() -> multiprocessing.context.BaseContext:

@@ -27,13 +27,12 @@ from PIL import Image
 from utils.datasets.image_files import (
     UNREADABLE_FILE_ERRORS,
     MaskPair,
-    first_line,
     format_examples,
     image_header,
     load_image,
     pool_map,
 )
-from utils.errors import DatasetError, UserError
+from utils.errors import DatasetError, UserError, first_line
 from utils.output_files import write_text
 
 logger = logging.getLogger(__name__)

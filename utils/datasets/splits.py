@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from utils.datasets.image_files import format_examples
-from utils.errors import ConfigError, DatasetError
+from utils.errors import ConfigError, DatasetError, shortened
 from utils.output_files import OutputError, write_text
 
 SPLIT_BY_IMAGE = "image"
@@ -331,14 +331,20 @@ def read_split_file(path: Path, flag: str = "--split") -> SplitRecord:
     if not isinstance(raw, dict) or not all(isinstance(raw.get(key), list) for key in ("train", "validation")):
         raise ConfigError(f"{where} has no 'train' and 'validation' id lists; pass the split.json of a run folder")
     if raw.get("version") != SPLIT_FILE_VERSION or isinstance(raw.get("version"), bool):
-        raise ConfigError(f"{where} has format version {_short(raw.get('version'))}; this version reads version 1")
+        raise ConfigError(
+            f"{where} has format version {shortened(raw.get('version'), 60)}; this version reads version 1"
+        )
     for key, types in _FIELD_TYPES.items():
         value = raw.get(key)
         if key not in raw or isinstance(value, bool) or not isinstance(value, types):
             kind = " or ".join("null" if kind is type(None) else kind.__name__ for kind in types)
-            raise ConfigError(f"{where}: {key} must be {kind}, got {_short(value)}; the file is damaged or was edited")
+            raise ConfigError(
+                f"{where}: {key} must be {kind}, got {shortened(value, 60)}; the file is damaged or was edited"
+            )
     if raw["rule"] not in SPLIT_RULES or raw["folds"] < 0:
-        raise ConfigError(f"{where}: rule {_short(raw['rule'])} / folds {raw['folds']} is not a split this makes")
+        raise ConfigError(
+            f"{where}: rule {shortened(raw['rule'], 60)} / folds {raw['folds']} is not a split this makes"
+        )
     sides = {}
     for side in ("train", "validation"):
         ids = raw[side]
@@ -381,11 +387,6 @@ def validation_positions(
             f"folder, or add {OTHER_SPLIT_FLAG} to score this split anyway"
         )
     return positions_of(ids, record.validation, f"--split {split_file}")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def positions_of(ids: Sequence[str], wanted: Sequence[str], source: str) -> list[int]:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 
 from utils import errors
-from utils.errors import ConfigError, UserError
+from utils.errors import ConfigError, UserError, first_line
 from utils.hardware import available_cpus, pick_device, threads_per_process
 from utils.launch.environments import LaunchPlan, LaunchValueError
 from utils.launch.signals import InterruptFlag
@@ -141,11 +141,6 @@ def check_rendezvous_host(plan: LaunchPlan) -> None:
             f"the rendezvous host {host!r} (from {plan.address_hint}) cannot be resolved ({reason}); give rank 0's "
             "machine name or address"
         ) from error
-
-
-def first_line(error: BaseException) -> str:
-    """What a one-line report says of an error from PyTorch's communication (its messages run over many lines)."""
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _rendezvous_failure(plan: LaunchPlan, timeout_s: float, error: Exception) -> str:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from utils.cli import print_error
-from utils.errors import USER_ERROR_EXIT_CODE, UserError
+from utils.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from utils.launch.environments import LaunchValueError
-from utils.launch.process_group import DistributedContext, barrier, first_line, is_raised_on_every_rank
+from utils.launch.process_group import DistributedContext, barrier, is_raised_on_every_rank
 from utils.launch.signals import signal_exit_code
 
 OUT_OF_MEMORY_EXIT_CODE = USER_ERROR_EXIT_CODE

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from utils.errors import ConfigError
+from utils.errors import ConfigError, shortened
 from utils.flags import FlagField, build_config, check_ranges, flag_fields
 from utils.output_files import write_text
 
@@ -72,7 +72,7 @@ def apply_config_file(
     given = _given_on_command_line(parser, argv)
     given.pop(CONFIG_DEST, None)
     overridden = [
-        f"{key} {_short(from_file[key])} -> {_short(value)}"
+        f"{key} {shortened(from_file[key])} -> {shortened(value)}"
         for key, value in given.items()
         if key in from_file and from_file[key] != value
     ]
@@ -95,7 +95,9 @@ def read_config_file(path: Path, config_class: type) -> dict[str, Any]:
         if name not in fields:
             close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"{CONFIG_FLAG} {path}: unknown key {_short(key)}{hint} (keys are train.py's flag names)")
+            raise ConfigError(
+                f"{CONFIG_FLAG} {path}: unknown key {shortened(key)}{hint} (keys are train.py's flag names)"
+            )
         values[name] = _checked_value(fields[name], value, f"{CONFIG_FLAG} {path}: {key}")
     try:
         # The file's own values in their ranges, whatever the command line overrides (the file is meant to be rerun).
@@ -116,7 +118,7 @@ class _BoundedLoader(yaml.SafeLoader):
             if not isinstance(key, str | int | float | bool):
                 continue  # not a flag name: refused as an unknown key after construction
             if key in seen:
-                raise ConfigError(f"key {_short(key)} is given twice (line {key_node.start_mark.line + 1})")
+                raise ConfigError(f"key {shortened(key)} is given twice (line {key_node.start_mark.line + 1})")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -229,7 +231,9 @@ def _checked_value(item: FlagField, value: Any, where: str) -> Any:
     if value is None:
         if item.default is None:
             return None
-        raise ConfigError(f"{where} may not be empty (null); remove the key to take the default {_short(item.default)}")
+        raise ConfigError(
+            f"{where} may not be empty (null); remove the key to take the default {shortened(item.default)}"
+        )
     if item.repeatable:
         values = value if isinstance(value, list) else [value]
         return [_checked_scalar(item, one, where) for one in values]
@@ -240,33 +244,27 @@ def _checked_scalar(item: FlagField, value: Any, where: str) -> Any:
     kind = item.kind
     if kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, got {_short(value)}")
+            raise ConfigError(f"{where} must be true or false, got {shortened(value)}")
         return value
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{where} must be a whole number, got {_short(value)}")
+        raise ConfigError(f"{where} must be a whole number, got {shortened(value)}")
     if kind is float:
         # YAML 1.1 reads 1e-5 (no dot) as text: a number written that way is still the number meant.
         if isinstance(value, str):
             value = _number_if_numeric(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where} must be a number, got {_short(value)}")
+            raise ConfigError(f"{where} must be a number, got {shortened(value)}")
         value = float(value)
     if kind is str and not isinstance(value, str):
-        raise ConfigError(f"{where} must be text, got {_short(value)} (put it in quotes)")
+        raise ConfigError(f"{where} must be text, got {shortened(value)} (put it in quotes)")
     if item.flag.choices is not None and value not in item.flag.choices:
-        raise ConfigError(f"{where} must be one of {', '.join(item.flag.choices)}, got {_short(value)}")
+        raise ConfigError(f"{where} must be one of {', '.join(item.flag.choices)}, got {shortened(value)}")
     if item.flag.value_type is not None:
         try:
             value = item.flag.value_type(value)
         except (argparse.ArgumentTypeError, ValueError) as error:
             raise ConfigError(f"{where}: {error}") from error
     return value
-
-
-def _short(value: Any) -> str:
-    """``value`` for a message, at most 80 characters: a file's value can be large."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _number_if_numeric(text: str) -> float | str:

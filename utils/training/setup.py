@@ -27,7 +27,7 @@ from utils.checkpoint.state import TrainingState, TrainPosition
 from utils.errors import ConfigError, count
 from utils.flags import flag_fields
 from utils.hardware import resolve_precision, reuse_large_buffers, warn_if_emulated
-from utils.launch.environments import LaunchPlan, plan_launch
+from utils.launch.environments import LaunchPlan
 from utils.launch.process_group import DistributedContext, agree_on_errors, setup
 from utils.launch.signals import InterruptFlag
 from utils.training.build_loaders import build_loaders
@@ -43,11 +43,6 @@ from utils.training.sampler import BatchPlan
 from utils.training.validation import Validator
 
 logger = logging.getLogger(__name__)
-
-
-def launch_plan(config: TrainConfig, argv: list[str]) -> LaunchPlan:
-    """How this process takes part in the run: from the launcher's environment and the distributed flags."""
-    return plan_launch(config.launch, argv=argv)
 
 
 def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:
