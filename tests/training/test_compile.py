@@ -1,0 +1,114 @@
+"""--compile: the blocks compiled in a copy sharing the model's tensors, no recompile after the first epoch, plain
+checkpoint keys both ways, the compiled code reused from the run folder by a resume (which ends bit-identical to an
+uninterrupted compiled run), and DDP with EMA, deep supervision and activation checkpointing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tests.conftest import TrainRunner, assert_same_training_state, finish, load_checkpoint, torchrun_prefix
+from tests.helpers import tiny_unet
+from unet import UNet
+from utils.training.compiled import CACHE_ENVIRONMENT, compile_blocks
+from utils.training.step import TrainStep
+
+# 16 images, 25 % validation: 12 training images in batches of 5, 5 and 2 (the last one smaller).
+FLAGS = ("-v", "25", "-b", "5", "--log-every", "1")
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run points inductor's cache at its run folder for the rest of its process: undo that after each test."""
+    monkeypatch.delenv(CACHE_ENVIRONMENT, raising=False)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_share_the_models_tensors_and_compute_what_it_computes() -> None:
+    model = tiny_unet(deep_supervision=True)
+    compiled = compile_blocks(model)
+    assert {id(p) for p in compiled.parameters()} == {id(p) for p in model.parameters()}
+    assert {id(b) for b in compiled.buffers()} == {id(b) for b in model.buffers()}
+    assert all("_orig_mod" not in key for key in model.state_dict())  # what checkpoints save stays plain
+    images = torch.rand(2, 3, 32, 48)
+    reference = copy_of(model)
+    outputs, expected = compiled(images), reference(images)
+    assert len(outputs) == len(expected) == 3  # logits and the two auxiliary heads
+    for output, wanted in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(output, wanted, rtol=1e-4, atol=1e-5)
+    sum(o.sum() for o in outputs).backward()
+    sum(o.sum() for o in expected).backward()
+    gradient = model.inc.double_conv[0].weight.grad  # the compiled copy's backward filled the model's gradients
+    assert gradient is not None and gradient.abs().sum() > 0
+    torch.testing.assert_close(gradient, reference.inc.double_conv[0].weight.grad, rtol=1e-3, atol=1e-4)
+
+
+def copy_of(model: UNet) -> UNet:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+@pytest.mark.slow
+def test_compiled_runs_compile_in_their_first_epoch_only_resume_from_their_cache_and_save_plain_keys(
+    runner: TrainRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An eager run's checkpoint starts both compiled runs (eager -> compiled); the compiled checkpoints then load into
+    # an eager model (compiled -> eager).
+    assert runner.main("eager", *FLAGS, "-e", "1") == 0
+    start = str(runner.run_dir("eager") / "last.pth")
+    graphs_at_epoch: list[int] = []
+    set_epoch = TrainStep.set_epoch
+
+    def count_graphs(self: TrainStep, epoch: int) -> None:
+        graphs_at_epoch.append(counters["stats"]["unique_graphs"])
+        set_epoch(self, epoch)
+
+    monkeypatch.setattr(TrainStep, "set_epoch", count_graphs)
+    counters.clear()
+    assert runner.main("straight", *FLAGS, "-e", "3", "--load", start, "--compile") == 0
+    graphs_at_epoch.append(counters["stats"]["unique_graphs"])
+    first, second, third = (later - earlier for earlier, later in zip(graphs_at_epoch, graphs_at_epoch[1:]))
+    # The first epoch compiles (the last, smaller batch included); validation runs eager; then nothing compiles.
+    assert first > 0 and second == 0 and third == 0, graphs_at_epoch
+
+    assert runner.main("stopped", *FLAGS, "-e", "1", "--load", start, "--compile") == 0
+    cache = runner.run_dir("stopped") / "compile-cache"
+    assert any(cache.rglob("*")), "nothing cached in the run folder"
+    counters.clear()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert runner.main("stopped", *FLAGS, "-e", "3", "--resume", "auto", "--compile") == 0
+    assert f"Compiled code cached in {cache} (reused" in caplog.text
+    inductor = counters["inductor"]
+    # Every graph the resumed run needed came from the run folder's cache: none was compiled by inductor again.
+    assert inductor["fxgraph_cache_hit"] > 0 and inductor["fxgraph_cache_miss"] == 0, dict(inductor)
+    assert_same_training_state(runner.run_dir("straight") / "last.pth", runner.run_dir("stopped") / "last.pth")
+
+    saved = load_checkpoint(runner.run_dir("straight") / "last.pth")["model_state"]
+    eager = UNet(n_channels=3, n_classes=2, base_channels=8)
+    eager.load_state_dict(saved)  # strict: every key plain, none missing
+    assert all("_orig_mod" not in key and not key.startswith("module.") for key in saved)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun on 127.0.0.1")
+def test_a_compiled_two_process_run_with_ema_deep_supervision_and_checkpointing_trains_and_resumes(
+    runner: TrainRunner,
+) -> None:
+    flags = [*FLAGS, "-b", "2", "--ddp_mode", "--compile", "--ema", "0.9", "--deep-supervision", "--checkpointing"]
+    for extra in (["-e", "1", "--max-steps", "2"], ["-e", "1", "--resume", "auto"]):
+        process = runner.popen(torchrun_prefix(2), "ddp", *flags, *extra)
+        out, err = finish(process)
+        assert process.returncode == 0, out + err
+    saved = load_checkpoint(runner.run_dir("ddp") / "last.pth")
+    assert saved["world_size"] == 2 and saved["global_step"] == 3  # 12 images in global batches of 4
+    eager = UNet(n_channels=3, n_classes=2, base_channels=8, deep_supervision=True)
+    for key in ("model_state", "live_model_state"):  # the average and the trained weights, both plain
+        eager.load_state_dict(saved[key])
+    assert "(reused" in err  # the resume found the first run's compiled code in the run folder
+    assert Path(runner.run_dir("ddp") / "compile-cache").is_dir()
