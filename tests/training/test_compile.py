@@ -4,6 +4,7 @@ uninterrupted compiled run), and DDP with EMA, deep supervision and activation c
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def test_compiled_blocks_share_the_models_tensors_and_compute_what_it_computes()
     assert {id(b) for b in compiled.buffers()} == {id(b) for b in model.buffers()}
     assert all("_orig_mod" not in key for key in model.state_dict())  # what checkpoints save stays plain
     images = torch.rand(2, 3, 32, 48)
-    reference = copy_of(model)
+    reference = copy.deepcopy(model)
     outputs, expected = compiled(images), reference(images)
     assert len(outputs) == len(expected) == 3  # logits and the two auxiliary heads
     for output, wanted in zip(outputs, expected, strict=True):
@@ -45,12 +46,6 @@ def test_compiled_blocks_share_the_models_tensors_and_compute_what_it_computes()
     gradient = model.inc.double_conv[0].weight.grad  # the compiled copy's backward filled the model's gradients
     assert gradient is not None and gradient.abs().sum() > 0
     torch.testing.assert_close(gradient, reference.inc.double_conv[0].weight.grad, rtol=1e-3, atol=1e-4)
-
-
-def copy_of(model: UNet) -> UNet:
-    import copy
-
-    return copy.deepcopy(model)
 
 
 @pytest.mark.slow
@@ -72,7 +67,9 @@ def test_compiled_runs_compile_in_their_first_epoch_only_resume_from_their_cache
     counters.clear()
     assert runner.main("straight", *FLAGS, "-e", "3", "--load", start, "--compile") == 0
     graphs_at_epoch.append(counters["stats"]["unique_graphs"])
-    first, second, third = (later - earlier for earlier, later in zip(graphs_at_epoch, graphs_at_epoch[1:]))
+    first, second, third = (
+        later - earlier for earlier, later in zip(graphs_at_epoch, graphs_at_epoch[1:], strict=False)
+    )
     # The first epoch compiles (the last, smaller batch included); validation runs eager; then nothing compiles.
     assert first > 0 and second == 0 and third == 0, graphs_at_epoch
 
