@@ -4,8 +4,10 @@ Compiled per block, as torchtitan does, rather than as one graph: each block (a 
 decoder block, the heads) becomes its own graph, so a block's norms and activations fuse while the graphs stay small
 to compile. The compiled blocks live in a shallow copy of the model that shares its parameters and buffers: the plain
 model stays eager for validation, the EMA copy and checkpoints (whose keys carry no ``_orig_mod.``), and nothing
-compiles for the validation images' shapes. A batch of another size (the epoch's last) recompiles once, with the batch
-dimension dynamic (dynamo's automatic dynamic shapes); from then on no shape compiles again.
+compiles for the validation images' shapes. Shapes are static (``dynamic=False``): blocks of one class share their
+``forward``, so dynamo's automatic dynamic shapes would otherwise make the channel and spatial sizes symbolic after the
+second block. A batch of another size (the epoch's last) compiles once more in the first epoch; from then on no shape
+compiles again.
 
 The compiled code is kept in the run folder (``RunFolder.compile_cache``): inductor's on-disk caches (its FX graph and
 AOTAutograd caches, on by default) are pointed there before anything compiles, so a resumed or requeued run of the
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,9 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     """
     compiled = copy.copy(model)  # the same forward, parameters and buffers; its own child-module table
     compiled._modules = {name: _compiled(child) for name, child in model._modules.items()}
+    blocks = sum(1 for module in compiled.modules() if isinstance(module, OptimizedModule))
+    # Every block of a class is an entry on its forward's code, once per batch size: room for two sizes and more.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * blocks)
     return compiled
 
 
@@ -44,8 +50,8 @@ def _compiled(child: nn.Module | None) -> nn.Module | None:
     if child is None or not any(True for _ in child.parameters()):
         return child
     if isinstance(child, nn.ModuleList):
-        return nn.ModuleList(torch.compile(block) for block in child)
-    return torch.compile(child)
+        return nn.ModuleList(torch.compile(block, dynamic=False) for block in child)
+    return torch.compile(child, dynamic=False)
 
 
 def use_compile_cache(folder: Path) -> None:
