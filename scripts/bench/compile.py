@@ -17,6 +17,7 @@ compiled (``utils.training.compiled``). From each run's ``metrics.jsonl`` (``--l
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -40,7 +41,8 @@ def run_compile(ctx: Context) -> dict[str, Any]:
     config = ctx.config
     # Enough training images for warm-up and timed steps in each epoch, plus a smaller last batch.
     train_images = config.batch_size * (config.warmup + config.steps) + max(1, config.batch_size // 2)
-    images = round(train_images / (1 - VALIDATION_PERCENT / 100))
+    # At least one validation image (train.py refuses a split without one).
+    images = max(math.ceil(100 / VALIDATION_PERCENT), math.ceil(train_images / (1 - VALIDATION_PERCENT / 100)) + 1)
     file_size = (round(config.size[0] / config.scale), round(config.size[1] / config.scale))
     data = write_linked_dataset(
         ctx.work_dir / f"compile-data-{images}-{file_size[0]}x{file_size[1]}",
