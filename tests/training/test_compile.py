@@ -20,6 +20,8 @@ from utils.training.step import TrainStep
 
 # 16 images, 25 % validation: 12 training images in batches of 5, 5 and 2 (the last one smaller).
 FLAGS = ("-v", "25", "-b", "5", "--log-every", "1")
+# A hang guard, not a timing: a cold compile of the tiny model took 5 minutes on 2 cores at a load average of 14.
+COMPILE_TIMEOUT_S = 1200
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +73,7 @@ def test_a_compiled_run_compiles_in_its_first_epoch_only_resumes_from_its_cache_
     # The resume in a fresh process (in this one, dynamo would reuse the first run's graphs from memory).
     cached = sorted(cache.rglob("*"))
     process = runner.popen([sys.executable], "compiled", *FLAGS, "-e", "3", "--resume", "auto", "--compile")
-    out, err = finish(process)
+    out, err = finish(process, timeout=COMPILE_TIMEOUT_S)
     assert process.returncode == 0, out + err
     assert f"Compiled code cached in {cache} (reused" in err
     # Every graph the resumed run needed came from the run folder's cache: it compiled none anew (no new entry).
@@ -94,7 +96,7 @@ def test_a_compiled_two_process_run_with_ema_deep_supervision_and_checkpointing_
     flags = [*FLAGS, "-b", "2", "--ddp_mode", "--compile", "--ema", "0.9", "--deep-supervision", "--checkpointing"]
     for extra in (["-e", "1", "--max-steps", "2"], ["-e", "1", "--resume", "auto"]):
         process = runner.popen(torchrun_prefix(2), "ddp", *flags, *extra)
-        out, err = finish(process)
+        out, err = finish(process, timeout=COMPILE_TIMEOUT_S)
         assert process.returncode == 0, out + err
     saved = load_checkpoint(runner.run_dir("ddp") / "last.pth")
     assert saved["world_size"] == 2 and saved["global_step"] == 3  # 12 images in global batches of 4
