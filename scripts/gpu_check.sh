@@ -12,7 +12,7 @@
 # 3. the benchmark's epoch section: one whole train.py epoch of milesial's flags (-e 1 -b 4 -s 0.5 --amp: fp16),
 #    its wall time split (start-up, steps, validation, checkpoints, curves) and its fraction of the compute bound;
 # 4. the benchmark's compile section: train.py eager against --compile (bf16, batch 16, two epochs each), the compile
-#    time cold (empty cache) and warm (the compiled run resumed from its run folder's compile-cache/), the second
+#    time cold (empty cache) and warm (a run folder holding the compiled run's compile-cache/), the second
 #    epoch's steady-state images/s and its time.
 # Every step runs under `timeout`; a step cut short keeps what it measured (the benchmark rewrites its JSON after each
 # section). Results: OUTDIR/gpu_check.json and OUTDIR/gpu_check.md, plus each step's log and JSON.

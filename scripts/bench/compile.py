@@ -1,8 +1,9 @@
 """The compile section: ``train.py`` eager against ``train.py --compile`` in one paired run, per precision.
 
 Each pair is two fresh two-epoch runs on the same demo data (the epoch ends with a smaller batch, and validates), then
-the compiled run resumed for a third epoch from its own run folder, whose ``compile-cache/`` holds what the first run
-compiled (``utils.training.compiled``). From each run's ``metrics.jsonl`` (``--log-every 1``):
+a one-epoch compiled run in a fresh run folder holding a copy of the compiled run's ``compile-cache/`` (what a resumed
+or requeued run finds in its own folder, ``utils.training.compiled``; the resume path itself is tested in
+``tests/training/test_compile.py``). From each run's ``metrics.jsonl`` (``--log-every 1``):
 
 * first step: launch of the loop (``loop_start``) to the end of the first step; for the compiled runs, the compile
   time (cold: an empty cache; warm: the resumed run, from the run folder's cache);
@@ -65,9 +66,12 @@ def run_compile(ctx: Context) -> dict[str, Any]:
 def _pair(ctx: Context, data: Any, precision: str) -> dict[str, dict[str, Any]]:
     eager = _train(ctx, data, precision, f"compile-eager-{precision}", ["-e", "2"], fresh=True)
     cold = _train(ctx, data, precision, f"compile-on-{precision}", ["-e", "2", "--compile"], fresh=True)
-    warm = _train(
-        ctx, data, precision, f"compile-on-{precision}", ["-e", "3", "--compile", "--resume", "auto"], fresh=False
-    )
+    # A fresh run folder holding the cold run's compile-cache/, as a resumed or requeued run finds its own.
+    warm_name = f"compile-warm-{precision}"
+    shutil.rmtree(ctx.work_dir / "runs" / warm_name, ignore_errors=True)
+    shutil.copytree(RunFolder(ctx.work_dir / "runs" / cold["name"]).compile_cache,
+                    RunFolder(ctx.work_dir / "runs" / warm_name).compile_cache)  # fmt: skip
+    warm = _train(ctx, data, precision, warm_name, ["-e", "1", "--compile"], fresh=False)
     return {"eager": eager, "compiled": cold, "resumed": warm}
 
 
@@ -87,7 +91,7 @@ def _train(ctx: Context, data: Any, precision: str, name: str, extra: list[str],
     ]  # fmt: skip
     if config.channels_last:
         argv.append("--channels-last")
-    log = ctx.log_dir / f"{name}{'' if fresh else '-resumed'}.log"
+    log = ctx.log_dir / f"{name}.log"
     run = run_child([sys.executable, str(REPO_ROOT / "train.py"), *argv], threads=config.threads,
                     timeout=config.timeout, log_path=log)  # fmt: skip
     if run.returncode != 0:
@@ -99,6 +103,7 @@ def _train(ctx: Context, data: Any, precision: str, name: str, extra: list[str],
         raise MeasurementError(f"{name}: metrics.jsonl has no loop_start record")
     events = events[starts[-1] :]  # this run's records (a resumed run appends to the first one's)
     figures = run_figures(events)
+    figures["name"] = name
     figures["wall_s"] = run.wall_s
     figures["max_rss_mib"] = run.max_rss_mib
     ctx.remember_memory(f"train.py {name}", figures)
@@ -175,7 +180,7 @@ def _rows(ctx: Context, precision: str, result: dict[str, Any]) -> None:
         f"{precision} first step: compiled cold / warm cache / eager",
         f"{cell('compiled_first_step_s', ' s')} / {cell('resumed_first_step_s', ' s')} / "
         f"{cell('eager_first_step_s', ' s')}",
-        f"warm / cold {cell('warm_over_cold', '')}; the warm one is a --resume of the compiled run",
+        f"warm / cold {cell('warm_over_cold', '')}; warm: a run folder holding the compiled run's compile-cache/",
     )
     ctx.row(
         SECTION,
