@@ -19,6 +19,10 @@ Sections (``--sections``, default all):
   64; quick: 10 images 128x96, base 8) with validation and checkpoints: its wall time split into start-up, steps,
   validation, checkpoint writes, curves and the rest (the trainer's ``phase`` records in ``metrics.jsonl``), and its
   ratio to the compute bound (the epoch's FLOPs at the measured matmul peak of its precision);
+* ``compile``: ``train.py`` eager against ``--compile`` in one paired run per precision (two epochs each, the epoch
+  ending with a smaller batch, then the compiled run resumed from its run folder's compile cache): the compile time
+  (the first step, cold and warm cache), the second epoch's steady-state images/s and its time
+  (``scripts.bench.compile``);
 * ``ddp``: ``torchrun`` with 2 processes of half the threads each against 1 process with all threads, same global
   batch, images/s ratio;
 * ``validation``: one validation pass of 64 images (quick: 5) at 2 processes, ``--val-mode rank0`` against
@@ -43,6 +47,9 @@ Each measurement runs in its own process with its thread count set before torch 
 comparisons are fair and peak memory is per measurement (``--quick`` runs compute, data and predict in this process to
 save interpreter start-ups; the checkpoint section always runs in this one). ``--repeat N`` alternates the runs of
 each compared pair N times and reports the median ratio, which is what survives a machine shared with other work.
+Every section records the load average before and after it; a figure whose repeats spread more than 20 % of their
+median, or that is physically impossible (end-to-end above 1.2x compute-only, a matmul peak of 0), is marked
+UNRELIABLE in the table and ``"reliable": false`` in the JSON, and is measured once more where the section can.
 A failed section is reported and the others still run; the exit status is then 1. Results and their interpretation:
 docs/PERFORMANCE.md; the measurements themselves live in ``scripts/bench/`` (one module per section).
 """
@@ -50,6 +57,7 @@ docs/PERFORMANCE.md; the measurements themselves live in ``scripts/bench/`` (one
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -65,6 +73,8 @@ import torch  # noqa: E402
 
 from scripts.bench.checkpoint_io import SECTION as CHECKPOINT_SECTION  # noqa: E402
 from scripts.bench.checkpoint_io import CheckpointBenchConfig, run_checkpoint  # noqa: E402
+from scripts.bench.compile import SECTION as COMPILE_SECTION  # noqa: E402
+from scripts.bench.compile import run_compile  # noqa: E402
 from scripts.bench.context import CARVANA_SIZE, DDP_PROCESSES, SECTIONS, BenchConfig, Context  # noqa: E402
 from scripts.bench.data import run_data, run_startup  # noqa: E402
 from scripts.bench.ddp import run_ddp  # noqa: E402
@@ -336,6 +346,7 @@ def section_runners(checkpoint: CheckpointBenchConfig) -> list[tuple[tuple[str, 
     return [
         (("compute", "e2e"), run_compute_and_e2e),
         ((EPOCH_SECTION,), _store(EPOCH_SECTION, run_epoch)),
+        ((COMPILE_SECTION,), _store(COMPILE_SECTION, run_compile)),
         (("ddp",), _store("ddp", run_ddp)),
         ((VALIDATION_SECTION,), _store(VALIDATION_SECTION, run_validation)),
         (("data",), _store("data", run_data)),
@@ -384,7 +395,7 @@ def run_benchmark(config: BenchConfig, checkpoint: CheckpointBenchConfig | None 
             selected = [section for section in sections if section in config.sections]
             if not selected:
                 continue
-            section_started = time.perf_counter()
+            section_started, load_before = time.perf_counter(), os.getloadavg()[0]
             print(f"[benchmark] {' + '.join(selected)} ...", file=sys.stderr, flush=True)
             try:
                 runner(ctx)
@@ -396,6 +407,7 @@ def run_benchmark(config: BenchConfig, checkpoint: CheckpointBenchConfig | None 
                 print(f"[benchmark] {' + '.join(selected)} failed: {error}", file=sys.stderr, flush=True)
             for section in selected:
                 ctx.results[section]["section_wall_s"] = time.perf_counter() - section_started
+                ctx.results[section]["section_load_average"] = [load_before, os.getloadavg()[0]]
             update_document(document, ctx, started)
         document["complete"] = True
     finally:

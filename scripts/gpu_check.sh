@@ -10,7 +10,10 @@
 #    per worker with augmentation, uncached and from the pixel cache; the first dataset construction with 1 and 2
 #    scan processes);
 # 3. the benchmark's epoch section: one whole train.py epoch of milesial's flags (-e 1 -b 4 -s 0.5 --amp: fp16),
-#    its wall time split (start-up, steps, validation, checkpoints, curves) and its fraction of the compute bound.
+#    its wall time split (start-up, steps, validation, checkpoints, curves) and its fraction of the compute bound;
+# 4. the benchmark's compile section: train.py eager against --compile (bf16, batch 16, two epochs each), the compile
+#    time cold (empty cache) and warm (a run folder holding the compiled run's compile-cache/), the second
+#    epoch's steady-state images/s and its time.
 # Every step runs under `timeout`; a step cut short keeps what it measured (the benchmark rewrites its JSON after each
 # section). Results: OUTDIR/gpu_check.json and OUTDIR/gpu_check.md, plus each step's log and JSON.
 #
@@ -31,13 +34,14 @@ if [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
     # Same sections and flags, CPU-sized: fp16 needs CUDA, so both precision lists become fp32.
     BENCH=(--device cpu --quick --size 64x48 --full-size 128x96 --n-masks 24 --startup-pairs 200)
     BOTH=fp32 BF16=fp32 FP16=fp32
-    LIMITS=(60 120 60 200 200 90)
+    LIMITS=(60 120 60 200 200 90 300)
 else
     BENCH=(--device cuda --size 959x640 --scale 0.5 --channels-last --steps 10 --warmup 3 --n-masks 500 --items 10
            --loader-workers 4,8 --loader-batches 10)
     BOTH=bf16,fp16 BF16=bf16 FP16=fp16
-    # tests, batch 16 (both precisions, cache off/on, data, memory), batch 8, batch 16 compiled, batch 8 compiled, epoch
-    LIMITS=(80 170 55 75 70 60)
+    # tests, batch 16 (both precisions, cache off/on, data, memory), batch 8, batch 16 compiled, batch 8 compiled, epoch,
+    # compile section (cold and warm cache)
+    LIMITS=(80 150 50 60 50 55 90)
 fi
 
 status=0
@@ -65,5 +69,8 @@ step "${LIMITS[4]}" b8-compile "$PY" scripts/benchmark.py "${BENCH[@]}" --batch-
 step "${LIMITS[5]}" epoch "$PY" scripts/benchmark.py "${BENCH[@]}" --sections epoch --work-dir "$WORK" \
     --json "$OUT/epoch.json"
 
-"$PY" -m scripts.bench.gpu_summary "$OUT" tests b16 b8 b16-compile b8-compile epoch || status=1
+step "${LIMITS[6]}" compile "$PY" scripts/benchmark.py "${BENCH[@]}" --batch-size 16 --precisions "$BF16" \
+    --steps 4 --warmup 2 --sections compile --work-dir "$WORK" --json "$OUT/compile.json"
+
+"$PY" -m scripts.bench.gpu_summary "$OUT" tests b16 b8 b16-compile b8-compile epoch compile || status=1
 exit $status

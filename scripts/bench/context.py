@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 # In the order they run (the checkpoint section last: it builds its trainer in the benchmark's own process).
-SECTIONS = ("compute", "e2e", "epoch", "ddp", "validation", "data", "startup", "predict", "memory", "checkpoint")
+SECTIONS = (
+    "compute", "e2e", "epoch", "compile", "ddp", "validation", "data", "startup", "predict", "memory", "checkpoint",
+)  # fmt: skip
 # Carvana's image size: the data section's "full-size" masks.
 CARVANA_SIZE = (1918, 1280)
 DDP_PROCESSES = 2

@@ -32,6 +32,7 @@ from typing import Any
 from scripts.bench.context import Context
 from scripts.bench.demo_data import write_linked_dataset
 from scripts.bench.processes import REPO_ROOT, MeasurementError, call_worker, run_child, tail
+from scripts.bench.report import reliability
 from scripts.bench.run_log import check_precision
 from utils.checkpoint.run_folder import RunFolder
 
@@ -254,11 +255,15 @@ def bound_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def _rows(ctx: Context, result: dict[str, Any], settings: EpochSettings, precision: str) -> None:
     split = result["split_s"]
     width, height = settings.size
+    peak_zero = result["matmul_peak_flops_per_s"] <= 0
+    result["reliability"] = reliability(
+        result["wall_s_runs"], result["load_average"], "a matmul peak of 0" if peak_zero else ""
+    )
     ctx.row(
         SECTION,
         f"train.py 1 epoch, {settings.images} images {width}x{height} -s {settings.scale:g} -b {settings.batch_size} "
         f"--amp ({precision}), base {settings.base_channels}",
-        f"{result['wall_s']:.3g} s",
+        f"{result['wall_s']:.3g} s{result['reliability']['mark']}",
         f"{result['fraction_of_bound']:.2f} of the compute bound {result['bound_s']:.3g} s "
         f"({result['flops'] / 1e9:.4g} GFLOP at {result['matmul_peak_flops_per_s'] / 1e9:.0f} GFLOP/s)",
     )

@@ -18,6 +18,10 @@ from scripts.bench.context import BenchConfig, Context
 from utils.hardware import available_cpus, cpu_has_native
 
 SCHEMA_VERSION = 1
+# Repeats of one figure further apart than this fraction of their median make it unreliable (other work on the cores).
+UNRELIABLE_SPREAD = 0.2
+# End-to-end above compute-only by more than this is impossible (the loop does the compute and more): a busy machine.
+IMPOSSIBLE_E2E_RATIO = 1.2
 
 
 def machine_info(config: BenchConfig) -> dict[str, Any]:
@@ -61,6 +65,27 @@ def run_memory(ctx: Context) -> dict[str, Any]:
 def ratio_spread(ratios: Sequence[float]) -> str:
     """`` (median of N: r1, r2, ...)`` after a median ratio of paired runs; nothing for a single run."""
     return f" (median of {len(ratios)}: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
+
+
+def reliability(repeats: Sequence[float], load_average: Sequence[float], impossible: str = "") -> dict[str, Any]:
+    """The reliability marks of a figure measured ``len(repeats)`` times: its repeats, their spread ((max - min) /
+    median), the load average before and after, and whether it can be trusted; ``impossible`` names a physical
+    contradiction found by the caller. ``mark`` is what the table appends to the value."""
+    middle = sorted(repeats)[len(repeats) // 2] if repeats else 0.0
+    spread = (max(repeats) - min(repeats)) / abs(middle) if len(repeats) > 1 and middle else None
+    reasons = []
+    if spread is not None and spread > UNRELIABLE_SPREAD:
+        reasons.append(f"repeats spread {100 * spread:.0f} %")
+    if impossible:
+        reasons.append(impossible)
+    return {
+        "repeats": list(repeats),
+        "spread": spread,
+        "load_average": list(load_average),
+        "reliable": not reasons,
+        "unreliable_because": reasons,
+        "mark": f" UNRELIABLE ({'; '.join(reasons)})" if reasons else "",
+    }
 
 
 def format_table(rows: Sequence[tuple[str, str, str, str]]) -> str:

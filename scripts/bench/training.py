@@ -26,6 +26,7 @@ import torch
 from scripts.bench.context import BenchConfig, Context, logged_total_steps
 from scripts.bench.demo_data import ensure_demo_data
 from scripts.bench.processes import REPO_ROOT, MeasurementError, call_worker, run_child, tail
+from scripts.bench.report import IMPOSSIBLE_E2E_RATIO, reliability
 from scripts.bench.run_log import check_precision
 from scripts.bench.timing import cuda_max_allocated_mib, sync, timed
 from utils.checkpoint.run_folder import RunFolder
@@ -163,6 +164,12 @@ def run_compute_and_e2e(ctx: Context) -> None:
                 trains[mode].append(train_run(ctx, data, precision, processes=1, name=name, pixel_cache=cache))
         if computes:
             compute_out[precision] = median_run(computes)
+            peak = compute_out[precision].get("matmul_peak_flops_per_s")
+            compute_out[precision]["reliability"] = reliability(
+                compute_out[precision]["images_per_s_runs"],
+                [computes[0]["load_average"][0], computes[-1]["load_average"][1]],
+                "a matmul peak of 0" if peak is not None and peak <= 0 else "",
+            )
             ctx.remember_memory(f"compute {precision}", compute_out[precision])
             _compute_row(ctx, precision, compute_out[precision])
         for mode, runs in trains.items():
@@ -176,6 +183,13 @@ def run_compute_and_e2e(ctx: Context) -> None:
                 pairs = zip(trains["off"], runs, strict=True)
                 result["ratios_to_uncached"] = [on["images_per_s"] / off["images_per_s"] for off, on in pairs]
                 result["ratio_to_uncached"] = statistics.median(result["ratios_to_uncached"])
+            ratio = result["ratio_to_compute"]
+            impossible = ratio is not None and ratio > IMPOSSIBLE_E2E_RATIO
+            result["reliability"] = reliability(
+                result["images_per_s_runs"],
+                [runs[0]["load_average"][0], runs[-1]["load_average"][1]],
+                f"end-to-end {ratio:.2f}x compute-only (> {IMPOSSIBLE_E2E_RATIO})" if impossible else "",
+            )
             _e2e_row(ctx, key, result)
     if want_compute:
         ctx.results["compute"] = compute_out
@@ -205,7 +219,10 @@ def compute_run(
         "peak_max_size": config.peak_max_size,
         "peak": peak,
     }
-    return call_worker("compute", spec, threads=config.threads, config=config, log_dir=ctx.log_dir)
+    load_before = os.getloadavg()[0]
+    result = call_worker("compute", spec, threads=config.threads, config=config, log_dir=ctx.log_dir)
+    result["load_average"] = [load_before, os.getloadavg()[0]]
+    return result
 
 
 def memory_with_checkpointing(ctx: Context) -> dict[str, Any]:
@@ -301,7 +318,7 @@ def _compute_row(ctx: Context, precision: str, result: dict[str, Any]) -> None:
     ctx.row(
         "compute",
         f"{precision} forward+backward+step",
-        f"{result['images_per_s']:.3g} img/s{_spread(result)}",
+        f"{result['images_per_s']:.3g} img/s{_spread(result)}{result['reliability']['mark']}",
         f"{result['flops_per_image'] / 1e9:.1f} GFLOP/img; {result['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = "
         f"{100 * result['fraction_of_peak']:.0f}% of {precision} matmul peak "
         f"{result['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s",
@@ -332,7 +349,7 @@ def _e2e_row(ctx: Context, precision: str, result: dict[str, Any]) -> None:
     label = precision.replace(" pixel-cache", " train.py steady state, --pixel-cache")
     if label == precision:
         label = f"{precision} train.py steady state"
-    ctx.row("e2e", label, f"{result['images_per_s']:.3g} img/s{_spread(result)}", note)
+    ctx.row("e2e", label, f"{result['images_per_s']:.3g} img/s{_spread(result)}{result['reliability']['mark']}", note)
 
 
 # ------------------------------------------------------------------------------------------------- worker

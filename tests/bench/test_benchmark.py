@@ -25,8 +25,8 @@ from utils.training.objective import segmentation_loss
 
 @pytest.mark.slow
 def test_quick_run_measures_every_other_section(run_benchmark: RunBenchmark) -> None:
-    # The epoch and validation sections start train.py runs of their own: their files test them.
-    others = [section for section in SECTIONS if section not in ("epoch", "validation")]
+    # The epoch, validation and compile sections start train.py runs of their own: their files test them.
+    others = [section for section in SECTIONS if section not in ("epoch", "validation", "compile")]
     run = run_benchmark(["--quick", "--pixel-cache", "both", "--sections", ",".join(others)])
     doc, stdout, tmp_path = run.doc, run.stdout, run.work_dir.parent
 

@@ -94,6 +94,8 @@ class RunFolder:
         """``config.yaml``: the run's resolved flags, for ``--config``."""
         self.tensorboard = self.path / "tensorboard"
         """``tensorboard/``: the folder of ``--tensorboard``'s event files."""
+        self.compile_cache = self.path / "compile-cache"
+        """``compile-cache/``: --compile's compiled code, reused by a resumed run (``utils.training.compiled``)."""
         self.lock_file = self.path / ".lock"
         self._lock_fd: int | None = None
 

@@ -23,6 +23,7 @@ from utils.checkpoint.model import check_expected, spec_of
 from utils.checkpoint.state import TrainingState, dataset_record
 from utils.errors import ConfigError
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
+from utils.training.compiled import compile_blocks
 from utils.training.config import TrainConfig
 from utils.training.data import TrainData
 from utils.training.encoder_weights import load_encoder_weights
@@ -88,13 +89,12 @@ def build_model(
 
 
 def wrap_for_training(model: torch.nn.Module, ctx: DistributedContext, *, compile_model: bool) -> torch.nn.Module:
-    """The module the forward pass calls: ``model`` in DDP when distributed, compiled with --compile."""
-    train_model = model
+    """The module the forward pass calls: ``model`` with its blocks compiled under --compile (sharing its tensors,
+    ``utils.training.compiled``), in DDP when distributed."""
+    train_model = compile_blocks(model) if compile_model else model
     if ctx.is_distributed:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        train_model = DistributedDataParallel(model, device_ids=device_ids)
-    if compile_model:
-        train_model = torch.compile(train_model)
+        train_model = DistributedDataParallel(train_model, device_ids=device_ids)
     return train_model
 
 

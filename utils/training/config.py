@@ -249,7 +249,8 @@ class PerformanceSection:
     checkpointing: bool = flag(False, "--checkpointing")
     """Activation checkpointing (less memory, more compute)."""
     compile: bool = flag(False, "--compile")
-    """torch.compile the model."""
+    """torch.compile each block of the model, its compiled code kept in the run folder for a resume (on a CPU slower
+    than eager: the run says so, docs/PERFORMANCE.md)."""
 
 
 @dataclass

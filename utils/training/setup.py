@@ -33,6 +33,7 @@ from utils.launch.signals import InterruptFlag
 from utils.training.build_loaders import build_loaders
 from utils.training.build_model import build_model, check_resume, wrap_for_training
 from utils.training.build_optimization import build_optimization, build_step
+from utils.training.compiled import use_compile_cache, warn_if_slower
 from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, resume_rule
 from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, record_split
@@ -190,6 +191,9 @@ def build_parts(
     data = build_data(config, world_size=ctx.world_size)
     precision = resolve_precision(config.performance.precision, config.performance.amp, ctx.device.type)
     warn_if_emulated(ctx.device, precision)
+    if config.performance.compile:
+        use_compile_cache(run_folder.compile_cache)
+        warn_if_slower(ctx.device, precision)
     if state is not None:
         check_resume(config, data, state, resume_path)
     model, model_args = build_model(config, ctx, data, resuming=state is not None)

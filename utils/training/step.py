@@ -136,6 +136,5 @@ class TrainStep:
 
 
 def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
-    """The DDP wrapper inside ``model`` (which torch.compile may wrap again), if any."""
-    inner = getattr(model, "_orig_mod", model)
-    return inner if isinstance(inner, DistributedDataParallel) else None
+    """The DDP wrapper ``model`` is, if any (--compile compiles the blocks inside it: ``utils.training.compiled``)."""
+    return model if isinstance(model, DistributedDataParallel) else None

@@ -1,0 +1,52 @@
+"""The compile section's figures from hand-made metrics records, the reliability marks, and one real quick run."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.bench.compile import run_figures
+from scripts.bench.report import reliability
+from tests.bench.conftest import RunBenchmark
+from tests.helpers import positive
+
+
+def train(epoch: int, step: int, images: int, time: float) -> dict:
+    return {"event": "train", "epoch": epoch, "global_step": step, "images_seen": images, "time": time}
+
+
+def test_first_step_steady_state_and_epoch_time_come_from_this_runs_records() -> None:
+    events = [
+        {"event": "phase", "phase": "loop_start", "seconds": 0.0, "time": 100.0},
+        train(1, 1, 4, 160.0),  # 60 s: the compile
+        train(1, 2, 6, 190.0),  # the smaller last batch compiles again
+        {"event": "val", "epoch": 1, "time": 195.0},
+        train(2, 3, 10, 197.0),
+        train(2, 4, 12, 198.0),  # 2 images in 1 s after the epoch's first step
+        {"event": "val", "epoch": 2, "time": 200.0},
+    ]
+    figures = run_figures(events)
+    assert figures == pytest.approx({"first_step_s": 60.0, "steady_images_per_s": 2.0, "epoch_s": 5.0})
+    assert run_figures(events[:3]) == {"first_step_s": 60.0}  # one epoch: no second-epoch figures
+
+
+def test_a_spread_over_a_fifth_or_an_impossible_figure_is_marked_unreliable() -> None:
+    steady = reliability([10.0, 10.5, 11.0], [0.5, 0.7])
+    assert steady["reliable"] and steady["mark"] == "" and steady["spread"] == pytest.approx(0.1 / 1.05, rel=1e-3)
+    noisy = reliability([10.0, 13.0], [3.9, 4.2])
+    assert not noisy["reliable"] and "spread" in noisy["mark"] and noisy["load_average"] == [3.9, 4.2]
+    once = reliability([10.0], [0.1, 0.1], "end-to-end 8.06x compute-only (> 1.2)")
+    assert once["spread"] is None and not once["reliable"] and "8.06x compute-only" in once["mark"]
+
+
+@pytest.mark.slow
+def test_quick_compile_section_pairs_eager_and_compiled_runs(run_benchmark: RunBenchmark) -> None:
+    run = run_benchmark(["--quick", "--sections", "compile"])
+    fp32 = run.doc["compile"]["fp32"]
+    pair = fp32["runs"][0]
+    for figure in ("first_step_s", "steady_images_per_s", "epoch_s"):
+        assert positive(pair["eager"][figure]) and positive(pair["compiled"][figure]), figure
+    assert positive(pair["resumed"]["first_step_s"])  # the warm-cache compile of the resumed run
+    assert positive(fp32["speedup"]["median"]) and "reliable" in fp32["speedup"]
+    assert len(run.doc["compile"]["section_load_average"]) == 2
+    assert "fp32 steady state, compiled / eager" in run.stdout and "\ncompile " in run.stdout
+    assert (run.work_dir / "runs" / "compile-on-fp32" / "compile-cache").is_dir()

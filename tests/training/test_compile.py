@@ -1,0 +1,118 @@
+"""--compile: the blocks compiled in a copy sharing the model's tensors, no recompile after the first epoch, plain
+checkpoint keys both ways, the compiled code reused from the run folder by a resume, and DDP with EMA, deep
+supervision and activation checkpointing."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tests.conftest import TrainRunner, finish, load_checkpoint, torchrun_prefix
+from tests.helpers import tiny_unet
+from unet import UNet
+from utils.training.compiled import CACHE_ENVIRONMENT, MEASURED_SPEEDUP, compile_blocks, warn_if_slower
+from utils.training.step import TrainStep
+
+# 16 images, 25 % validation: 12 training images in batches of 5, 5 and 2 (the last one smaller).
+FLAGS = ("-v", "25", "-b", "5", "--log-every", "1")
+# A hang guard, not a timing: a cold compile of the tiny model took 5 minutes on 2 cores at a load average of 14.
+COMPILE_TIMEOUT_S = 1200
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run points inductor's cache at its run folder for the rest of its process: undo that after each test."""
+    monkeypatch.delenv(CACHE_ENVIRONMENT, raising=False)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_share_the_models_tensors_and_compute_what_it_computes() -> None:
+    model = tiny_unet(deep_supervision=True).eval()
+    compiled = compile_blocks(model)
+    assert {id(p) for p in compiled.parameters()} == {id(p) for p in model.parameters()}
+    assert {id(b) for b in compiled.buffers()} == {id(b) for b in model.buffers()}
+    assert all("_orig_mod" not in key for key in model.state_dict())  # what checkpoints save stays plain
+    images = torch.rand(2, 3, 32, 48)
+    with torch.no_grad():  # forward only: the training runs below prove the backward
+        logits, expected = compiled(images), copy.deepcopy(model)(images)  # in eval mode: the logits only
+    assert logits.shape == (2, 2, 32, 48)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_compiled_run_compiles_in_its_first_epoch_only_resumes_from_its_cache_and_saves_plain_keys(
+    runner: TrainRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An eager run's checkpoint starts the compiled run (eager -> compiled); its checkpoints then load into an eager
+    # model (compiled -> eager).
+    assert runner.main("eager", *FLAGS, "-e", "1") == 0
+    start = runner.run_dir("eager") / "last.pth"
+    graphs_at_epoch: list[int] = []
+    set_epoch = TrainStep.set_epoch
+
+    def count_graphs(self: TrainStep, epoch: int) -> None:
+        graphs_at_epoch.append(counters["stats"]["unique_graphs"])
+        set_epoch(self, epoch)
+
+    monkeypatch.setattr(TrainStep, "set_epoch", count_graphs)
+    counters.clear()
+    # Stopped after two epochs (3 steps each), so that the resume below trains the third one.
+    assert runner.main("compiled", *FLAGS, "-e", "3", "--max-steps", "6", "--load", str(start), "--compile") == 0
+    graphs_at_epoch.append(counters["stats"]["unique_graphs"])
+    first, *later = (end - begin for begin, end in zip(graphs_at_epoch, graphs_at_epoch[1:], strict=False))
+    # The first epoch compiles (its last, smaller batch included); validation runs eager; then nothing compiles.
+    assert first > 0 and later and not any(later), graphs_at_epoch
+    cache = runner.run_dir("compiled") / "compile-cache"
+    assert any(cache.rglob("*")), "nothing cached in the run folder"
+
+    # The resume in a fresh process (in this one, dynamo would reuse the first run's graphs from memory).
+    cached = sorted(cache.rglob("*"))
+    process = runner.popen([sys.executable], "compiled", *FLAGS, "-e", "3", "--resume", "auto", "--compile")
+    out, err = finish(process, timeout=COMPILE_TIMEOUT_S)
+    assert process.returncode == 0, out + err
+    assert f"Compiled code cached in {cache} (reused" in out + err
+    # Every graph the resumed run needed came from the run folder's cache: it compiled none anew (no new entry).
+    assert sorted(cache.rglob("*")) == cached
+
+    saved = load_checkpoint(runner.run_dir("compiled") / "last.pth")
+    assert saved["global_step"] == 9  # 12 training images in batches of 5, 5 and 2, three epochs
+    eager = UNet(n_channels=3, n_classes=2, base_channels=8)
+    eager.load_state_dict(saved["model_state"])  # strict: every key plain, none missing
+    assert all("_orig_mod" not in key and not key.startswith("module.") for key in saved["model_state"])
+    weight = "inc.double_conv.0.weight"  # the compiled blocks' backward trained the saved model
+    assert not torch.equal(saved["model_state"][weight], load_checkpoint(start)["model_state"][weight])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun on 127.0.0.1")
+def test_a_compiled_two_process_run_with_ema_deep_supervision_and_checkpointing_trains_and_resumes(
+    runner: TrainRunner,
+) -> None:
+    flags = [*FLAGS, "-b", "2", "--ddp_mode", "--compile", "--ema", "0.9", "--deep-supervision", "--checkpointing"]
+    for extra in (["-e", "1", "--max-steps", "2"], ["-e", "1", "--resume", "auto"]):
+        process = runner.popen(torchrun_prefix(2), "ddp", *flags, *extra)
+        out, err = finish(process, timeout=COMPILE_TIMEOUT_S)
+        assert process.returncode == 0, out + err
+    saved = load_checkpoint(runner.run_dir("ddp") / "last.pth")
+    assert saved["world_size"] == 2 and saved["global_step"] == 3  # 12 images in global batches of 4
+    eager = UNet(n_channels=3, n_classes=2, base_channels=8, deep_supervision=True)
+    for key in ("model_state", "live_model_state"):  # the average and the trained weights, both plain
+        eager.load_state_dict(saved[key])
+    assert "(reused" in out + err  # the resume found the first run's compiled code in the run folder
+    assert Path(runner.run_dir("ddp") / "compile-cache").is_dir()
+
+
+def test_compile_says_at_the_start_when_it_measured_slower_than_eager(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        warn_if_slower(torch.device("cpu"), "fp32")
+    speedup, where = MEASURED_SPEEDUP["cpu-fp32"]
+    assert speedup < 1 and f"measured {speedup:.2f}x the eager one's images/s ({where}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        warn_if_slower(torch.device("cuda", 0), "bf16")  # nothing measured there yet: nothing said
+    assert caplog.text == ""
