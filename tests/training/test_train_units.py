@@ -154,7 +154,10 @@ def test_curves_png(tmp_path: Path) -> None:
     assert all(axes.get_xlabel() and axes.get_ylabel() for axes in figure.axes)
     # One validation is one point, drawn with a marker (the old drawing showed a lone dot without a scale).
     dice_lines = {line.get_label(): line for line in figure.axes[1].get_lines()}
-    assert list(dice_lines["mean (foreground)"].get_ydata()) == [0.4] and dice_lines["class 1"].get_marker() == "o"
+    # Class 1 is the only foreground class: its line would lie under the mean's, so the mean's label names it instead.
+    assert sorted(dice_lines) == ["class 0", "mean (foreground) = class 1"]
+    mean_line = dice_lines["mean (foreground) = class 1"]
+    assert list(mean_line.get_ydata()) == [0.4] and mean_line.get_marker() == "o"
 
     draw_curves(metrics, tmp_path / "curves.png")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]  # no temporary left
