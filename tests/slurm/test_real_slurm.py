@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -46,14 +49,43 @@ def test_srun_tasks_for_one_epoch_complete_whatever_signal_comes_at_shutdown(
     assert (tmp_path / "ck" / "one-epoch" / "last.pth").is_file()
 
 
+def _pending_usr1(pid: int) -> bool:
+    """Whether SIGUSR1 waits in ``pid``'s pending sets (/proc/PID/status: SigPnd per thread, ShdPnd per process)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, flags=re.MULTILINE)
+    return any(int(mask, 16) >> (signal.SIGUSR1 - 1) & 1 for mask in masks)
+
+
 def test_time_limit_requeues_and_ends_completed_with_the_uninterrupted_weights(
     slurm_data: SyntheticData, tmp_path: Path
 ) -> None:
     script = adapted_example("srun_tasks.sbatch", tmp_path)
     args = train_args(slurm_data, tmp_path / "ck", "--epochs", "40")
     reference = sbatch(script, tmp_path, [*TASKS, "--job-name=reference", "--time=30"], args)
-    # A 2-minute limit with the signal 60 s before it: SLURM sends it 30-60 s into each start of the job.
+    # A 2-minute limit with the signal 60 s before it: SLURM sends it 60-90 s into a start of the job. A fast machine
+    # trains the 40 epochs sooner, so the tasks are stopped (SIGSTOP) after their first checkpoint until SLURM's own
+    # signal waits in them, then continued: the signal lands mid-training whatever the machine's speed.
     limited = sbatch(script, tmp_path, [*TASKS, "--job-name=limited", "--time=2", "--signal=USR1@60"], args)
+    deadline = time.monotonic() + 600
+    while "Saved last.pth" not in limited.log():
+        assert time.monotonic() < deadline and limited.state() in {"PENDING", "RUNNING"}, limited.log()[-3000:]
+        time.sleep(0.05)
+    tasks = _torch_task_pids(limited)
+    assert tasks, limited.log()[-3000:]
+    for pid in tasks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 150
+        while not any(_pending_usr1(pid) for pid in tasks) and "Requeued SLURM job" not in limited.log():
+            assert time.monotonic() < deadline, f"SLURM sent no SIGUSR1 in 150 s:\n{limited.log()[-3000:]}"
+            time.sleep(0.2)
+    finally:
+        for pid in tasks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     fields, reference_fields = limited.wait(), reference.wait()
     log = limited.log()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
@@ -84,15 +116,17 @@ def test_scancel_then_a_resubmission_continues(slurm_data: SyntheticData, tmp_pa
     assert min(_global_steps(second.log())) == stopped_at + 1, second.log()[-3000:]
 
 
-def _task_importing_torch(job: Job) -> bool:
+def _torch_task_pids(job: Job) -> list[int]:
+    """The job's processes that have loaded torch: its training tasks (and their DataLoader workers)."""
     listed = subprocess.run(["scontrol", "listpids", job.job_id], capture_output=True, text=True, check=False)
+    pids = []
     for pid in re.findall(r"^(\d+)\s", listed.stdout, flags=re.MULTILINE):
         try:
             if "libtorch" in Path(f"/proc/{pid}/maps").read_text():
-                return True
+                pids.append(int(pid))
         except OSError:
             continue
-    return False
+    return pids
 
 
 def test_the_requeue_signal_during_start_up_requeues(slurm_data: SyntheticData, tmp_path: Path) -> None:
@@ -100,7 +134,7 @@ def test_the_requeue_signal_during_start_up_requeues(slurm_data: SyntheticData, 
     job = sbatch(script, tmp_path, [*TASKS, "--job-name=early", "--time=10"],
                  train_args(slurm_data, tmp_path / "ck", "--epochs", "2"))  # fmt: skip
     deadline = time.monotonic() + 600
-    while not _task_importing_torch(job):
+    while not _torch_task_pids(job):
         assert time.monotonic() < deadline and job.state() in {"PENDING", "RUNNING"}, job.log()[-3000:]
         time.sleep(0.05)
     subprocess.run(["scancel", "--signal=USR1", job.job_id], check=True)  # to the tasks, as --signal=USR1@N does
