@@ -56,6 +56,13 @@ class SplitRule:
     fold: int = 0
     seed: int = SPLIT_SEED
 
+    @classmethod
+    def of_flags(cls, flags: Any) -> SplitRule:
+        """The rule of a command line's split flags: any object with ``split_by``, ``group_pattern``, ``validation``,
+        ``folds`` and ``fold`` (train.py's data section, the dataset check's settings), handed whole; the seed stays
+        ``SPLIT_SEED``."""
+        return cls(flags.split_by, flags.group_pattern, flags.validation, flags.folds, flags.fold)
+
 
 @dataclass(frozen=True)
 class SplitRecord:
