@@ -157,7 +157,7 @@ class BasicDataset(Dataset):
         logger.info("Creating dataset with %d examples", len(self.ids))
         logger.info("Unique mask values: %s", self.mask_values)
         if self.ignore_values:
-            total = sum(c for counts in scan.value_counts.values() for _, c in counts)
+            total = sum(self.class_pixel_counts()) + self.void_pixels
             logger.info(
                 "%d of %d mask pixels (%.2f%%) are void (mask value(s) %s): left out of the loss and the metrics",
                 self.void_pixels,
