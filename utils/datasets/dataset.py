@@ -293,12 +293,11 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _decode(path: str | Path, convert: Callable[[Image.Image], _T]) -> _T:
-    """Open ``path`` and convert it, turning decoding failures into a ``DatasetError`` that names the file."""
+    """Open ``path`` and convert it, turning decoding failures into a ``DatasetError`` that names the file (our own
+    ``DatasetError``s, not among ``UNREADABLE_FILE_ERRORS``, pass as they are)."""
     try:
         with load_image(path) as img:
             return convert(img)
-    except DatasetError:
-        raise
     except UNREADABLE_FILE_ERRORS as err:
         raise DatasetError(f"cannot decode {path} ({err}); replace or delete the file") from err
 
