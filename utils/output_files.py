@@ -18,6 +18,9 @@ Two promises, kept here and nowhere else:
 ``metrics.jsonl`` is appended to, not replaced: ``open_for_append`` drops a torn last line (a crash mid-write) with
 one warning. A side output's folder (``side_output_folder``: TensorBoard's) is never a link or a file in the way, and a
 side output that cannot be written is one warning (``side_output_failed``): the run goes on without it.
+
+The small text files a user hands back (``--config``'s YAML, ``--split``'s JSON) are read here too, bounded in size
+and as UTF-8, each failure one line (``read_text``).
 """
 
 from __future__ import annotations
@@ -223,6 +226,26 @@ def write_file(path: Path, write: Callable[[Path], object], role: str | None = N
 def write_text(path: Path, text: str, role: str | None = None) -> None:
     """``path.write_text(text)``, all or nothing."""
     write_file(path, lambda temporary: temporary.write_text(text, encoding="utf-8"), role)
+
+
+def read_text(path: Path, where: str, max_bytes: int, too_large: str) -> str:
+    """The UTF-8 text of a small file a user hands back (a run's ``config.yaml`` or ``split.json``), reading at most
+    ``max_bytes`` of it, so a wrong path (a dataset, a device) costs nothing.
+
+    Every failure is one ``ConfigError`` that starts with ``where`` (the flag and the path); a larger file's says
+    "is larger than ``too_large``" (the limit and what to pass instead).
+    """
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(max_bytes + 1)
+    except OSError as error:
+        raise ConfigError(f"{where}: cannot read it ({error.strerror or error})") from error
+    if len(data) > max_bytes:
+        raise ConfigError(f"{where} is larger than {too_large}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {error.start}); save it as UTF-8") from None
 
 
 def open_for_append(path: Path) -> IO[str]:

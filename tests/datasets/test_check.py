@@ -150,3 +150,19 @@ def test_command_line_with_a_process_pool(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         assert done.stdout.splitlines()[-1] == "OK: training would start on this data"
     assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--classes", "0"], "Error: --classes must be at least 1 (1 = binary with one logit)"),
+        (["--workers", "0"], "Error: --workers must be at least 1"),
+        (["--validation", "100"], "Error: --validation must be a finite number in (0, 100) (a percentage), got 100"),
+    ],
+)
+def test_out_of_range_flags_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    """The ranges are the flags' own, as train.py declares them: checked once by the parser, before any file is read."""
+    assert main(["--imgs", str(tmp_path / "nowhere"), "--masks", str(tmp_path / "nowhere"), *flags]) == 2
+    assert capsys.readouterr().err.strip() == message

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import random_split
 
 from utils.datasets.splits import (
+    MAX_SPLIT_FILE_BYTES,
     SplitRule,
     assign_folds,
     check_same_split,
@@ -152,6 +153,12 @@ def test_unreadable_split_file_names_the_flag(tmp_path: Path) -> None:
         read_split_file(bad)
     with pytest.raises(ConfigError, match="cannot read it"):
         read_split_file(tmp_path / "missing.json")
+    bad.write_bytes(b'{"train": ["caf\xe9"]}')  # latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=r"bad\.json is not UTF-8 text \(byte 15\); save it as UTF-8"):
+        read_split_file(bad)
+    bad.write_bytes(b" " * (MAX_SPLIT_FILE_BYTES + 1))
+    with pytest.raises(ConfigError, match=r"--split .*bad\.json is larger than 64 MiB; pass the split\.json"):
+        read_split_file(bad)
 
 
 def _edited_split(tmp_path: Path, **changes: object) -> Path:

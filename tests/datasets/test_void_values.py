@@ -43,13 +43,17 @@ def test_value_counts_of_every_mask_kind() -> None:
     assert value_counts(colour) == ([[0, 0, 0], [9, 8, 7]], [2, 1])
 
 
-def test_void_values_are_not_classes_and_are_counted(void_data: tuple[Path, int], tmp_path: Path) -> None:
+def test_void_values_are_not_classes_and_are_counted(
+    void_data: tuple[Path, int], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     root, painted = void_data
     plain = BasicDataset(root / "imgs", root / "masks", 1.0, None, cache_dir=tmp_path)
     assert plain.mask_values == [0, 1, 2, 255]  # without the flag 255 is a fourth value
-    dataset = BasicDataset(
-        root / "imgs", root / "masks", 1.0, None, n_classes=3, ignore_values=[255], cache_dir=tmp_path
-    )
+    with caplog.at_level("INFO", logger="utils.datasets.dataset"):
+        dataset = BasicDataset(
+            root / "imgs", root / "masks", 1.0, None, n_classes=3, ignore_values=[255], cache_dir=tmp_path
+        )
+    assert f"{painted} of {6 * 48 * 32} mask pixels" in caplog.text
     assert dataset.mask_values == [0, 1, 2]
     assert dataset.void_pixels == painted
     counts = dataset.class_pixel_counts()

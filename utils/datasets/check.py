@@ -45,8 +45,8 @@ from utils.datasets.splits import (
     groups_on_both_sides,
     split_positions,
 )
-from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError, UserError, count, user_message
-from utils.flags import FlagParser, flag, parse_flags
+from utils.errors import USER_ERROR_EXIT_CODE, DatasetError, UserError, count, user_message
+from utils.flags import FlagParser, Range, flag, parse_flags
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class CheckSettings:
     """folder of images"""
     masks: Path = flag(None, "--masks", metavar="DIR", required=True)
     """folder of masks"""
-    classes: int | None = flag(None, "--classes")
+    classes: int | None = flag(None, "--classes", range=Range(1, note=" (1 = binary with one logit)"))
     """the --classes training will use (checks the mask values)"""
     ignore_values: list[int] = flag([], "--ignore-value", metavar="V")
     """void mask value"""
@@ -69,13 +69,15 @@ class CheckSettings:
     """also check duplicates against this split"""
     group_pattern: str | None = flag(None, "--group-pattern", metavar="REGEX")
     """as train.py's --group-pattern"""
-    validation: float = flag(10.0, "--validation", "-v")
+    validation: float = flag(
+        10.0, "--validation", "-v", range=Range(0, 100, low_open=True, high_open=True, note=" (a percentage)")
+    )
     """as train.py's --validation"""
     folds: int = flag(0, "--folds")
     """as train.py's --folds"""
     fold: int = flag(0, "--fold")
     """as train.py's --fold"""
-    workers: int | None = flag(None, "--workers")
+    workers: int | None = flag(None, "--workers", range=Range(1))
     """reader processes (default: CPUs, at most 8)"""
     cache_dir: Path | None = flag(None, "--cache-dir")
     """mask-value cache folder (default: the one training uses)"""
@@ -85,20 +87,13 @@ class CheckSettings:
     @property
     def split(self) -> SplitRule | None:
         """With --split-by: the split whose train/validation line duplicates must not cross."""
-        if self.split_by is None:
-            return None
-        return SplitRule(self.split_by, self.group_pattern, self.validation, self.folds, self.fold)
+        return None if self.split_by is None else SplitRule.of_flags(self)
 
     def validate(self) -> None:
-        """The rules between flags (the command line's; ``check_dataset`` trusts its settings)."""
-        if self.classes is not None and self.classes < 1:
-            raise ConfigError(f"--classes {self.classes}: use 1 (binary) or more")
-        if self.workers is not None and self.workers < 1:
-            raise ConfigError(f"--workers {self.workers}: use 1 or more")
+        """The rules between flags (each value's range is its flag's, checked by ``parse_flags``; ``check_dataset``
+        trusts its settings)."""
         if self.split_by is not None:
             check_split_flags(self.split_by, self.group_pattern, self.folds, self.fold)
-            if not 0 < self.validation < 100:
-                raise ConfigError(f"--validation {self.validation:g}: use a percentage in (0, 100)")
 
 
 @dataclass

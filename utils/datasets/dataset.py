@@ -157,7 +157,7 @@ class BasicDataset(Dataset):
         logger.info("Creating dataset with %d examples", len(self.ids))
         logger.info("Unique mask values: %s", self.mask_values)
         if self.ignore_values:
-            total = sum(c for counts in scan.value_counts.values() for _, c in counts)
+            total = sum(self.class_pixel_counts()) + self.void_pixels
             logger.info(
                 "%d of %d mask pixels (%.2f%%) are void (mask value(s) %s): left out of the loss and the metrics",
                 self.void_pixels,
@@ -293,12 +293,11 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _decode(path: str | Path, convert: Callable[[Image.Image], _T]) -> _T:
-    """Open ``path`` and convert it, turning decoding failures into a ``DatasetError`` that names the file."""
+    """Open ``path`` and convert it, turning decoding failures into a ``DatasetError`` that names the file (our own
+    ``DatasetError``s, not among ``UNREADABLE_FILE_ERRORS``, pass as they are)."""
     try:
         with load_image(path) as img:
             return convert(img)
-    except DatasetError:
-        raise
     except UNREADABLE_FILE_ERRORS as err:
         raise DatasetError(f"cannot decode {path} ({err}); replace or delete the file") from err
 

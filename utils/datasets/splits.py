@@ -31,7 +31,7 @@ from typing import Any
 
 from utils.datasets.image_files import format_examples
 from utils.errors import ConfigError, DatasetError, shortened
-from utils.output_files import OutputError, write_text
+from utils.output_files import OutputError, read_text, write_text
 
 SPLIT_BY_IMAGE = "image"
 SPLIT_BY_PREFIX = "prefix"
@@ -55,6 +55,13 @@ class SplitRule:
     """0: one split by ``validation``; N >= 2: fold ``fold`` of N validates."""
     fold: int = 0
     seed: int = SPLIT_SEED
+
+    @classmethod
+    def of_flags(cls, flags: Any) -> SplitRule:
+        """The rule of a command line's split flags: any object with ``split_by``, ``group_pattern``, ``validation``,
+        ``folds`` and ``fold`` (train.py's data section, the dataset check's settings), handed whole; the seed stays
+        ``SPLIT_SEED``."""
+        return cls(flags.split_by, flags.group_pattern, flags.validation, flags.folds, flags.fold)
 
 
 @dataclass(frozen=True)
@@ -314,18 +321,12 @@ def read_split_file(path: Path, flag: str = "--split") -> SplitRecord:
     type (``"seed": "abc"``), no validation ids, an id listed twice (it would be scored twice), an id on both sides.
     """
     where = f"{flag} {path}"
+    text = read_text(
+        path, where, MAX_SPLIT_FILE_BYTES, f"{MAX_SPLIT_FILE_BYTES >> 20} MiB; pass the split.json of a run folder"
+    )
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_SPLIT_FILE_BYTES + 1)
-    except OSError as error:
-        raise ConfigError(f"{where}: cannot read it ({error.strerror or error})") from error
-    if len(data) > MAX_SPLIT_FILE_BYTES:
-        raise ConfigError(
-            f"{where} is larger than {MAX_SPLIT_FILE_BYTES >> 20} MiB; pass the split.json of a run folder"
-        )
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, RecursionError, ValueError) as error:
+        raw = json.loads(text)
+    except (RecursionError, ValueError) as error:
         reason = " ".join(str(error).split())[:120]
         raise ConfigError(f"{where} is not JSON ({reason}); pass the split.json of a run folder") from None
     if not isinstance(raw, dict) or not all(isinstance(raw.get(key), list) for key in ("train", "validation")):

@@ -81,11 +81,9 @@ class PixelCache:
     def read(self, info: FileInfo, kind: str) -> np.ndarray | None:
         try:
             return np.load(self.entry_path(info, kind), mmap_mode="r", allow_pickle=False)
-        except FileNotFoundError:
-            return None
         except (OSError, ValueError, EOFError):
-            # Written atomically, so a damaged entry comes from outside (e.g. a power cut before the data reached
-            # the disk): decode the source again, and the write below replaces the entry.
+            # No entry yet (FileNotFoundError), or a damaged one: written atomically, so that comes from outside (e.g.
+            # a power cut before the data reached the disk). Decode the source again; the write replaces the entry.
             return None
 
     def write(self, info: FileInfo, kind: str, array: np.ndarray) -> None:
