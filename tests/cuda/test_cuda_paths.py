@@ -61,14 +61,14 @@ def test_bf16_and_channels_last_train(runner: TrainRunner, extra: tuple[str, ...
 
 def test_pinned_batches_copy_without_blocking(carvana_data) -> None:
     from utils.training.config import parse_config
-    from utils.training.data import build_data, build_train_loader
+    from utils.training.data import build_data, build_loader
     from utils.training.sampler import ResumableDistributedSampler
 
     argv = ["--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks), "--scale", "1", "--batch-size", "4"]
     config = parse_config(argv)
     data = build_data(config, world_size=1)
     sampler = ResumableDistributedSampler(len(data.train_set), rank=0, world_size=1, seed=0, shuffle=True)
-    loader = build_train_loader(data.train_set, sampler, config, num_workers=2, pin=True)
+    loader = build_loader(data.train_set, config, num_workers=2, pin=True, sampler=sampler)
     batch = next(iter(loader))
     assert batch["image"].is_pinned() and batch["mask"].is_pinned()
     stream = torch.cuda.Stream()

@@ -1,4 +1,8 @@
-"""Training data: the dataset, the train/validation split (identical on every rank) and the data loaders."""
+"""Training data: the dataset, the train/validation split (identical on every rank) and the data loaders.
+
+Built by ``utils.training.setup.build_parts`` on every rank: the sampler deals each rank its share of the epoch's
+order (``utils.training.sampler``); only global rank 0 validates, so only it has a validation loader.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +33,16 @@ from utils.datasets.splits import (
     write_split_file,
 )
 from utils.errors import ConfigError
-from utils.hardware import loader_timeout, reuse_large_buffers
+from utils.evaluation import shard_range
+from utils.hardware import (
+    SharedMemoryGuard,
+    available_cpus,
+    check_room,
+    loader_timeout,
+    reuse_large_buffers,
+    threads_per_process,
+)
+from utils.launch.process_group import DistributedContext
 from utils.training.config import DataSection, TrainConfig
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 
@@ -40,6 +53,8 @@ MAX_DEFAULT_WORKERS = 16
 # 959x640 (2.7 TFLOP per image, forward + backward) at about 180 images/s at half its dense bf16 peak, ~1.1e8
 # pixels/s; smaller inputs go proportionally faster. Overestimating costs only idle workers' memory.
 GPU_PIXELS_PER_SECOND = 1.2e8
+WORKERS_FIX = "--num-workers 0"
+"""train.py's flag that keeps loading in the training process (see utils.hardware)."""
 
 
 @dataclass
@@ -199,37 +214,88 @@ def default_num_workers(
     return min(available, max(1, needed))
 
 
-def build_train_loader(
-    train_set: Dataset, sampler: ResumableDistributedSampler, config: TrainConfig, *, num_workers: int, pin: bool
+@dataclass
+class Loaders:
+    sampler: ResumableDistributedSampler
+    train: DataLoader | SharedMemoryGuard
+    val: DataLoader | SharedMemoryGuard | None
+    """Global rank 0 only; every rank its part with --val-mode sharded."""
+    num_workers: int
+    """Loader processes per rank, each loader."""
+
+
+def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData) -> Loaders:
+    """This rank's sampler and loaders over ``data``."""
+    oversample = config.data.oversample_foreground
+    if oversample and not data.train_foreground:
+        raise ConfigError(
+            f"--oversample-foreground {oversample:g}: none of the {len(data.train_set)} training "
+            f"images contains a non-background class; drop the flag or check --masks"
+        )
+    sampler = ResumableDistributedSampler(
+        len(data.train_set),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        seed=config.data.seed,
+        shuffle=True,
+        foreground=data.train_foreground,
+        oversample_foreground=oversample,
+    )
+    num_workers = config.performance.num_workers
+    if num_workers is None:
+        # The cost per item is measured (two items decoded) only where the default uses it: on CUDA.
+        item_seconds, item_pixels = data.item_cost() if ctx.device.type == "cuda" else (None, None)
+        num_workers = default_num_workers(
+            ctx.device.type, threads_per_process(available_cpus(), ctx.local_world_size), item_seconds, item_pixels
+        )
+    if num_workers and len(data.train_set):  # the ranks of this machine share its /dev/shm
+        check_room(
+            data.train_set[0],
+            batch_size=config.optimisation.batch_size,
+            workers=num_workers,
+            workers_fix=WORKERS_FIX,
+            processes=ctx.local_world_size,
+        )
+    pin = ctx.device.type == "cuda"
+    train = build_loader(data.train_set, config, num_workers=num_workers, pin=pin, sampler=sampler)
+    val = None
+    if config.launch.val_mode == "sharded" and ctx.is_distributed:
+        # Every rank validates its own part (utils.evaluation.shard_range); the scores are all-reduced.
+        shard = Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size))
+        val = build_loader(shard, config, num_workers=num_workers, pin=pin)
+    elif ctx.is_main:
+        val = build_loader(data.val_set, config, num_workers=num_workers, pin=pin)
+    # A worker that cannot share its batch (a small /dev/shm) becomes one Error: line naming the fix.
+    return Loaders(
+        sampler=sampler,
+        train=SharedMemoryGuard(train, WORKERS_FIX),
+        val=SharedMemoryGuard(val, WORKERS_FIX) if val is not None else None,
+        num_workers=num_workers,
+    )
+
+
+def build_loader(
+    dataset: Dataset,
+    config: TrainConfig,
+    *,
+    num_workers: int,
+    pin: bool,
+    sampler: ResumableDistributedSampler | None = None,
 ) -> DataLoader:
+    """The training loader (with ``sampler``) or a validation one: every image, in a fixed order without a sampler.
+
+    No drop_last (milesial's dropped the last partial batch). Workers copy the dataset when an epoch's iterator
+    starts, so they are never persistent: persistent ones would keep an old epoch's augmentation.
+    """
     return DataLoader(
-        train_set,
+        dataset,
         batch_size=config.optimisation.batch_size,
         sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin,
-        drop_last=False,
-        # Workers copy the dataset when an epoch's iterator starts; persistent ones would keep an old epoch's
-        # augmentation.
-        persistent_workers=False,
         worker_init_fn=_init_loader_worker if num_workers else None,
         timeout=loader_timeout(num_workers),  # a batch lost in /dev/shm is an error, not a hang (shared_memory)
         # A private generator: creating an iterator draws a base seed, which must not consume the global RNG.
-        generator=torch.Generator().manual_seed(config.data.seed),
-    )
-
-
-def build_val_loader(val_set: Dataset, config: TrainConfig, *, num_workers: int, pin: bool) -> DataLoader:
-    """Every validation image, in a fixed order (no drop_last: milesial's dropped the last partial batch)."""
-    return DataLoader(
-        val_set,
-        batch_size=config.optimisation.batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        pin_memory=pin,
-        drop_last=False,
-        worker_init_fn=_init_loader_worker if num_workers else None,
-        timeout=loader_timeout(num_workers),
         generator=torch.Generator().manual_seed(config.data.seed),
     )
 

@@ -2,7 +2,7 @@
 
 ``build_parts`` wires three builders, each handed the config sections it reads: the model
 (``utils.training.build_model``), the optimisation (``utils.training.build_optimization``) and the loaders
-(``utils.training.build_loaders``). The batch arithmetic (``BatchPlan``) is made once here and handed down.
+(``utils.training.data``). The batch arithmetic (``BatchPlan``) is made once here and handed down.
 
 Every rank builds its own copy (per the PyTorch DDP tutorial: each rank loads the checkpoint before wrapping the model
 in DDP). Decisions that depend on the run folder (which checkpoint to resume, whether the folder is taken) are made
@@ -30,13 +30,12 @@ from utils.hardware import resolve_precision, reuse_large_buffers, warn_if_emula
 from utils.launch.environments import LaunchPlan
 from utils.launch.process_group import DistributedContext, agree_on_errors, setup
 from utils.launch.signals import InterruptFlag
-from utils.training.build_loaders import build_loaders
 from utils.training.build_model import build_model, check_resume, wrap_for_training
 from utils.training.build_optimization import build_optimization, build_step
 from utils.training.compiled import use_compile_cache, warn_if_slower
 from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, resume_rule
 from utils.training.config_file import write_config_file
-from utils.training.data import TrainData, build_data, record_split
+from utils.training.data import TrainData, build_data, build_loaders, record_split
 from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
 from utils.training.run_log import RunLog, settings_block, start_phrase
