@@ -214,7 +214,7 @@ def replacing(path: Path, role: str | None = None) -> Iterator[Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_folder(path.parent)
+    fsync_folder(path.parent)
 
 
 def write_file(path: Path, write: Callable[[Path], object], role: str | None = None) -> None:
@@ -328,8 +328,8 @@ def _output_error(path: Path, role: str | None, error: OSError) -> OutputError:
     return OutputError(f"cannot write {what}: {error.strerror or error}; {fix}", location_failure=location)
 
 
-def _fsync_folder(folder: Path) -> None:
-    # The rename is durable once the folder's entry is on disk; some filesystems cannot fsync a folder.
+def fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (its entry on disk); a folder that cannot be fsynced is left as it is."""
     with contextlib.suppress(OSError):
         descriptor = os.open(folder, os.O_RDONLY)
         try:

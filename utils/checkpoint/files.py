@@ -34,6 +34,7 @@ from utils.checkpoint.format import (
 )
 from utils.checkpoint.pickle_scan import code_refusal, pickled_code, without_unsafe_advice
 from utils.errors import CheckpointError
+from utils.output_files import fsync_folder
 
 # copy_file_range refusals after which plain reads and writes do the copy.
 _NO_COPY_RANGE_ERRNOS = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
@@ -88,7 +89,7 @@ def _write_atomic(path: Path, write: Any) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
-        _fsync_directory(path.parent)
+        fsync_folder(path.parent)
     except OSError as error:
         Path(tmp_name).unlink(missing_ok=True)
         raise CheckpointError(write_failure_message(path, error)) from error
@@ -192,17 +193,3 @@ def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "c
 def read_model_weights(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedWeights:
     """Model weights from our checkpoints, milesial/Pytorch-UNet files or the documented DDP script's files."""
     return weights_of(load_checkpoint_file(path, map_location), path)
-
-
-def _fsync_directory(directory: Path) -> None:
-    # The rename is only durable once the directory entry is on disk; not every platform can open a directory.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
