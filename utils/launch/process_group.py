@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -155,6 +156,9 @@ def _rendezvous_failure(plan: LaunchPlan, timeout_s: float, error: Exception) ->
 
 def teardown(ctx: DistributedContext) -> None:
     if ctx.is_distributed and dist.is_initialized():
+        # What still holds a group (DDP's reducer in a reference cycle) goes first, while the group lives: freed later,
+        # at the interpreter's exit, it aborted a rank now and then ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 
