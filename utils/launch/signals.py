@@ -38,10 +38,9 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from utils.launch.process_group import DistributedContext
+from utils.launch.environments import LaunchPlan
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +132,16 @@ class InterruptFlag:
             self.signum = signum
 
 
-def requeue_if_asked(ctx: DistributedContext, stopped_by: int) -> bool:
+def requeue_if_asked(plan: LaunchPlan, stopped_by: int) -> bool:
     """On global rank 0, once the run stopped for the requeue signal: requeue the job; whether it was requeued.
 
     Called after ``Trainer.train`` returned, whose final barrier means every rank has left the loop and rank 0 has
     written its files. Also when the stop could not save (a skipped step): the newest checkpoint is then older, and
     the requeued job still continues from it.
     """
-    if not ctx.is_main or ctx.slurm_job_id is None or stopped_by != ctx.requeue_signal:
+    if plan.rank != 0 or plan.slurm_job_id is None or stopped_by != plan.requeue_signal:
         return False
-    return requeue_job(ctx.slurm_job_id)
+    return requeue_job(plan.slurm_job_id)
 
 
 def requeue_job(slurm_job_id: str, *, run: Callable[..., Any] = subprocess.run) -> bool:

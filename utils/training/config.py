@@ -33,7 +33,6 @@ from utils.flags import (
 )
 from utils.hardware import PRECISIONS, check_model_fits, check_threads, check_workers
 from utils.training.config_file import add_config_flag, apply_config_file
-from utils.training.objective import CLASS_WEIGHTS_AUTO, OPTIMIZERS, SCHEDULERS
 
 WANDB_MODES = ("online", "offline", "disabled")
 VAL_MODES = ("rank0", "sharded")
@@ -49,6 +48,11 @@ MAX_WEIGHT_DECAY = 1.0
 MAX_DIST_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit
 MAX_MASK_VALUE = 2**32 - 1  # 32-bit grey masks are the widest the data loader reads
+
+
+OPTIMIZERS = ("adamw", "rmsprop")
+SCHEDULERS = ("cosine", "poly", "plateau")
+CLASS_WEIGHTS_AUTO = "auto"  # --class-weights auto (utils.training.objective computes them)
 
 
 @dataclass

@@ -30,7 +30,7 @@ import yaml
 
 from utils.errors import ConfigError, shortened
 from utils.flags import FlagField, build_config, check_ranges, flag_fields
-from utils.output_files import write_text
+from utils.output_files import read_text, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -126,17 +126,7 @@ class _BoundedLoader(yaml.SafeLoader):
 def _read_yaml(path: Path) -> Any:
     """The document of ``path``, bounded in size, depth and expanded values before anything is built."""
     where = f"{CONFIG_FLAG} {path}"
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as error:
-        raise ConfigError(f"{where}: cannot read it ({error.strerror or error})") from error
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{where} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a run's config.yaml is a few KB")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{where} is not UTF-8 text (byte {error.start}); save it as UTF-8") from None
+    text = read_text(path, where, MAX_CONFIG_BYTES, f"{MAX_CONFIG_BYTES // 1024} KiB; a run's config.yaml is a few KB")
     loader = _BoundedLoader(text)
     try:
         _check_depth(loader)

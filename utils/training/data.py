@@ -19,7 +19,6 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import (
     SPLIT_BY_IMAGE,
-    SPLIT_SEED,
     SplitRecord,
     SplitRule,
     check_same_split,
@@ -124,25 +123,13 @@ def build_data(config: TrainConfig, *, world_size: int) -> TrainData:
         n_channels=plain.channels,
         train_class_pixels=plain.class_pixel_counts(train_set.indices),
         train_foreground=[position for position, index in enumerate(train_set.indices) if plain.has_foreground(index)],
-        split=make_record(plain.ids, split_rule(data), train_positions, val_positions),
-    )
-
-
-def split_rule(config: DataSection) -> SplitRule:
-    """The split flags as the rule ``utils.datasets.splits`` applies (with its own fixed seed, not --seed)."""
-    return SplitRule(
-        by=config.split_by,
-        group_pattern=config.group_pattern,
-        validation=config.validation,
-        folds=config.folds,
-        fold=config.fold,
-        seed=SPLIT_SEED,
+        split=make_record(plain.ids, SplitRule.of_flags(data), train_positions, val_positions),
     )
 
 
 def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int]]:
     """(train, validation) positions of the dataset's ids under the split flags; a ConfigError when a side is empty."""
-    rule = split_rule(config)
+    rule = SplitRule.of_flags(config)
     train, validation = split_positions(ids, rule)
     # More folds than images (or groups) leave a fold empty, whichever --fold this run is.
     if not train or not validation or (rule.folds and rule.folds > group_count(ids, rule)):

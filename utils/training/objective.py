@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +29,12 @@ from torch import Tensor, optim
 
 from utils.datasets.mask_values import IGNORE_INDEX
 from utils.evaluation import dice_coeff, multiclass_dice_coeff
+from utils.training.config import OptimisationSection
 
-if TYPE_CHECKING:  # the config takes its choices from here
-    from utils.training.config import OptimisationSection
-
-OPTIMIZERS = ("adamw", "rmsprop")
-SCHEDULERS = ("cosine", "poly", "plateau")
 # nnU-Net: lr = base * (1 - t / T) ** 0.9.
 POLY_EXPONENT = 0.9
 # milesial/Pytorch-UNet: ReduceLROnPlateau('max', patience=5) on validation Dice.
 PLATEAU_PATIENCE = 5
-CLASS_WEIGHTS_AUTO = "auto"
 # --class-weights auto: no class weighs more than this many times the most frequent one.
 MAX_CLASS_WEIGHT_RATIO = 10.0
 
