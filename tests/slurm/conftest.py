@@ -72,6 +72,9 @@ class Job:
         while time.monotonic() < deadline:
             fields = self.fields()
             if fields["JobState"] in FINISHED_STATES:
+                # One line per job in the tier's output (pytest -s or -rP): the states the docs and notes quote.
+                print(f"SLURM job {self.job_id}: {fields['JobState']} {fields.get('ExitCode')} "
+                      f"Restarts={fields.get('Restarts')} RunTime={fields.get('RunTime')}")  # fmt: skip
                 return fields
             if release_requeued and fields["JobState"] == "PENDING" and fields.get("Reason") == "BeginTime":
                 subprocess.run(["scontrol", "update", f"jobid={self.job_id}", "StartTime=now"], check=False)
