@@ -136,6 +136,9 @@ def test_bad_flags_and_missing_folders_exit_2(tmp_path: Path, capsys: pytest.Cap
     make_cars(root, cars=2, views=2)
     code, _ = run_check(root, tmp_path, "--split-by", "image", "--folds", "3", "--fold", "3", capsys=capsys)
     assert code == 2
+    # As training: one folder for both would pair every image with itself.
+    assert main(["--imgs", str(root / "imgs"), "--masks", str(root / "imgs"), "--cache-dir", str(tmp_path)]) == 2
+    assert "are one folder; give the masks their own folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow

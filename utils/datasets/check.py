@@ -10,7 +10,8 @@ train/validation line. The mask values come from the same cached scan as trainin
 so a second check of unchanged folders (and the training start after it) decodes no mask again.
 
 Exit status: 0 when training would start (warnings are printed and do not count unless ``--strict``), 1 with one
-``problem:`` line per kind of problem (its count and the first few files), 2 for a bad flag or a missing folder.
+``problem:`` line per kind of problem (its count and the first few files), 2 for a bad flag, a missing or empty
+folder, or one folder given for both images and masks.
 Like the mask scan, this module does not import torch (its workers start fast).
 """
 
