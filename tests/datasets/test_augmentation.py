@@ -15,7 +15,7 @@ from utils.datasets.dataset import CarvanaDataset
 from utils.datasets.synthetic import generate_carvana_like
 
 N_IMAGES = 12
-NO_COLOUR = {"brightness": 0.0, "contrast": 0.0, "saturation": 0.0, "hue": 0.0}
+NO_COLOUR = {"brightness": 0.0, "contrast": 0.0, "saturation": 0.0}
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ def test_every_kind_of_problem_gets_one_line(tmp_path: Path, capsys: pytest.Capt
     problems = [line for line in lines if line.startswith("problem: ")]
     assert [line.split(":")[1].strip() for line in problems] == ["pairing", "unreadable files", "size mismatches"]
     assert f"{ids[0]}.jpg" in problems[0] and f"{ids[2]}.jpg" in problems[1] and f"{ids[3]}_mask.gif" in problems[2]
-    assert any(line.startswith("warning: pairing: 1 mask(s) without an image") for line in lines)
+    assert any(line.startswith("warning: pairing: 1 mask(s) in ") and "have no image in" in line for line in lines)
     assert any(line.startswith("warning: EXIF rotation: 1 photo") and f"{ids[4]}.jpg" in line for line in lines)
     assert not any(line.startswith("OK") for line in lines)
 
@@ -136,6 +136,9 @@ def test_bad_flags_and_missing_folders_exit_2(tmp_path: Path, capsys: pytest.Cap
     make_cars(root, cars=2, views=2)
     code, _ = run_check(root, tmp_path, "--split-by", "image", "--folds", "3", "--fold", "3", capsys=capsys)
     assert code == 2
+    # As training: one folder for both would pair every image with itself.
+    assert main(["--imgs", str(root / "imgs"), "--masks", str(root / "imgs"), "--cache-dir", str(tmp_path)]) == 2
+    assert "are one folder; give the masks their own folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -526,12 +526,12 @@ def test_cache_with_wrong_types_or_lengths_is_rescanned(tmp_path: Path, cache_di
 def test_second_start_indexes_each_folder_once(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
     """mask_suffix=None detects the naming from the dataset's own index; an augmenting twin indexes nothing."""
     images_dir, masks_dir = write_dataset(tmp_path, {"a": index_mask(0, [0, 1])}, mask_suffix="_mask")
-    from utils.datasets import dataset as dataset_module
+    from utils.datasets import image_files
 
     calls = []
-    real_index = dataset_module.index_folder
+    real_index = image_files.index_folder
     monkeypatch.setattr(
-        dataset_module, "index_folder", lambda folder, role: calls.append(role) or real_index(folder, role)
+        image_files, "index_folder", lambda folder, role: calls.append(role) or real_index(folder, role)
     )
     dataset = build(images_dir, masks_dir, cache_dir, mask_suffix=None)
     twin = dataset.with_augmentation(1)

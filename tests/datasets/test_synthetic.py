@@ -11,7 +11,7 @@ from PIL import Image
 
 from utils.cli import parse_size
 from utils.datasets.dataset import BasicDataset, CarvanaDataset
-from utils.datasets.synthetic import generate_carvana_like, generate_multiclass, main
+from utils.datasets.synthetic import generate_carvana_like, main
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError
 
 SIZE = (48, 32)
@@ -56,7 +56,7 @@ def test_same_arguments_give_byte_identical_files(tmp_path: Path) -> None:
 
 
 def test_multiclass_masks(tmp_path: Path) -> None:
-    ids = generate_multiclass(tmp_path / "five", 8, size=(64, 48), n_classes=5, seed=0)
+    ids = generate_carvana_like(tmp_path / "five", 8, size=(64, 48), n_classes=5, seed=0)
     masks = [np.asarray(Image.open(tmp_path / "five" / "masks" / f"{name}.png")) for name in ids]
     assert all(mask.dtype == np.uint8 and mask.shape == (48, 64) for mask in masks)
     assert set(np.unique(np.stack(masks)).tolist()) == {0, 1, 2, 3, 4}
@@ -65,13 +65,13 @@ def test_multiclass_masks(tmp_path: Path) -> None:
     )
     assert dataset.mask_values == [0, 1, 2, 3, 4]
 
-    generate_multiclass(tmp_path / "three", 4, size=(64, 48), n_classes=3, seed=0)
+    generate_carvana_like(tmp_path / "three", 4, size=(64, 48), n_classes=3, seed=0)
     values = {
         int(v) for path in (tmp_path / "three" / "masks").iterdir() for v in np.unique(np.asarray(Image.open(path)))
     }
     assert values == {0, 1, 2}  # with three classes the windows belong to the body
     with pytest.raises(ConfigError, match=r"--classes must be between 3 and 255, got 2"):
-        generate_multiclass(tmp_path / "two", 4, size=SIZE, n_classes=2)
+        generate_carvana_like(tmp_path / "two", 4, size=SIZE, n_classes=2)
 
 
 def test_existing_data_is_kept_unless_forced(tmp_path: Path) -> None:

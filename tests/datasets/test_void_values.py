@@ -17,10 +17,10 @@ from utils.errors import DatasetError
 
 @pytest.fixture(scope="module")
 def void_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
-    from utils.datasets.synthetic import generate_multiclass
+    from utils.datasets.synthetic import generate_carvana_like
 
     root = tmp_path_factory.mktemp("void")
-    generate_multiclass(root, 6, size=(48, 32), n_classes=3, seed=1)
+    generate_carvana_like(root, 6, size=(48, 32), n_classes=3, seed=1)
     return root, paint_void_borders(root / "masks", width=2)
 
 

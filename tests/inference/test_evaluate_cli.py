@@ -111,7 +111,7 @@ def test_images_of_mixed_sizes_are_batched_by_size_with_the_scores_of_batch_size
 
 def test_each_folder_is_listed_once(carvana_data, tmp_path, monkeypatch):
     """The Carvana naming is detected from the dataset's own folder index, not from a second listing."""
-    from utils.datasets import dataset, image_files
+    from utils.datasets import image_files
 
     listed = []
     real_index = image_files.index_folder
@@ -120,8 +120,7 @@ def test_each_folder_is_listed_once(carvana_data, tmp_path, monkeypatch):
         listed.append(role)
         return real_index(folder, role)
 
-    for module in (dataset, image_files):
-        monkeypatch.setattr(module, "index_folder", counting_index)
+    monkeypatch.setattr(image_files, "index_folder", counting_index)  # where the dataset's pairing indexes
     checkpoint = save_checkpoint(tmp_path / "m.pth", make_model(2), [0, 1])
     assert run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks),
                         "-s", "0.5") == 0  # fmt: skip

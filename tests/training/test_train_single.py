@@ -20,10 +20,10 @@ VAL_KEYS = {"event", "epoch", "global_step", "dice", "iou", "per_class_dice", "p
 
 @pytest.fixture(scope="module")
 def multiclass_data(tmp_path_factory: pytest.TempPathFactory) -> SyntheticData:
-    from utils.datasets.synthetic import generate_multiclass
+    from utils.datasets.synthetic import generate_carvana_like
 
     root = tmp_path_factory.mktemp("multiclass")
-    generate_multiclass(root, 8, size=(48, 32), n_classes=3, seed=1)
+    generate_carvana_like(root, 8, size=(48, 32), n_classes=3, seed=1)
     return SyntheticData(root / "imgs", root / "masks", 8)
 
 

@@ -32,10 +32,10 @@ from utils.training.sampler import epoch_order, oversampled_order, shard_indices
 @pytest.fixture(scope="module")
 def void_data(tmp_path_factory: pytest.TempPathFactory) -> SyntheticData:
     """8 three-class 48x32 images whose masks have a 2-pixel void (255) frame."""
-    from utils.datasets.synthetic import generate_multiclass
+    from utils.datasets.synthetic import generate_carvana_like
 
     root = tmp_path_factory.mktemp("void_train")
-    generate_multiclass(root, 8, size=(48, 32), n_classes=3, seed=1)
+    generate_carvana_like(root, 8, size=(48, 32), n_classes=3, seed=1)
     paint_void_borders(root / "masks", width=2)
     return SyntheticData(root / "imgs", root / "masks", 8)
 

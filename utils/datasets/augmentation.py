@@ -39,9 +39,8 @@ class AugmentationConfig:
     brightness: float = 0.2
     contrast: float = 0.2
     saturation: float = 0.2
-    """Colour jitter, applied to the image only (see ``torchvision.transforms.v2.ColorJitter``)."""
-    hue: float = 0.0
-    """Hue jitter, off by default: its RGB→HSV→RGB round trip costs twice all the other transforms together."""
+    """Colour jitter, applied to the image only (see ``torchvision.transforms.v2.ColorJitter``). No hue jitter: its
+    RGB→HSV→RGB round trip costs twice all the other transforms together."""
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -62,7 +61,6 @@ class _Draw:
     """top, left, height, width"""
     colour: tuple[tuple[str, float], ...]
     """(operation, factor) in the order they apply."""
-    hue: float
 
 
 class JointAugmentation:
@@ -96,10 +94,6 @@ class JointAugmentation:
             pixels = F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False)
         # Back to [C, H, W] in the conversion to float itself: one pass.
         pixels = _colour(pixels[0].to(torch.float32, memory_format=torch.contiguous_format), draw.colour, scale)
-        if draw.hue:
-            import torchvision.transforms.v2.functional as TF
-
-            pixels = TF.adjust_hue(pixels, draw.hue)
         # Nearest neighbours by index (PyTorch's legacy "nearest": source = floor(target * in / out)).
         rows = torch.div(torch.arange(height) * crop_h, height, rounding_mode="floor") + top
         cols = torch.div(torch.arange(width) * crop_w, width, rounding_mode="floor")
@@ -128,8 +122,7 @@ class JointAugmentation:
             if strength
         ]
         order = torch.randperm(len(jitter), generator=generator).tolist()
-        hue = uniform(-config.hue, config.hue) if config.hue else 0.0
-        return _Draw(flip, crop, tuple(jitter[i] for i in order), hue)
+        return _Draw(flip, crop, tuple(jitter[i] for i in order))
 
 
 def _crop_box(height: int, width: int, config: AugmentationConfig, uniform, generator) -> tuple[int, int, int, int]:

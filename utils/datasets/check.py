@@ -10,7 +10,8 @@ train/validation line. The mask values come from the same cached scan as trainin
 so a second check of unchanged folders (and the training start after it) decodes no mask again.
 
 Exit status: 0 when training would start (warnings are printed and do not count unless ``--strict``), 1 with one
-``problem:`` line per kind of problem (its count and the first few files), 2 for a bad flag or a missing folder.
+``problem:`` line per kind of problem (its count and the first few files), 2 for a bad flag, a missing or empty
+folder, or one folder given for both images and masks.
 Like the mask scan, this module does not import torch (its workers start fast).
 """
 
@@ -30,13 +31,13 @@ from PIL import Image
 from utils.datasets.image_files import (
     ARRAY_EXTENSIONS,
     UNREADABLE_FILE_ERRORS,
+    Finding,
     MaskPair,
     exif_orientation,
-    index_folder,
-    pair_files,
+    pair_folders,
     pool_map,
 )
-from utils.datasets.mask_values import Finding, class_totals, scan_masks
+from utils.datasets.mask_values import class_totals, scan_masks
 from utils.datasets.splits import (
     SPLIT_BY_PREFIX,
     SPLIT_RULES,
@@ -45,7 +46,7 @@ from utils.datasets.splits import (
     groups_on_both_sides,
     split_positions,
 )
-from utils.errors import USER_ERROR_EXIT_CODE, DatasetError, UserError, count, user_message
+from utils.errors import USER_ERROR_EXIT_CODE, UserError, count, user_message
 from utils.flags import FlagParser, Range, flag, parse_flags
 
 logger = logging.getLogger(__name__)
@@ -124,28 +125,15 @@ class _PhotoFacts(NamedTuple):
 
 
 def check_dataset(settings: CheckSettings) -> CheckReport:
-    """Read the folders once and report every problem found; a DatasetError only when a folder cannot be listed."""
+    """Read the folders once and report every problem found; a DatasetError or ConfigError only when a folder cannot
+    be listed, holds no images or masks, or is both (``image_files.pair_folders``, the dataset's own pairing)."""
     started = time.perf_counter()
     report = CheckReport()
-    images = index_folder(settings.imgs, "image")
-    masks = index_folder(settings.masks, "mask")
-    if not images:
-        raise DatasetError(f"no images in {settings.imgs}; point --imgs at the folder of training images")
-    report.n_images = len(images)
-    pairing = pair_files(images, masks, None)
-    report.n_pairs = len(pairing.pairs)
-    if pairing.missing:
-        what = f"{len(pairing.missing)} image(s) without a mask named <id>{pairing.mask_suffix}.<ext>"
-        report.problems.append(
-            Finding("pairing", what, tuple(pairing.missing), "add their masks or remove those images")
-        )
-    if pairing.orphans:
-        what = f"{len(pairing.orphans)} mask(s) without an image (ignored by training)"
-        report.warnings.append(Finding("pairing", what, tuple(pairing.orphans), "remove them or add their images"))
-    empty = sorted(info.path for pair in pairing.pairs for info in (pair.image, pair.mask) if info.size == 0)
-    if empty:
-        what = f"{len(empty)} file(s) of 0 bytes"
-        report.problems.append(Finding("empty files", what, tuple(empty), "copy them again or delete them"))
+    pairing = pair_folders(settings.imgs, settings.masks, None)
+    images = pairing.images
+    report.n_images, report.n_pairs = len(images), len(pairing.pairs)
+    report.problems += pairing.problems
+    report.warnings += pairing.warnings
     pairs = [pair for pair in pairing.pairs if pair.image.size and pair.mask.size]
     if pairs:  # the values of the usable pairs, whatever else is wrong: one run reports every kind of problem
         _report_mask_values(report, pairs, settings)

@@ -15,7 +15,6 @@ import copy
 import gc
 import logging
 import operator
-import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -30,16 +29,12 @@ from torch.utils.data import Dataset
 from utils.datasets.augmentation import JointAugmentation
 from utils.datasets.image_files import (
     CARVANA_MASK_SUFFIX,
-    IMAGE_EXTENSIONS,
     UNREADABLE_FILE_ERRORS,
     FileInfo,
-    MaskPair,
-    count_named,
     format_examples,
-    index_folder,
     load_image,
     mode_channels,
-    pair_files,
+    pair_folders,
 )
 from utils.datasets.mask_values import MaskValues, class_totals, mask_array, scan_masks, values_to_classes
 from utils.datasets.pixel_cache import IMAGE, MASK, PixelCache, cached
@@ -48,7 +43,6 @@ from utils.errors import ConfigError, DatasetError
 logger = logging.getLogger(__name__)
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
-_EXTENSION_LIST = " ".join(sorted(IMAGE_EXTENSIONS))
 _T = TypeVar("_T")
 
 
@@ -108,19 +102,13 @@ class BasicDataset(Dataset):
         # Tens of thousands of small objects (one per file) trigger full garbage collections that walk every object
         # of the process (torch has many): pausing the collector halves a second start over 10,000 pairs.
         with _gc_paused():
-            images = index_folder(self.images_dir, "image")
-            if not images:
-                raise DatasetError(
-                    f"no images in {self.images_dir} (looked for {_EXTENSION_LIST}; hidden files and sub-folders are "
-                    "ignored); put the images there"
-                )
-            _check_two_folders(self.images_dir, self.mask_dir)
-            masks = index_folder(self.mask_dir, "mask")
-            if not masks:
-                raise DatasetError(
-                    f"no masks in {self.mask_dir} (looked for {_EXTENSION_LIST}); put one mask per image there"
-                )
-            pairs = self._pair(images, masks, mask_suffix)
+            pairing = pair_folders(self.images_dir, self.mask_dir, mask_suffix)
+            self.mask_suffix = pairing.mask_suffix
+            for warning in pairing.warnings:
+                logger.warning("%s", warning.sentence())
+            if pairing.problems:
+                raise DatasetError("; ".join(problem.sentence() for problem in pairing.problems))
+            images, pairs = pairing.images, pairing.pairs
             jpeg_masks = [pair.mask.name for pair in pairs if pair.mask.ext in JPEG_EXTENSIONS]
             if jpeg_masks:
                 logger.warning(
@@ -165,34 +153,6 @@ class BasicDataset(Dataset):
                 100 * self.void_pixels / max(total, 1),
                 ", ".join(map(str, self.ignore_values)),
             )
-
-    def _pair(self, images: dict[str, FileInfo], masks: dict[str, FileInfo], mask_suffix: str | None) -> list[MaskPair]:
-        """Pair images with masks (``self.mask_suffix`` is the suffix used); a missing mask or an empty file is an
-        error, a mask without an image a warning."""
-        pairing = pair_files(images, masks, mask_suffix)
-        self.mask_suffix = pairing.mask_suffix
-        if pairing.missing:
-            expected = f"<id>{self.mask_suffix}.<ext>"
-            raise DatasetError(
-                f"{len(pairing.missing)} of {len(images)} images in {self.images_dir} have no mask named {expected} "
-                f"in {self.mask_dir}: {format_examples(pairing.missing)}; add their masks or remove those images"
-                f"{_suffix_hint(images.keys(), masks.keys(), self.mask_suffix)}"
-            )
-        if pairing.orphans:
-            logger.warning(
-                "%d mask(s) in %s have no image in %s and are ignored: %s",
-                len(pairing.orphans),
-                self.mask_dir,
-                self.images_dir,
-                format_examples(pairing.orphans),
-            )
-        empty = [info.path for pair in pairing.pairs for info in (pair.image, pair.mask) if info.size == 0]
-        if empty:
-            raise DatasetError(
-                f"{len(empty)} file(s) are empty (0 bytes), e.g. from an interrupted copy: {format_examples(empty)}; "
-                "copy them again or delete them"
-            )
-        return pairing.pairs
 
     def class_pixel_counts(self, indices: Iterable[int] | None = None) -> list[int]:
         """Pixels of each class (void excluded) over the items ``indices`` (all by default), from the mask scan."""
@@ -302,16 +262,6 @@ def _decode(path: str | Path, convert: Callable[[Image.Image], _T]) -> _T:
         raise DatasetError(f"cannot decode {path} ({err}); replace or delete the file") from err
 
 
-def _check_two_folders(images_dir: Path, mask_dir: Path) -> None:
-    """Images and masks must live in two folders: in one, every image would be paired with itself as its mask.
-    Compared as files (``os.path.samefile``), so a link or a second spelling of one folder is caught."""
-    if images_dir.is_dir() and mask_dir.is_dir() and os.path.samefile(images_dir, mask_dir):
-        raise ConfigError(
-            f"the images ({images_dir}, --imgs) and the masks ({mask_dir}, --masks) are one folder; "
-            "give the masks their own folder"
-        )
-
-
 def _choose_channels(
     image_channels: dict[str, int], requested: int | None, images: dict[str, FileInfo], images_dir: Path
 ) -> int:
@@ -332,16 +282,6 @@ def _choose_channels(
             format_examples(converted),
         )
     return channels
-
-
-def _suffix_hint(image_ids: Iterable[str], mask_stems: Iterable[str], mask_suffix: str) -> str:
-    """Suggest the other mask naming when it would match more images than the one in use."""
-    other = "" if mask_suffix == CARVANA_MASK_SUFFIX else CARVANA_MASK_SUFFIX
-    if count_named(image_ids, mask_stems, other) > count_named(image_ids, mask_stems, mask_suffix):
-        if other:
-            return f" (the masks look named <id>{other}.<ext>: use CarvanaDataset or mask_suffix='{other}')"
-        return " (the masks look named <id>.<ext>: use BasicDataset with mask_suffix='')"
-    return ""
 
 
 def _check_value_count(mask_values: MaskValues, n_classes: int | None, mask_dir: Path, *, jpeg: bool) -> None:

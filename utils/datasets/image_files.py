@@ -16,13 +16,14 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from utils.errors import DatasetError, first_line
+from utils.errors import ConfigError, DatasetError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ PIL_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".gif", ".bmp", ".tif", ".t
 ARRAY_EXTENSIONS = frozenset({".npy", ".pt"})
 # Every extension a dataset file may have, lower case; matching ignores case (``A.JPG`` counts).
 IMAGE_EXTENSIONS = PIL_EXTENSIONS | ARRAY_EXTENSIONS
+_EXTENSION_LIST = " ".join(sorted(IMAGE_EXTENSIONS))
 
 # What PIL, numpy and torch.load raise on a bad file. Catching these, and no more, turns unusable files into messages
 # that name them while real bugs keep their tracebacks.
@@ -102,15 +104,32 @@ class MaskPair(NamedTuple):
     mask: FileInfo
 
 
-class Pairing(NamedTuple):
-    """The images of a folder matched with the masks of another by name."""
+@dataclass(frozen=True)
+class Finding:
+    """One kind of problem (or warning) in a dataset: what and how many, the first few files, and what to do."""
 
+    kind: str
+    what: str
+    """With its count, e.g. ``"2 file(s) cannot be read as images"``."""
+    examples: tuple[str, ...]
+    fix: str
+
+    def sentence(self) -> str:
+        examples = f": {format_examples(list(self.examples))}" if self.examples else ""
+        return f"{self.what}{examples}; {self.fix}"
+
+
+class Pairing(NamedTuple):
+    """The images of a folder matched with the masks of another by name (``pair_folders``)."""
+
+    images: dict[str, FileInfo]
+    """The image folder's index."""
     pairs: list[MaskPair]
-    missing: list[str]
-    """Names of the image files without a mask."""
-    orphans: list[str]
-    """Names of the mask files without an image."""
     mask_suffix: str
+    problems: list[Finding]
+    """Images without a mask and empty files: training refuses them."""
+    warnings: list[Finding]
+    """Masks without an image: ignored."""
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -203,8 +222,20 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     return files
 
 
-def pair_files(images: dict[str, FileInfo], masks: dict[str, FileInfo], mask_suffix: str | None) -> Pairing:
-    """Pair each image of a folder index with the mask named ``<id><mask_suffix>``; ``None`` detects the suffix."""
+def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> Pairing:
+    """Index both folders and pair each image with the mask named ``<id><mask_suffix>`` (``None`` detects the
+    suffix): the one pairing rule of the dataset and of the dataset check. A folder without images or masks, or one
+    folder for both, is an error at once; the rest comes back as ``Finding``s."""
+    images = index_folder(images_dir, "image")
+    if not images:
+        raise DatasetError(
+            f"no images in {images_dir} (looked for {_EXTENSION_LIST}; hidden files and sub-folders are ignored); "
+            "put the images there"
+        )
+    _check_two_folders(images_dir, mask_dir)
+    masks = index_folder(mask_dir, "mask")
+    if not masks:
+        raise DatasetError(f"no masks in {mask_dir} (looked for {_EXTENSION_LIST}); put one mask per image there")
     if mask_suffix is None:
         mask_suffix = suffix_from_names(images.keys(), masks.keys())
     pairs, missing = [], []
@@ -214,9 +245,44 @@ def pair_files(images: dict[str, FileInfo], masks: dict[str, FileInfo], mask_suf
             missing.append(images[name].name)
         else:
             pairs.append(MaskPair(name, images[name], mask))
+    problems, warnings = [], []
+    if missing:
+        what = (
+            f"{len(missing)} of {len(images)} images in {images_dir} have no mask named <id>{mask_suffix}.<ext> in "
+            f"{mask_dir}"
+        )
+        fix = "add their masks or remove those images" + _suffix_hint(images.keys(), masks.keys(), mask_suffix)
+        problems.append(Finding("pairing", what, tuple(missing), fix))
     used = {name + mask_suffix for name in images}
     orphans = sorted(info.name for stem, info in masks.items() if stem not in used)
-    return Pairing(pairs, missing, orphans, mask_suffix)
+    if orphans:
+        what = f"{len(orphans)} mask(s) in {mask_dir} have no image in {images_dir} and are ignored"
+        warnings.append(Finding("pairing", what, tuple(orphans), "remove them or add their images"))
+    empty = sorted(info.path for pair in pairs for info in (pair.image, pair.mask) if info.size == 0)
+    if empty:
+        what = f"{len(empty)} file(s) are empty (0 bytes), e.g. from an interrupted copy"
+        problems.append(Finding("empty files", what, tuple(empty), "copy them again or delete them"))
+    return Pairing(images, pairs, mask_suffix, problems, warnings)
+
+
+def _check_two_folders(images_dir: Path, mask_dir: Path) -> None:
+    """Images and masks must live in two folders: in one, every image would be paired with itself as its mask.
+    Compared as files (``os.path.samefile``), so a link or a second spelling of one folder is caught."""
+    if images_dir.is_dir() and mask_dir.is_dir() and os.path.samefile(images_dir, mask_dir):
+        raise ConfigError(
+            f"the images ({images_dir}, --imgs) and the masks ({mask_dir}, --masks) are one folder; "
+            "give the masks their own folder"
+        )
+
+
+def _suffix_hint(image_ids: Iterable[str], mask_stems: Iterable[str], mask_suffix: str) -> str:
+    """Suggest the other mask naming when it would match more images than the one in use."""
+    other = "" if mask_suffix == CARVANA_MASK_SUFFIX else CARVANA_MASK_SUFFIX
+    if count_named(image_ids, mask_stems, other) > count_named(image_ids, mask_stems, mask_suffix):
+        if other:
+            return f" (the masks look named <id>{other}.<ext>: use CarvanaDataset or mask_suffix='{other}')"
+        return " (the masks look named <id>.<ext>: use BasicDataset with mask_suffix='')"
+    return ""
 
 
 def detect_mask_suffix(images_dir: str | Path, mask_dir: str | Path) -> str:

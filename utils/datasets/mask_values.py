@@ -26,6 +26,7 @@ from PIL import Image
 
 from utils.datasets.image_files import (
     UNREADABLE_FILE_ERRORS,
+    Finding,
     MaskPair,
     format_examples,
     image_header,
@@ -47,21 +48,6 @@ MaskValues = list[int] | list[list[int]]
 
 # A file that raises one of these cannot be used; DatasetError comes from our own checks of arrays and modes.
 UNUSABLE_FILE_ERRORS = (*UNREADABLE_FILE_ERRORS, DatasetError)
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One kind of problem (or warning) in a dataset: what and how many, the first few files, and what to do."""
-
-    kind: str
-    what: str
-    """With its count, e.g. ``"2 file(s) cannot be read as images"``."""
-    examples: tuple[str, ...]
-    fix: str
-
-    def sentence(self) -> str:
-        examples = f": {format_examples(list(self.examples))}" if self.examples else ""
-        return f"{self.what}{examples}; {self.fix}"
 
 
 @dataclass(frozen=True)

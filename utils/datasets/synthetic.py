@@ -69,8 +69,8 @@ def generate_carvana_like(
 ) -> list[str]:
     """Write ``n`` images and palette-GIF masks in Carvana's layout under ``out_dir``; return the image ids in order.
 
-    ``views``: images per car (ids ``<car>_01`` .. ``<car>_<views>``), 16 as in Carvana. ``n_classes``: grey PNG
-    class-index masks instead (``generate_multiclass``).
+    ``views``: images per car (ids ``<car>_01`` .. ``<car>_<views>``), 16 as in Carvana. ``n_classes`` (3 or more):
+    grey PNG class-index masks (values 0..n_classes-1) named ``<id>.png`` instead.
     """
     out_dir = Path(out_dir)
     if n_classes is not None and not 3 <= n_classes <= MAX_CLASSES:
@@ -104,19 +104,6 @@ def generate_carvana_like(
         ids.append(name)
     logger.info("Wrote %d images to %s and their masks to %s", n, images_dir, masks_dir)
     return ids
-
-
-def generate_multiclass(
-    out_dir: str | Path,
-    n: int,
-    size: tuple[int, int] = DEFAULT_SIZE,
-    n_classes: int = 3,
-    seed: int = 0,
-    *,
-    force: bool = False,
-) -> list[str]:
-    """Write ``n`` images and grey PNG class-index masks (values 0..n_classes-1) under ``out_dir``; return the ids."""
-    return generate_carvana_like(out_dir, n, size, seed, force=force, n_classes=n_classes)
 
 
 def _prepare_folder(folder: Path, force: bool) -> None:
