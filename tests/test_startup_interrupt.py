@@ -4,6 +4,7 @@ reports it)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -87,6 +88,25 @@ def test_sigterm_during_train_imports_is_remembered_and_saves_at_the_first_step(
     assert process.returncode == 143, (process.returncode, err[-3000:])
     assert (runner.run_dir("early") / "INTERRUPTED.pth").is_file(), err[-3000:]
     assert "Stopped by SIGTERM at epoch 1, step 1" in out + err, (out + err)[-3000:]
+
+
+def test_the_requeue_signal_during_train_imports_saves_and_requeues_the_job(runner, tmp_path: Path) -> None:
+    # SLURM's --signal=USR1@N can come while torch is still loading (its resolution is about 30 s): the signal is
+    # remembered, the run saves at its first step and requeues the job, instead of dying of SIGUSR1 with nothing saved.
+    from tests.cluster.test_slurm_requeue import fake_scontrol
+
+    calls = fake_scontrol(tmp_path / "bin")
+    path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    process = runner.popen([sys.executable], "early", "--epochs", "1", env={"SLURM_JOB_ID": "4242", "PATH": path})
+    deadline = time.monotonic() + 60
+    while not _importing_torch(process.pid) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGUSR1)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGUSR1, (process.returncode, err[-3000:])
+    assert (runner.run_dir("early") / "INTERRUPTED.pth").is_file(), err[-3000:]
+    assert "Stopped by SIGUSR1 at epoch 1, step 1" in out + err, (out + err)[-3000:]
+    assert calls.read_text().splitlines() == ["requeue 4242"]
 
 
 def test_signals_after_the_training_are_ignored() -> None:

@@ -201,8 +201,9 @@ def test_export_never_replaces_an_existing_file_without_overwrite(tmp_path, bina
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "split.json", "config.yaml", "tensorboard/events.out"])
 @pytest.mark.parametrize("through", ["path", "link"])
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["plain", "overwrite"])
 def test_export_never_replaces_a_training_run_file_even_with_overwrite(
-    tmp_path, binary_checkpoint, capsys, name, through
+    tmp_path, binary_checkpoint, capsys, name, through, overwrite
 ):
     run = tmp_path / "run"
     (run / "tensorboard").mkdir(parents=True)
@@ -213,7 +214,7 @@ def test_export_never_replaces_a_training_run_file_even_with_overwrite(
         path = tmp_path / "model.pt"
         path.symlink_to(run / name)
     before = snapshot(tmp_path)
-    assert export(path, binary_checkpoint, "--overwrite") == USER_ERROR_EXIT_CODE
+    assert export(path, binary_checkpoint, *overwrite) == USER_ERROR_EXIT_CODE
     expect_refused(capsys, before, tmp_path, path, "training run")
 
 
