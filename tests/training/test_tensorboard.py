@@ -148,6 +148,7 @@ def test_a_file_in_the_way_of_the_tensorboard_folder_is_named(runner, caplog) ->
     assert (run_dir / "last.pth").is_file()
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # no writer-thread traceback
 def test_an_unwritable_tensorboard_folder_is_one_warning(runner, caplog) -> None:
     from tests.helpers import small_tmpfs
 
