@@ -288,7 +288,7 @@ def test_a_format_1_file_written_before_the_inference_record_loads_with_its_scal
     # It resumes too: the typed read finds the position and the record (from the run's args, for such old files).
     state = TrainingState.of(load_checkpoint_file(path), path)
     assert (state.position.epoch, state.position.global_step, state.position.step_in_epoch) == (1, 10, 0)
-    assert state.inference == InferenceRecord(scale=0.25, ignore_values=(255,), channels=1)
+    assert state.weights.inference == InferenceRecord(scale=0.25, ignore_values=(255,), channels=1)
     assert state.run_args["scale"] == 0.25 and state.world_size == 1
 
 
@@ -338,13 +338,13 @@ def test_a_newer_format_is_refused_by_every_read(tmp_path: Path) -> None:
 
 def test_a_training_state_survives_its_own_write_and_read(tmp_path: Path) -> None:
     state = TrainingState.of(load_checkpoint_file(FIXTURES / "v1_train.pth"), "v1_train.pth")
-    state.inference = InferenceRecord(scale=0.5, ignore_values=(), channels=1)
+    state.weights.inference = InferenceRecord(scale=0.5, ignore_values=(), channels=1)
     save_checkpoint_atomic(state.to_payload(), tmp_path / "again.pth")
     again = TrainingState.of(load_checkpoint_file(tmp_path / "again.pth"), "again.pth")
-    assert again.inference == state.inference and again.position == state.position
-    assert again.model.keys() == state.model.keys()
-    assert all(torch.equal(again.model[key], tensor) for key, tensor in state.model.items())
-    assert again.run_args == state.run_args and again.mask_values == state.mask_values
+    assert again.weights.inference == state.weights.inference and again.position == state.position
+    assert again.weights.state_dict.keys() == state.weights.state_dict.keys()
+    assert all(torch.equal(again.weights.state_dict[key], tensor) for key, tensor in state.weights.state_dict.items())
+    assert again.run_args == state.run_args and again.weights.mask_values == state.weights.mask_values
 
 
 def test_train_writes_the_inference_record(runner: TrainRunner) -> None:

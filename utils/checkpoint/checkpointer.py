@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
-from utils.checkpoint.format import all_finite
+from utils.checkpoint.format import LoadedWeights, all_finite
 from utils.checkpoint.run_folder import RunFolder
 from utils.checkpoint.state import (
     TrainingState,
@@ -222,11 +222,9 @@ class Checkpointer:
     def payload(self) -> dict[str, Any]:
         """The checkpoint of the current state, as every save writes it (the benchmark times the same)."""
         parts, scaler = self.parts, self.parts.step.scaler
+        model = parts.raw_model.state_dict()
         return TrainingState(
-            model=parts.raw_model.state_dict(),
-            model_args=parts.model_args,
-            mask_values=parts.data.mask_values,
-            inference=self._inference,
+            weights=LoadedWeights(model, parts.model_args, parts.data.mask_values, self._inference, self._split_digest),
             optimizer=parts.step.optimizer.state_dict(),
             scheduler=parts.scheduler.state_dict(),
             scaler=scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
@@ -234,7 +232,6 @@ class Checkpointer:
             run_args=parts.run_args,
             world_size=self.ctx.world_size,
             dataset=self._dataset,
-            split_digest=self._split_digest,
             ema=parts.ema.state_dict() if parts.ema is not None else None,
         ).to_payload()
 
@@ -291,7 +288,7 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
     ``state`` was checked against the model already (``utils.training.build_model.check_resume``). The optimizer is
     restored before the average, whose reference step count is the optimizer's.
     """
-    parts["model"].load_state_dict(state.model)
+    parts["model"].load_state_dict(state.weights.state_dict)
     parts["optimizer"].load_state_dict(state.optimizer)
     parts["scheduler"].load_state_dict(state.scheduler)
     if parts["scaler"] is not None and state.scaler:
@@ -305,7 +302,7 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
                 "--ema %g: the resumed checkpoint has no average of the weights; it starts from them now", ema.decay
             )
         # A resume that switches --ema on starts the average from the resumed weights.
-        ema.load_state_dict(state.ema if state.ema is not None else state.model)
+        ema.load_state_dict(state.ema if state.ema is not None else state.weights.state_dict)
     if state.rng is not None:
         restore_rng_state(state.rng)
     position = parts["position"]

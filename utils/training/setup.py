@@ -197,7 +197,7 @@ def build_parts(
         check_resume(config, data, state, resume_path)
     model, model_args = build_model(config, ctx, data, resuming=state is not None)
     # After the model's checks, whose check of the dataset's files names the likelier cause of a changed split.
-    saved_digest = state.split_digest if state is not None else None
+    saved_digest = state.weights.split_digest if state is not None else None
     record_split(data.split, run_folder.split, saved_digest=saved_digest, resume_path=resume_path, write=ctx.is_main)
     plan = BatchPlan(
         n_train=len(data.train_set),
