@@ -51,12 +51,7 @@ def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:
     # for reuse instead of faulting in fresh pages each time (utils.hardware; 1.2-1.3x bf16 images/s on the 2-core
     # machine of docs/PERFORMANCE.md).
     reuse_large_buffers()
-    return setup(
-        plan,
-        device_request=config.performance.device,
-        timeout_s=config.launch.dist_timeout,
-        threads=config.performance.threads,
-    )
+    return setup(plan, config.performance, config.launch)
 
 
 def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: InterruptFlag) -> Trainer:
