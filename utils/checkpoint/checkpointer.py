@@ -176,7 +176,7 @@ class Checkpointer:
             shared.append(self.folder.ranked_best(place))
         if not self._save(targets, shared, best_place=place):
             self.position.best_ranking = previous  # the files did not move
-        if self.ctx.is_main and self.config.keep_last:
+        if self.ctx.is_main:  # --keep-last 0 (keep all) prunes nothing
             for path in self.folder.prune_epoch_checkpoints(self.config.keep_last):
                 logger.info("Removed %s (--keep-last %d)", path.name, self.config.keep_last)
 

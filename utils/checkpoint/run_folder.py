@@ -277,9 +277,8 @@ class RunFolder:
 
         When it may not, the folder is left untouched (its lock file too). When it may, the folder is locked, and if
         its checkpoints changed meanwhile (another run saved between the answer and the lock) the answer is given
-        again under the lock. A live run's folder is refused, naming its process.
+        again under the lock. A live run's folder is refused, naming its process. (It exists: it holds ``path``.)
         """
-        self.check_creatable()
         listing = self._listing()
         if not self.can_continue_from(path, payload):
             return False
