@@ -180,8 +180,7 @@ def check_expected(
         if key == "n_channels":
             raise CheckpointError(
                 f"{source} {path} expects {stored[key]}-channel images but the images in {images_from} have {value} "
-                f"channels; use a "
-                f"checkpoint trained on such images"
+                "channels; use a checkpoint trained on such images"
             )
         flag = ARG_FLAGS[key]
         if key in ("bilinear", "deep_supervision"):
