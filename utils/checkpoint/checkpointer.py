@@ -261,15 +261,8 @@ class Checkpointer:
         """
         if not self.ctx.is_main:
             return
-        epoch_files = epoch_files_written(
-            epochs_done=self.position.epoch,
-            last_epoch=last_epoch,
-            save_every=self.config.save_every,
-            keep_last=self.config.keep_last,
-        )
-        budget = checkpoint_budget(
-            self.parts.raw_model, self.parts.step.optimizer, epoch_files=epoch_files, keep_best=self.config.keep_best
-        )
+        epochs = range(self.position.epoch + 1, last_epoch + 1)  # the epochs this run trains
+        budget = checkpoint_budget(self.parts.raw_model, self.parts.step.optimizer, self.config, epochs)
         logger.info(
             "Checkpoints: a full-state file (last.pth, INTERRUPTED.pth, checkpoint_epoch{N}.pth) is about %s, best.pth "
             "(weights only) about %s; this run keeps at most %d full-state and %d weights-only files, about %s",
@@ -334,24 +327,25 @@ class CheckpointBudget:
 
 
 def checkpoint_budget(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, epoch_files: int, keep_best: int
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: CheckpointSection, epochs: range
 ) -> CheckpointBudget:
+    """The files a run that trains ``epochs`` keeps at most under the checkpoint flags ``config``, and their sizes."""
     weights = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
     parameters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return CheckpointBudget(
         full_state_bytes=weights + parameters * optimizer_slots(optimizer),
         weights_only_bytes=weights,
-        full_state_files=2 + epoch_files,
-        weights_only_files=1 + keep_best,
+        full_state_files=2 + epoch_files_written(config, epochs),
+        weights_only_files=1 + config.keep_best,
     )
 
 
-def epoch_files_written(*, epochs_done: int, last_epoch: int, save_every: int, keep_last: int) -> int:
-    """checkpoint_epoch{N}.pth files this run writes (epochs ``epochs_done+1 .. last_epoch``), after --keep-last."""
-    if not save_every:
+def epoch_files_written(config: CheckpointSection, epochs: range) -> int:
+    """checkpoint_epoch{N}.pth files a run that trains ``epochs`` writes (every --save_every), after --keep-last."""
+    if not config.save_every:
         return 0
-    written = sum(1 for number in range(epochs_done + 1, last_epoch + 1) if number % save_every == 0)
-    return min(written, keep_last) if keep_last else written
+    written = sum(1 for number in epochs if number % config.save_every == 0)
+    return min(written, config.keep_last) if config.keep_last else written
 
 
 def _megabytes(size: int) -> str:
