@@ -57,7 +57,7 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
         n_classes=model.n_classes,
         channels=model.n_channels if model.n_channels in (1, 3) else None,
         # The model's void values (--ignore-value in training) are not classes: their pixels are not scored.
-        ignore_values=spec.ignore_values,
+        ignore_values=spec.inference.ignore_values,
     )
     mask_values = align_mask_values(dataset, spec.mask_values, config.model)
     # --split: exactly the validation images of the run that wrote the file, whatever else the folders hold.
@@ -97,7 +97,7 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
         progress=config.progress,
         description="Evaluating",
     )
-    return result, mask_values, scale, spec.class_names
+    return result, mask_values, scale, spec.inference.class_names
 
 
 def main(argv: Sequence[str] | None = None) -> int:

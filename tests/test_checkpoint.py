@@ -284,11 +284,11 @@ def test_a_format_1_file_written_before_the_inference_record_loads_with_its_scal
     model, spec = load_model(path)
     assert_holds_weights(model, raw["model_state"])
     assert spec.model_args == {"n_channels": 1, "n_classes": 2, "bilinear": True, "base_channels": 2}
-    assert (spec.mask_values, spec.training_scale, spec.ignore_values) == ([0, 128], 0.25, (255,))
+    assert (spec.mask_values, spec.inference.scale, spec.inference.ignore_values) == ([0, 128], 0.25, (255,))
     # It resumes too: the typed read finds the position and the record (from the run's args, for such old files).
     state = TrainingState.of(load_checkpoint_file(path), path)
     assert (state.position.epoch, state.position.global_step, state.position.step_in_epoch) == (1, 10, 0)
-    assert state.inference == InferenceRecord(scale=0.25, ignore_values=(255,), channels=1)
+    assert state.weights.inference == InferenceRecord(scale=0.25, ignore_values=(255,), channels=1)
     assert state.run_args["scale"] == 0.25 and state.world_size == 1
 
 
@@ -298,7 +298,12 @@ def test_a_milesial_file_loads_with_its_mask_values_and_milesials_scale() -> Non
     model, spec = load_model(path)
     assert_holds_weights(model, {key: value for key, value in raw.items() if key != "mask_values"})
     assert spec.model_args == {"n_channels": 3, "n_classes": 3, "bilinear": False, "base_channels": 2}
-    assert (spec.mask_values, spec.training_scale, spec.scale, spec.ignore_values) == ([0, 127, 254], None, 0.5, ())
+    assert (spec.mask_values, spec.inference.scale, spec.scale, spec.inference.ignore_values) == (
+        [0, 127, 254],
+        None,
+        0.5,
+        (),
+    )
     with pytest.raises(CheckpointError, match=r"cannot be resumed: it lacks model_state, optimizer"):
         TrainingState.of(load_checkpoint_file(path), path)
 
@@ -310,7 +315,7 @@ def test_a_ddp_script_file_loads_without_its_module_prefixes() -> None:
     model, spec = load_model(path)
     assert_holds_weights(model, raw["model_state_dict"], prefix="module.")
     assert spec.model_args == {"n_channels": 3, "n_classes": 1, "bilinear": True, "base_channels": 2}
-    assert (spec.mask_values, spec.training_scale) == (None, None)
+    assert (spec.mask_values, spec.inference.scale) == (None, None)
 
 
 def test_the_inference_record_decides_how_images_are_prepared_not_the_flags(tmp_path: Path) -> None:
@@ -321,7 +326,7 @@ def test_the_inference_record_decides_how_images_are_prepared_not_the_flags(tmp_
     payload[KEY_INFERENCE] = InferenceRecord(scale=0.75, ignore_values=(255,), channels=3).as_dict()
     save_checkpoint_atomic(payload, tmp_path / "new.pth")
     _, spec = load_model(tmp_path / "new.pth")
-    assert (spec.training_scale, spec.ignore_values, spec.mask_values) == (0.75, (255,), [0, 255])
+    assert (spec.inference.scale, spec.inference.ignore_values, spec.mask_values) == (0.75, (255,), [0, 255])
 
 
 def test_a_newer_format_is_refused_by_every_read(tmp_path: Path) -> None:
@@ -338,13 +343,13 @@ def test_a_newer_format_is_refused_by_every_read(tmp_path: Path) -> None:
 
 def test_a_training_state_survives_its_own_write_and_read(tmp_path: Path) -> None:
     state = TrainingState.of(load_checkpoint_file(FIXTURES / "v1_train.pth"), "v1_train.pth")
-    state.inference = InferenceRecord(scale=0.5, ignore_values=(), channels=1)
+    state.weights.inference = InferenceRecord(scale=0.5, ignore_values=(), channels=1)
     save_checkpoint_atomic(state.to_payload(), tmp_path / "again.pth")
     again = TrainingState.of(load_checkpoint_file(tmp_path / "again.pth"), "again.pth")
-    assert again.inference == state.inference and again.position == state.position
-    assert again.model.keys() == state.model.keys()
-    assert all(torch.equal(again.model[key], tensor) for key, tensor in state.model.items())
-    assert again.run_args == state.run_args and again.mask_values == state.mask_values
+    assert again.weights.inference == state.weights.inference and again.position == state.position
+    assert again.weights.state_dict.keys() == state.weights.state_dict.keys()
+    assert all(torch.equal(again.weights.state_dict[key], tensor) for key, tensor in state.weights.state_dict.items())
+    assert again.run_args == state.run_args and again.weights.mask_values == state.weights.mask_values
 
 
 def test_train_writes_the_inference_record(runner: TrainRunner) -> None:

@@ -9,6 +9,7 @@ from tests.conftest import TrainRunner, load_checkpoint
 from tests.helpers import one_error_line, tiny_unet
 from utils.checkpoint.checkpointer import checkpoint_budget, epoch_files_written, optimizer_slots
 from utils.checkpoint.files import read_model_weights
+from utils.training.config import CheckpointSection
 
 
 def test_best_files_hold_the_weights_only_and_still_load_everywhere(
@@ -50,10 +51,10 @@ def test_budget_arithmetic() -> None:
     assert optimizer_slots(adamw) == 2
     assert optimizer_slots(torch.optim.RMSprop(model.parameters(), momentum=0.9)) == 2
     assert optimizer_slots(torch.optim.SGD(model.parameters(), lr=0.1)) == 0
-    budget = checkpoint_budget(model, adamw, epoch_files=3, keep_best=0)
+    budget = checkpoint_budget(model, adamw, CheckpointSection(save_every=1, keep_last=3, keep_best=0), range(1, 6))
     assert budget.full_state_bytes == weights + 2 * parameters
-    assert budget.total_bytes == 5 * budget.full_state_bytes + weights
-    assert epoch_files_written(epochs_done=0, last_epoch=5, save_every=1, keep_last=0) == 5
-    assert epoch_files_written(epochs_done=0, last_epoch=5, save_every=2, keep_last=0) == 2
-    assert epoch_files_written(epochs_done=2, last_epoch=5, save_every=1, keep_last=2) == 2
-    assert epoch_files_written(epochs_done=0, last_epoch=5, save_every=0, keep_last=0) == 0
+    assert budget.total_bytes == 5 * budget.full_state_bytes + weights  # last, INTERRUPTED, 3 epoch files; best.pth
+    assert epoch_files_written(CheckpointSection(save_every=1, keep_last=0), range(1, 6)) == 5
+    assert epoch_files_written(CheckpointSection(save_every=2, keep_last=0), range(1, 6)) == 2
+    assert epoch_files_written(CheckpointSection(save_every=1, keep_last=2), range(3, 6)) == 2
+    assert epoch_files_written(CheckpointSection(save_every=0, keep_last=0), range(1, 6)) == 0

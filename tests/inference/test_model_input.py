@@ -26,10 +26,10 @@ def scale_warnings(caplog) -> list[str]:
 def test_spec_records_the_training_scale_and_files_without_it_keep_milesials_default(tmp_path):
     model = make_model(2)
     _, ours = load_model(save_checkpoint_trained_at(tmp_path / "ours.pth", model, 0.25))
-    assert ours.training_scale == 0.25 and ours.scale == 0.25
+    assert ours.inference.scale == 0.25 and ours.scale == 0.25
     for style in ("milesial", "ddp"):
         _, foreign = load_model(save_checkpoint(tmp_path / f"{style}.pth", model, [0, 1], style=style))
-        assert foreign.training_scale is None and foreign.scale == DEFAULT_SCALE == 0.5
+        assert foreign.inference.scale is None and foreign.scale == DEFAULT_SCALE == 0.5
 
 
 def test_resolve_scale_warns_once_naming_both_values_when_the_flag_differs(tmp_path, caplog):
@@ -87,7 +87,7 @@ def test_evaluate_without_scale_uses_the_checkpoints(tmp_path, carvana_data, cap
 def test_hub_model_carries_its_spec_and_scale(tmp_path):
     model = make_model(2)
     loaded = hubconf.unet(checkpoint=save_checkpoint_trained_at(tmp_path / "m.pth", model, 0.25, [0, 255]))
-    assert loaded.scale == 0.25 and loaded.mask_values == [0, 255] and loaded.spec.training_scale == 0.25
+    assert loaded.scale == 0.25 and loaded.mask_values == [0, 255] and loaded.spec.inference.scale == 0.25
     milesial = hubconf.unet(checkpoint=save_checkpoint(tmp_path / "w.pth", model, [0, 1], style="milesial"))
     assert milesial.scale == 0.5
 

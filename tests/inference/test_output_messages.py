@@ -86,7 +86,7 @@ def test_class_names_travel_from_training_to_evaluate_and_old_files_load(runner,
     assert runner.main("named", "--epochs", "1", "--class-names", "background, car") == 0
     best = runner.run_dir("named") / "best.pth"
     assert InferenceRecord.of(load_checkpoint_file(best)).class_names == ("background", "car")
-    assert load_model(best)[1].class_names == ("background", "car")
+    assert load_model(best)[1].inference.class_names == ("background", "car")
     capsys.readouterr()
 
     report = tmp_path / "named.json"
@@ -100,9 +100,9 @@ def test_class_names_travel_from_training_to_evaluate_and_old_files_load(runner,
     payload = load_checkpoint_file(best)
     del payload[KEY_INFERENCE]["class_names"]
     torch.save(payload, tmp_path / "older.pth")
-    assert load_model(tmp_path / "older.pth")[1].class_names == ()
+    assert load_model(tmp_path / "older.pth")[1].inference.class_names == ()
     milesial = save_checkpoint(tmp_path / "milesial.pth", tiny_unet(), [0, 1], style="milesial")
-    assert load_model(milesial)[1].class_names == ()
+    assert load_model(milesial)[1].inference.class_names == ()
 
 
 def test_a_class_name_count_that_does_not_fit_is_one_error_line(runner, capsys):

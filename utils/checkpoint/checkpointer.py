@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
-from utils.checkpoint.format import all_finite
+from utils.checkpoint.format import LoadedWeights, all_finite
 from utils.checkpoint.run_folder import RunFolder
 from utils.checkpoint.state import (
     TrainingState,
@@ -176,7 +176,7 @@ class Checkpointer:
             shared.append(self.folder.ranked_best(place))
         if not self._save(targets, shared, best_place=place):
             self.position.best_ranking = previous  # the files did not move
-        if self.ctx.is_main and self.config.keep_last:
+        if self.ctx.is_main:  # --keep-last 0 (keep all) prunes nothing
             for path in self.folder.prune_epoch_checkpoints(self.config.keep_last):
                 logger.info("Removed %s (--keep-last %d)", path.name, self.config.keep_last)
 
@@ -222,11 +222,9 @@ class Checkpointer:
     def payload(self) -> dict[str, Any]:
         """The checkpoint of the current state, as every save writes it (the benchmark times the same)."""
         parts, scaler = self.parts, self.parts.step.scaler
+        model = parts.raw_model.state_dict()
         return TrainingState(
-            model=parts.raw_model.state_dict(),
-            model_args=parts.model_args,
-            mask_values=parts.data.mask_values,
-            inference=self._inference,
+            weights=LoadedWeights(model, parts.model_args, parts.data.mask_values, self._inference, self._split_digest),
             optimizer=parts.step.optimizer.state_dict(),
             scheduler=parts.scheduler.state_dict(),
             scaler=scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
@@ -234,7 +232,6 @@ class Checkpointer:
             run_args=parts.run_args,
             world_size=self.ctx.world_size,
             dataset=self._dataset,
-            split_digest=self._split_digest,
             ema=parts.ema.state_dict() if parts.ema is not None else None,
         ).to_payload()
 
@@ -264,15 +261,8 @@ class Checkpointer:
         """
         if not self.ctx.is_main:
             return
-        epoch_files = epoch_files_written(
-            epochs_done=self.position.epoch,
-            last_epoch=last_epoch,
-            save_every=self.config.save_every,
-            keep_last=self.config.keep_last,
-        )
-        budget = checkpoint_budget(
-            self.parts.raw_model, self.parts.step.optimizer, epoch_files=epoch_files, keep_best=self.config.keep_best
-        )
+        epochs = range(self.position.epoch + 1, last_epoch + 1)  # the epochs this run trains
+        budget = checkpoint_budget(self.parts.raw_model, self.parts.step.optimizer, self.config, epochs)
         logger.info(
             "Checkpoints: a full-state file (last.pth, INTERRUPTED.pth, checkpoint_epoch{N}.pth) is about %s, best.pth "
             "(weights only) about %s; this run keeps at most %d full-state and %d weights-only files, about %s",
@@ -291,7 +281,7 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
     ``state`` was checked against the model already (``utils.training.build_model.check_resume``). The optimizer is
     restored before the average, whose reference step count is the optimizer's.
     """
-    parts["model"].load_state_dict(state.model)
+    parts["model"].load_state_dict(state.weights.state_dict)
     parts["optimizer"].load_state_dict(state.optimizer)
     parts["scheduler"].load_state_dict(state.scheduler)
     if parts["scaler"] is not None and state.scaler:
@@ -305,7 +295,7 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
                 "--ema %g: the resumed checkpoint has no average of the weights; it starts from them now", ema.decay
             )
         # A resume that switches --ema on starts the average from the resumed weights.
-        ema.load_state_dict(state.ema if state.ema is not None else state.model)
+        ema.load_state_dict(state.ema if state.ema is not None else state.weights.state_dict)
     if state.rng is not None:
         restore_rng_state(state.rng)
     position = parts["position"]
@@ -337,24 +327,25 @@ class CheckpointBudget:
 
 
 def checkpoint_budget(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, epoch_files: int, keep_best: int
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: CheckpointSection, epochs: range
 ) -> CheckpointBudget:
+    """The files a run that trains ``epochs`` keeps at most under the checkpoint flags ``config``, and their sizes."""
     weights = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
     parameters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return CheckpointBudget(
         full_state_bytes=weights + parameters * optimizer_slots(optimizer),
         weights_only_bytes=weights,
-        full_state_files=2 + epoch_files,
-        weights_only_files=1 + keep_best,
+        full_state_files=2 + epoch_files_written(config, epochs),
+        weights_only_files=1 + config.keep_best,
     )
 
 
-def epoch_files_written(*, epochs_done: int, last_epoch: int, save_every: int, keep_last: int) -> int:
-    """checkpoint_epoch{N}.pth files this run writes (epochs ``epochs_done+1 .. last_epoch``), after --keep-last."""
-    if not save_every:
+def epoch_files_written(config: CheckpointSection, epochs: range) -> int:
+    """checkpoint_epoch{N}.pth files a run that trains ``epochs`` writes (every --save_every), after --keep-last."""
+    if not config.save_every:
         return 0
-    written = sum(1 for number in range(epochs_done + 1, last_epoch + 1) if number % save_every == 0)
-    return min(written, keep_last) if keep_last else written
+    written = sum(1 for number in epochs if number % config.save_every == 0)
+    return min(written, config.keep_last) if config.keep_last else written
 
 
 def _megabytes(size: int) -> str:

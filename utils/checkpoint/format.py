@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -108,7 +108,7 @@ class InferenceRecord:
             }
         return cls(
             scale=_usable_scale(record.get("scale")),
-            ignore_values=_usable_ints(record.get("ignore_values")),
+            ignore_values=_usable_tuple(record.get("ignore_values"), _is_int),
             channels=_usable_channels(record.get("channels")),
             class_names=_usable_names(record.get("class_names")),
         )
@@ -124,8 +124,9 @@ def _usable_scale(value: Any) -> float | None:
     return float(value)
 
 
-def _usable_ints(values: Any) -> tuple[int, ...]:
-    if not isinstance(values, list | tuple) or not all(_is_int(value) for value in values):
+def _usable_tuple(values: Any, usable: Callable[[Any], bool]) -> tuple:
+    """``values`` as a tuple when they are a list or tuple of usable items, else empty."""
+    if not isinstance(values, list | tuple) or not all(usable(value) for value in values):
         return ()
     return tuple(values)
 
@@ -138,9 +139,7 @@ def _usable_names(values: Any) -> tuple[str, ...]:
     # A run's args hold the flag's text ("background,car"); the record holds the list.
     if isinstance(values, str):
         return split_class_names(values)
-    if not isinstance(values, list | tuple) or not all(isinstance(value, str) for value in values):
-        return ()
-    return tuple(values)
+    return _usable_tuple(values, lambda value: isinstance(value, str))
 
 
 @dataclass
@@ -241,9 +240,7 @@ def check_format_version(raw: Mapping[str, Any], path: str | Path) -> None:
 def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
     """The model weights of ``raw`` (``load_checkpoint_file``'s result for ``path``), wrapper prefixes removed."""
     state_dict, model_args = _model_weights(raw), raw.get(KEY_MODEL_ARGS) if _is_ours(raw) else None
-    if not isinstance(state_dict, Mapping) or not state_dict:
-        state_dict = {}
-    if not state_dict or not all(isinstance(value, torch.Tensor) for value in state_dict.values()):
+    if not isinstance(state_dict, Mapping) or not state_dict or not all(map(torch.is_tensor, state_dict.values())):
         raise CheckpointError(f"{path} is not a model checkpoint: it holds no tensors of model weights")
     mask_values = raw.get(KEY_MASK_VALUES)
     split_digest = raw.get(KEY_SPLIT_DIGEST) if _is_ours(raw) and isinstance(raw.get(KEY_SPLIT_DIGEST), str) else None

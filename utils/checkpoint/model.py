@@ -37,7 +37,7 @@ import torch
 
 from unet import ENCODERS, OPTIONAL_ARGS, UNetArgs, build_model
 from utils.checkpoint.files import read_model_weights
-from utils.checkpoint.format import LoadedWeights
+from utils.checkpoint.format import InferenceRecord, LoadedWeights
 from utils.errors import CheckpointError, shortened
 
 logger = logging.getLogger(__name__)
@@ -61,22 +61,20 @@ _INT_RANGES = {"n_channels": (1, 64), "n_classes": (1, 1024), "base_channels": (
 @dataclass(frozen=True)
 class ModelSpec(UNetArgs):
     """What builds a model from a checkpoint: UNet's constructor arguments (``UNetArgs``, the one owner of their names
-    and defaults) and the mask value of each class."""
+    and defaults), the mask value of each class and the file's inference record, whole."""
 
     mask_values: list | None = None
-    training_scale: float | None = None
-    """The ``--scale`` the model was trained at, when the file records it (ours do; milesial's do not)."""
-    ignore_values: tuple[int, ...] = ()
-    """The void mask values the model was trained with (``--ignore-value``): never a class, never predicted."""
-    class_names: tuple[str, ...] = ()
-    """One name per class (``--class-names`` in training), for legends and tables; empty when the file has none."""
+    inference: InferenceRecord = InferenceRecord()
+    """How the training images were prepared: the ``--scale`` (None when the file does not record it: milesial's do
+    not), the void mask values (``--ignore-value``: never a class, never predicted) and the class names (empty when
+    the file has none)."""
     split_digest: str | None = None
     """sha256 of the train/validation split it was trained on (``evaluate.py --split`` checks it); None: unrecorded."""
 
     @property
     def scale(self) -> float:
         """The resize factor images get by default: the training scale, else milesial's 0.5."""
-        return DEFAULT_SCALE if self.training_scale is None else self.training_scale
+        return DEFAULT_SCALE if self.inference.scale is None else self.inference.scale
 
     @property
     def model_args(self) -> dict[str, Any]:
@@ -141,33 +139,28 @@ def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
     check_weights_match_args(args, loaded.state_dict, path)
     check_weight_values(loaded.state_dict, path)
     check_mask_values_of(loaded.mask_values, int(args["n_classes"]), path)
-    inference = loaded.inference
     return ModelSpec(
-        **args,
-        mask_values=loaded.mask_values,
-        training_scale=inference.scale,
-        ignore_values=inference.ignore_values,
-        class_names=inference.class_names,
-        split_digest=loaded.split_digest,
+        **args, mask_values=loaded.mask_values, inference=loaded.inference, split_digest=loaded.split_digest
     )
 
 
 def resolve_scale(spec: ModelSpec, flag_value: float | None, path: str | Path, *, flag: str = "--scale") -> float:
     """The scale to prepare images at: ``flag_value`` when given (warning once if it differs), else the spec's."""
+    trained_at = spec.inference.scale
     if flag_value is None:
-        if spec.training_scale is None:
+        if trained_at is None:
             logger.info("%s records no training scale; using %s %s (milesial's default)", path, flag, DEFAULT_SCALE)
         return spec.scale
-    if spec.training_scale is not None and flag_value != spec.training_scale:
+    if trained_at is not None and flag_value != trained_at:
         logger.warning(
             "%s %s differs from the scale %s was trained at (%s); using %s as asked (drop %s to use %s)",
             flag,
             flag_value,
             path,
-            spec.training_scale,
+            trained_at,
             flag_value,
             flag,
-            spec.training_scale,
+            trained_at,
         )
     return flag_value
 
@@ -187,8 +180,7 @@ def check_expected(
         if key == "n_channels":
             raise CheckpointError(
                 f"{source} {path} expects {stored[key]}-channel images but the images in {images_from} have {value} "
-                f"channels; use a "
-                f"checkpoint trained on such images"
+                "channels; use a checkpoint trained on such images"
             )
         flag = ARG_FLAGS[key]
         if key in ("bilinear", "deep_supervision"):

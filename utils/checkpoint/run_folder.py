@@ -56,14 +56,8 @@ from typing import Any
 import torch
 
 from utils.checkpoint.files import write_failure_message
-from utils.checkpoint.format import (
-    KEY_EPOCH,
-    KEY_GLOBAL_STEP,
-    KEY_STEP_IN_EPOCH,
-    KEY_TENSOR_DIGESTS,
-    PARTIAL_FILE_PATTERN,
-)
-from utils.checkpoint.state import load_resume_checkpoint
+from utils.checkpoint.format import KEY_TENSOR_DIGESTS, PARTIAL_FILE_PATTERN
+from utils.checkpoint.state import load_resume_checkpoint, position_of
 from utils.errors import CheckpointError, ConfigError
 from utils.launch.process_group import DistributedContext, decide_on_main
 from utils.training.config import RESUME_AUTO
@@ -283,9 +277,8 @@ class RunFolder:
 
         When it may not, the folder is left untouched (its lock file too). When it may, the folder is locked, and if
         its checkpoints changed meanwhile (another run saved between the answer and the lock) the answer is given
-        again under the lock. A live run's folder is refused, naming its process.
+        again under the lock. A live run's folder is refused, naming its process. (It exists: it holds ``path``.)
         """
-        self.check_creatable()
         listing = self._listing()
         if not self.can_continue_from(path, payload):
             return False
@@ -404,26 +397,22 @@ class RunSeries:
         return folder
 
 
-def _position(payload: dict[str, Any]) -> tuple[Any, Any, Any]:
-    return payload.get(KEY_GLOBAL_STEP), payload.get(KEY_EPOCH), payload.get(KEY_STEP_IN_EPOCH)
+def _position(payload: dict[str, Any]) -> tuple[int, int, int]:
+    """(global step, epoch, step in the epoch) as a resume reads them (``position_of``), the order of the ranking."""
+    position = position_of(payload)
+    return position.global_step, position.epoch, position.step_in_epoch
 
 
 def recorded_position(path: Path) -> tuple[int, int, int] | None:
-    """(global step, epoch, step in the epoch) recorded in checkpoint ``path``; None when it cannot be read.
+    """The position (``_position``) recorded in checkpoint ``path``; None when it cannot be read.
 
     Memory-mapped: only the small pickle is read, not the tensors, so ranking a folder costs little even with large
     checkpoints. The full read (digests included) happens when the file is chosen.
     """
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return _position(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
     except Exception:  # any unreadable file ranks last; its full read names what is wrong with it
         return None
-    if not isinstance(payload, dict):
-        return None
-    position = _position(payload)
-    if not all(isinstance(value, int) and not isinstance(value, bool) for value in position):
-        return None
-    return position
 
 
 def _read_pid(fd: int) -> int | None:

@@ -6,6 +6,7 @@ constants, the format-version check, the digests and the model weights' prefixes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections.abc import Sequence
@@ -82,15 +83,14 @@ class TrainPosition:
 class TrainingState:
     """Everything a resumable checkpoint holds: the one typed write (``to_payload``) and read (``of``) of its keys.
 
-    ``model`` is the unwrapped module's state dict; ``optimizer``, ``scheduler`` and ``scaler`` are state dicts too
-    (``scaler`` None unless fp16 scaling is on). ``run_args`` are the run's flags, kept for the resume checks and the
-    epoch plan; nothing that prepares images for inference reads them (that is ``inference``).
+    ``weights`` are the weights being trained (the unwrapped module's state dict) with the record that describes them
+    (its arguments, mask values, inference record and split digest), as every reader of model weights takes them;
+    ``optimizer``, ``scheduler`` and ``scaler`` are state dicts (``scaler`` None unless fp16 scaling is on).
+    ``run_args`` are the run's flags, kept for the resume checks and the epoch plan; nothing that prepares images for
+    inference reads them (that is ``weights.inference``).
     """
 
-    model: dict[str, torch.Tensor]
-    model_args: dict[str, Any]
-    mask_values: list
-    inference: InferenceRecord
+    weights: LoadedWeights
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
     scaler: dict[str, Any] | None
@@ -99,25 +99,19 @@ class TrainingState:
     world_size: int
     dataset: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
-    split_digest: str | None = None
-    """sha256 of the run's ``split.json``; None in files written before splits were recorded."""
     ema: dict[str, torch.Tensor] | None = None
-    """--ema: the averaged weights (a state dict like ``model``); None when the run keeps no average."""
-
-    @property
-    def weights(self) -> LoadedWeights:
-        """The model part of the state, as every reader of model weights takes it."""
-        return LoadedWeights(self.model, self.model_args, self.mask_values, self.inference)
+    """--ema: the averaged weights (a state dict like ``weights.state_dict``); None when the run keeps no average."""
 
     def to_payload(self) -> dict[str, Any]:
         """The checkpoint dictionary (DESIGN.md, format version 1), RNG state captured now when not set."""
+        weights = self.weights
         return {
             KEY_FORMAT_VERSION: FORMAT_VERSION,
             # With an average, model_state is the average (what inference reads) and the live weights move aside.
-            KEY_MODEL: self.model if self.ema is None else self.ema,
-            KEY_MODEL_ARGS: dict(self.model_args),
-            KEY_MASK_VALUES: list(self.mask_values),
-            KEY_INFERENCE: self.inference.as_dict(),
+            KEY_MODEL: weights.state_dict if self.ema is None else self.ema,
+            KEY_MODEL_ARGS: dict(weights.model_args),
+            KEY_MASK_VALUES: list(weights.mask_values),
+            KEY_INFERENCE: weights.inference.as_dict(),
             KEY_OPTIMIZER: self.optimizer,
             KEY_SCHEDULER: self.scheduler,
             KEY_SCALER: self.scaler,
@@ -130,10 +124,10 @@ class TrainingState:
             KEY_BEST_RANKING: [list(entry) for entry in self.position.best_ranking],
             KEY_WORLD_SIZE: self.world_size,
             KEY_DATASET: self.dataset,
-            KEY_SPLIT_DIGEST: self.split_digest,
+            KEY_SPLIT_DIGEST: weights.split_digest,
             KEY_BEST_EPOCH: self.position.best_epoch,
             KEY_VALIDATIONS_WITHOUT_IMPROVEMENT: self.position.validations_without_improvement,
-            **({} if self.ema is None else {KEY_LIVE_MODEL: self.model}),
+            **({} if self.ema is None else {KEY_LIVE_MODEL: weights.state_dict}),
         }
 
     @classmethod
@@ -145,17 +139,13 @@ class TrainingState:
                 f"{path} cannot be resumed: it lacks {', '.join(missing)} (weights-only files start a new run with "
                 f"--load)"
             )
-        weights = weights_of(payload, path)
-        live, ema = weights.state_dict, None
+        weights, ema = weights_of(payload, path), None
         if isinstance(payload.get(KEY_LIVE_MODEL), dict):  # an --ema run: model_state is the average
-            live, ema = payload[KEY_LIVE_MODEL], weights.state_dict
+            weights, ema = dataclasses.replace(weights, state_dict=payload[KEY_LIVE_MODEL]), weights.state_dict
         run_args = payload.get(KEY_ARGS)
         dataset = payload.get(KEY_DATASET)
         return cls(
-            model=live,
-            model_args=weights.model_args,
-            mask_values=weights.mask_values,
-            inference=weights.inference,
+            weights=weights,
             optimizer=payload[KEY_OPTIMIZER],
             scheduler=payload[KEY_SCHEDULER],
             scaler=payload.get(KEY_SCALER) or None,
@@ -164,7 +154,6 @@ class TrainingState:
             world_size=int(payload.get(KEY_WORLD_SIZE) or 1),
             dataset=dataset if isinstance(dataset, dict) else None,
             rng=payload.get(KEY_RNG),
-            split_digest=payload.get(KEY_SPLIT_DIGEST) if isinstance(payload.get(KEY_SPLIT_DIGEST), str) else None,
             ema=ema,
         )
 

@@ -61,12 +61,12 @@ def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
     """The checkpoint's model (eval mode, on the CPU) and how predict.py prepares images for it and writes its classes:
     the image scale, the mask value of each class, void values and class names (empty when the checkpoint has none)."""
     model, spec, scale = load_model(config)
-    mask_values = spec.mask_values
+    mask_values, inference = spec.mask_values, spec.inference
     if mask_values is None:
         mask_values = default_mask_values(model.n_classes)
         logger.warning("%s stores no mask_values; writing classes as %s", config.model, mask_values)
     check_mask_values(mask_values)
-    void = sorted(set(spec.ignore_values) & {v for v in mask_values if isinstance(v, int)})
+    void = sorted(set(inference.ignore_values) & {v for v in mask_values if isinstance(v, int)})
     if void:
         # A class written as a void value would read back as "not labelled": never write one.
         raise CheckpointError(
@@ -82,7 +82,7 @@ def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
             config.model,
             model.n_classes,
         )
-    preprocessing = Preprocessing(scale, mask_values, model.n_channels, spec.ignore_values, spec.class_names)
+    preprocessing = Preprocessing(scale, mask_values, model.n_channels, inference.ignore_values, inference.class_names)
     return model.eval(), preprocessing
 
 

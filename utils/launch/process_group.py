@@ -19,7 +19,7 @@ import tempfile
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from utils.errors import ConfigError, UserError, first_line
 from utils.hardware import available_cpus, pick_device, threads_per_process
 from utils.launch.environments import LaunchPlan, LaunchValueError
 from utils.launch.signals import InterruptFlag
+
+if TYPE_CHECKING:
+    from utils.training.config import LaunchSection, PerformanceSection
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -57,14 +60,13 @@ class DistributedContext(LaunchPlan):
         return self.backend is not None
 
 
-def setup(
-    plan: LaunchPlan, *, device_request: str = "auto", timeout_s: float = 1800.0, threads: int = 0
-) -> DistributedContext:
-    """Pick the device, size the CPU thread pool, and join the process group when the plan is distributed."""
-    device = pick_device(device_request, local_rank=plan.local_rank, distributed=plan.distributed)
+def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSection) -> DistributedContext:
+    """Pick the device (--device), size the CPU thread pool (--threads), and join the process group when the plan is
+    distributed (within --dist-timeout); the flags' sections are handed whole."""
+    device = pick_device(performance.device, local_rank=plan.local_rank, distributed=plan.distributed)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(threads or threads_per_process(available_cpus(), plan.local_world_size))
+    torch.set_num_threads(performance.threads or threads_per_process(available_cpus(), plan.local_world_size))
     if plan.warning:
         logger.warning(plan.warning)
     if not plan.distributed:
@@ -72,7 +74,7 @@ def setup(
 
     check_rendezvous_host(plan)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=launch.dist_timeout)
     join = {"backend": backend, "rank": plan.rank, "world_size": plan.world_size, "timeout": timeout}
     try:
         with _native_output_to_debug():
@@ -84,7 +86,7 @@ def setup(
             else:
                 dist.init_process_group(init_method=plan.init_method, **join)
     except dist.DistError as error:
-        raise ConfigError(_rendezvous_failure(plan, timeout_s, error)) from error
+        raise ConfigError(_rendezvous_failure(plan, launch.dist_timeout, error)) from error
     # The timeout must be given again: a new group does not inherit it and would wait 30 minutes for a dead rank.
     control_group = dist.new_group(backend="gloo", timeout=timeout)
     return DistributedContext(**vars(plan), device=device, backend=backend, control_group=control_group)

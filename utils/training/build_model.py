@@ -54,7 +54,7 @@ def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, pat
         source="--resume",
         images_from="--imgs",
     )
-    _warn_mask_values(state.mask_values, data.mask_values, path)
+    _warn_mask_values(state.weights.mask_values, data.mask_values, path)
 
 
 def build_model(

@@ -4,7 +4,7 @@ The file is what torchvision itself downloads and caches (``~/.cache/torch/hub/c
 a plain state dict with keys ``conv1.weight``, ``bn1.*``, ``layer1.*`` ... ``fc.*``. The classifier (``fc.*``) is
 dropped; every other key must match the encoder exactly, so a resnet50 file given to ``--encoder resnet34`` (or a
 file that is not a ResNet's) is refused with one message naming the file. Nothing is downloaded here or anywhere
-else: the file is read and checked as every weights file is (``utils.checkpoint.files.load_checkpoint_file``: never
+else: the file is read and checked as every weights file is (``utils.checkpoint.files.read_model_weights``: never
 unpickles code, refuses NaN and inf; ``module.`` prefixes and a ``state_dict`` wrapper are taken off), and its values
 pass the checkpoints' check (``utils.checkpoint.model.check_weight_values``: dense, floating point, BatchNorm
 variances >= 0), so a damaged file is refused naming it before a step is trained.
@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from utils.checkpoint.files import load_checkpoint_file
-from utils.checkpoint.format import weights_of
+from utils.checkpoint.files import read_model_weights
 from utils.checkpoint.model import check_weight_values, key_differences
 from utils.errors import CheckpointError, ConfigError
 
@@ -40,7 +39,7 @@ def read_encoder_weights(path: str | Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"--encoder-weights {path}: no such file; {HOW_TO_GET}")
     try:
         # The one safe read of every weights file, and its reading of wrapped and nested state dicts.
-        weights = weights_of(load_checkpoint_file(path), path).state_dict
+        weights = read_model_weights(path).state_dict
     except CheckpointError as error:
         raise ConfigError(
             f"--encoder-weights {path} is not a usable torch state dict ({error}); {HOW_TO_GET}"

@@ -51,12 +51,7 @@ def join(config: TrainConfig, plan: LaunchPlan) -> DistributedContext:
     # for reuse instead of faulting in fresh pages each time (utils.hardware; 1.2-1.3x bf16 images/s on the 2-core
     # machine of docs/PERFORMANCE.md).
     reuse_large_buffers()
-    return setup(
-        plan,
-        device_request=config.performance.device,
-        timeout_s=config.launch.dist_timeout,
-        threads=config.performance.threads,
-    )
+    return setup(plan, config.performance, config.launch)
 
 
 def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: InterruptFlag) -> Trainer:
@@ -197,7 +192,7 @@ def build_parts(
         check_resume(config, data, state, resume_path)
     model, model_args = build_model(config, ctx, data, resuming=state is not None)
     # After the model's checks, whose check of the dataset's files names the likelier cause of a changed split.
-    saved_digest = state.split_digest if state is not None else None
+    saved_digest = state.weights.split_digest if state is not None else None
     record_split(data.split, run_folder.split, saved_digest=saved_digest, resume_path=resume_path, write=ctx.is_main)
     plan = BatchPlan(
         n_train=len(data.train_set),
