@@ -120,7 +120,8 @@ class ModelSection:
 
 @dataclass
 class OptimisationSection:
-    """The loss, optimizer, schedule and step (``utils.training.build_optimization``), and when the run stops."""
+    """The loss, optimizer, schedule and step (``utils.training.objective``, ``utils.training.step``), and when the
+    run stops."""
 
     epochs: int = flag(5, "--epochs", "-e", range=Range(1))
     """Number of epochs to train (numbered --start_from .. --start_from + epochs - 1)."""

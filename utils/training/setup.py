@@ -1,7 +1,7 @@
 """Wiring a training run from the parsed flags: the builders that read ``TrainConfig`` are called from here.
 
 ``build_parts`` wires three builders, each handed the config sections it reads: the model
-(``utils.training.build_model``), the optimisation (``utils.training.build_optimization``) and the loaders
+(``utils.training.build_model``), the optimisation (``utils.training.objective``) and the loaders
 (``utils.training.data``). The batch arithmetic (``BatchPlan``) is made once here and handed down.
 
 Every rank builds its own copy (per the PyTorch DDP tutorial: each rank loads the checkpoint before wrapping the model
@@ -31,15 +31,16 @@ from utils.launch.environments import LaunchPlan
 from utils.launch.process_group import DistributedContext, agree_on_errors, setup
 from utils.launch.signals import InterruptFlag
 from utils.training.build_model import build_model, check_resume, wrap_for_training
-from utils.training.build_optimization import build_optimization, build_step
 from utils.training.compiled import use_compile_cache, warn_if_slower
 from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, resume_rule
 from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, build_loaders, record_split
 from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
+from utils.training.objective import build_optimization, class_weights_of
 from utils.training.run_log import RunLog, settings_block, start_phrase
 from utils.training.sampler import BatchPlan
+from utils.training.step import TrainStep
 from utils.training.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -213,13 +214,15 @@ def build_parts(
         precision=precision,
         resumed=state is not None,
     )
-    step = build_step(
+    step = TrainStep(
         config,
-        optimization,
+        precision=precision,
+        class_weights=class_weights_of(config, data.train_class_pixels),
         model=wrap_for_training(model, ctx, compile_model=config.performance.compile),
         raw_model=model,
-        data=data,
-        precision=precision,
+        optimizer=optimization.optimizer,
+        scheduler=optimization.scheduler,
+        scaler=optimization.scaler,
         device=ctx.device,
     )
     # After DDP's wrapping, which broadcasts rank 0's weights: every rank's average starts from the same ones.

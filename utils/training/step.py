@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from utils.hardware import autocast
 from utils.training.config import TrainConfig
 from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
-from utils.training.objective import supervised_loss
+from utils.training.objective import steps_every_update, supervised_loss
 
 
 class TrainStep:
@@ -51,7 +51,8 @@ class TrainStep:
         self.model = model
         self.raw_model = raw_model
         self.optimizer = optimizer
-        self.scheduler = scheduler
+        # ReduceLROnPlateau steps on validation Dice, in the loop; only its warmup (if any) steps after every update.
+        self.scheduler = scheduler if steps_every_update(config.optimisation) else None
         self.scaler = scaler
         self.device = device
         self._ddp = _find_ddp(model)
