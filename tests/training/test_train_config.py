@@ -215,24 +215,23 @@ def test_the_step_freezes_the_encoder_for_the_epochs_counted_from_start_from() -
     assert step([]).freeze_encoder_before_epoch == 0 and step([]).precision == "bf16"
 
 
-def test_every_flag_has_one_resume_rule() -> None:
+def test_every_flag_has_one_of_the_three_resume_rules() -> None:
     from utils.flags import flag_fields
-    from utils.training.config import RESUME_RULES
+    from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN
 
-    flags = [item.flag.name for item in flag_fields(TrainConfig)]
-    rows = [name for names in RESUME_RULES.values() for name in names]
-    assert sorted(rows) == sorted(set(rows)), "a flag is in two rows"
-    assert set(flags) - set(rows) == set(), "flags without a resume rule"
-    assert set(rows) - set(flags) == set(), "rules for flags that do not exist"
+    rules = {item.flag.resume for item in flag_fields(TrainConfig)}
+    assert rules == {MUST_MATCH, MAY_CHANGE, NEW_PLAN}, "a flag's resume= is none of the three rules"
 
 
 def test_the_resume_rules_of_the_objective_averages_and_plan() -> None:
-    from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN, resume_rule
+    from utils.flags import flag_fields
+    from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN
 
+    rule = {item.flag.name: item.flag.resume for item in flag_fields(TrainConfig)}
     must = ["--optimizer", "--scheduler", "--learning-rate", "--weight-decay", "--momentum", "--warmup-steps",
             "--class-weights", "--scale", "--validation", "--seed", "--ignore-value", "--oversample-foreground",
             "--augment", "--ema", "--split-by", "--folds", "--fold", "--base-channels"]  # fmt: skip
-    assert {flag: resume_rule(flag) for flag in must} == dict.fromkeys(must, MUST_MATCH)
+    assert {flag: rule[flag] for flag in must} == dict.fromkeys(must, MUST_MATCH)
     may = ["--patience", "--min-delta", "--batch-size", "--max-steps", "--tensorboard", "--keep-best"]
-    assert {flag: resume_rule(flag) for flag in may} == dict.fromkeys(may, MAY_CHANGE)
-    assert {resume_rule(flag) for flag in ("--epochs", "--start_from", "--load", "--resume")} == {NEW_PLAN}
+    assert {flag: rule[flag] for flag in may} == dict.fromkeys(may, MAY_CHANGE)
+    assert {rule[flag] for flag in ("--epochs", "--start_from", "--load", "--resume")} == {NEW_PLAN}

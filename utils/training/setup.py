@@ -32,7 +32,7 @@ from utils.launch.process_group import DistributedContext, agree_on_errors, setu
 from utils.launch.signals import InterruptFlag
 from utils.training.build_model import build_model, check_resume, wrap_for_training
 from utils.training.compiled import use_compile_cache, warn_if_slower
-from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, resume_rule
+from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig
 from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, build_loaders, record_split
 from utils.training.ema import WeightAverage
@@ -259,7 +259,7 @@ def build_parts(
 
 
 def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
-    """Apply the resume rules (``RESUME_RULES`` in ``utils.training.config``) to this command's flags.
+    """Apply the resume rules (each flag's ``resume=``, ``utils.training.config``) to this command's flags.
 
     A ``must match`` flag that differs from the run's, set or unset alike, is refused: the optimizer restores its own
     learning rate, weight decay and momentum from the checkpoint (a new value would be logged but not used), the data
@@ -277,7 +277,7 @@ def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) ->
     wanted_args = config.as_dict()
     changed = []
     for item in flag_fields(TrainConfig):
-        rule, flag = resume_rule(item.flag.name), item.flag.name
+        rule, flag = item.flag.resume, item.flag.name
         saved, wanted = saved_args.get(item.dest, item.default), wanted_args[item.dest]
         if rule == NEW_PLAN or _as_recorded(saved) == _as_recorded(wanted):
             continue
