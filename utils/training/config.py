@@ -427,3 +427,15 @@ def non_default_settings(run_args: Mapping[str, Any]) -> dict[str, Any]:
         for item in flag_fields(TrainConfig)
         if item.dest in run_args and run_args[item.dest] != item.default
     }
+
+
+def describe_flag(flag: str, value: Any) -> str:
+    """``--seed 0``, ``--ignore-value 0 --ignore-value 255``, ``--augment``; an unset flag as ``no --class-weights``:
+    a flag's value as the command line would give it."""
+    if value is None or value is False or (isinstance(value, list | tuple) and not value):
+        return f"no {flag}"
+    if value is True:
+        return flag
+    if isinstance(value, list | tuple):
+        return " ".join(f"{flag} {one}" for one in value)
+    return f"{flag} {value}"

@@ -40,7 +40,7 @@ from utils.errors import ConfigError
 from utils.evaluation import EvalResult
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
-from utils.training.config import TrainConfig, non_default_settings
+from utils.training.config import TrainConfig, describe_flag, non_default_settings
 from utils.training.curves import write_curves_if_possible
 from utils.training.sampler import BatchPlan
 
@@ -87,17 +87,8 @@ def settings_block(run_args: dict[str, Any]) -> str:
     if not changed:
         return "Settings: all flags at their defaults"
     return "Settings that differ from the defaults:" + "".join(
-        f"\n  {flag_and_value(flag, value)}" for flag, value in changed.items()
+        f"\n  {describe_flag(flag, value)}" for flag, value in changed.items()
     )
-
-
-def flag_and_value(flag: str, value: Any) -> str:
-    """``--ema 0.999``, ``--deep-supervision`` for a switch that is on, ``--ignore-values 255,0`` for a list."""
-    if value is True:
-        return flag
-    if isinstance(value, list):
-        return f"{flag} {','.join(str(item) for item in value)}"
-    return f"{flag} {value}"
 
 
 class RunLog:

@@ -32,7 +32,7 @@ from utils.launch.process_group import DistributedContext, agree_on_errors, setu
 from utils.launch.signals import InterruptFlag
 from utils.training.build_model import build_model, check_resume, wrap_for_training
 from utils.training.compiled import use_compile_cache, warn_if_slower
-from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig
+from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, describe_flag
 from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, build_loaders, record_split
 from utils.training.ema import WeightAverage
@@ -283,8 +283,8 @@ def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) ->
             continue
         if rule == MUST_MATCH:
             raise ConfigError(
-                f"{path} was trained with {_describe_flag(flag, saved)} but this run asks for "
-                f"{_describe_flag(flag, wanted)}; resume with {_describe_flag(flag, saved)}, or start a new run from "
+                f"{path} was trained with {describe_flag(flag, saved)} but this run asks for "
+                f"{describe_flag(flag, wanted)}; resume with {describe_flag(flag, saved)}, or start a new run from "
                 f"its weights with --load {path}"
             )
         changed.append(f"{flag} {_show_value(saved)} -> {_show_value(wanted)}")
@@ -305,17 +305,6 @@ def _as_recorded(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return sorted(value)
     return value
-
-
-def _describe_flag(flag: str, value: Any) -> str:
-    """``--seed 0``, ``--ignore-value 0 --ignore-value 255``, ``--augment``; an unset flag as ``no --class-weights``."""
-    if value is None or value is False or (isinstance(value, list | tuple) and not value):
-        return f"no {flag}"
-    if value is True:
-        return flag
-    if isinstance(value, list | tuple):
-        return " ".join(f"{flag} {one}" for one in value)
-    return f"{flag} {value}"
 
 
 def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:
