@@ -69,7 +69,6 @@ def test_legacy_launcher_local_rank_argument(flag: str) -> None:
         (["--amp", "--precision", "fp32"], "--amp"),
         (["--load", "a.pth", "--resume"], "only one of them"),
         (["--rank", "0"], "--rank and --world-size"),
-        (["--rank", "2", "--world-size", "2"], r"--rank must be in \[0, 1\]"),
         (["--dist-url", "tcp://h:1"], "--dist-url is for manual launches"),
         (["--grad-accum", "0"], "--grad-accum"),
         (["--exp_name", "a/b"], "--exp_name"),
@@ -98,6 +97,16 @@ def test_legacy_launcher_local_rank_argument(flag: str) -> None:
 def test_invalid_flags_name_the_flag(argv: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_config(argv)
+
+
+@pytest.mark.parametrize("rank", ["2", "-1"])
+def test_a_manual_rank_outside_the_world_size_is_refused_by_the_launch_plan(rank: str) -> None:
+    from utils.launch.environments import plan_launch
+
+    # Checked once, where every launcher's rank is checked (check_launch_values), not again at parse time.
+    config = parse_config(["--rank", rank, "--world-size", "2", "--dist-url", "tcp://h:1"])
+    with pytest.raises(ConfigError, match=rf"--rank={rank} is outside 0\.\.1 \(--world-size=2\)"):
+        plan_launch(config.launch, environ={})
 
 
 def test_epochs_count_from_start_from_as_the_ddp_script() -> None:

@@ -373,8 +373,6 @@ def validate_config(config: TrainConfig) -> None:
         (launch.rank is None) == (launch.world_size is None),
         "--rank and --world-size go together (manual launch: one process per rank)",
     )
-    if launch.world_size is not None:
-        _require(0 <= launch.rank < launch.world_size, f"--rank must be in [0, {launch.world_size - 1}]")
     _require(
         launch.dist_url is None or launch.rank is not None,
         "--dist-url is for manual launches and needs --rank and --world-size (torchrun sets the address itself)",
