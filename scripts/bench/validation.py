@@ -195,7 +195,7 @@ def main(argv: list[str]) -> None:
     with built_trainer(argv) as trainer:
         ctx, parts = trainer.ctx, trainer.parts
         sharded = trainer.validator.sharded
-        loader = parts.val_loader
+        loader = parts.loaders.val
         model = parts.raw_model
         _warm_up(model, loader, ctx.device, parts.precision)
         counted = _Counted(loader) if loader is not None else None

@@ -26,7 +26,7 @@ from utils.checkpoint.state import TrainPosition
 from utils.launch.process_group import DistributedContext
 from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
-from utils.training.data import TrainData
+from utils.training.data import Loaders, TrainData
 from utils.training.loop import Trainer, TrainParts
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
@@ -156,9 +156,12 @@ def make_run(
             item_seconds=0.0,
             item_pixels=1,
         ),
-        sampler=sampler,
-        train_loader=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
-        val_loader=None,
+        loaders=Loaders(
+            sampler=sampler,
+            train=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
+            val=None,
+            num_workers=0,
+        ),
         batch_plan=BatchPlan(n_train=n_train, batch_size=batch_size, world_size=1, grad_accum=grad_accum),
         model_args={},
         run_args={**parse_config(["--epochs", str(epochs)]).as_dict(), "start_from": 1},

@@ -22,7 +22,6 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from utils.checkpoint.checkpointer import Checkpointer
 from utils.checkpoint.run_folder import RunFolder
@@ -32,10 +31,10 @@ from utils.launch.process_group import DistributedContext, StopAgreement, agree_
 from utils.launch.signals import InterruptFlag
 from utils.training import early_stop
 from utils.training.config import TrainConfig
-from utils.training.data import TrainData
+from utils.training.data import Loaders, TrainData
 from utils.training.ema import WeightAverage
 from utils.training.run_log import RunLog
-from utils.training.sampler import BatchPlan, ResumableDistributedSampler
+from utils.training.sampler import BatchPlan
 from utils.training.step import TrainStep
 from utils.training.validation import ValidationStopped, Validator
 
@@ -53,9 +52,8 @@ class TrainParts:
     scheduler: Any
     precision: str
     data: TrainData
-    sampler: ResumableDistributedSampler
-    train_loader: DataLoader
-    val_loader: DataLoader | None
+    loaders: Loaders
+    """This rank's sampler, training loader and validation loader (if it validates)."""
     batch_plan: BatchPlan
     model_args: dict[str, Any]
     run_args: dict[str, Any]
@@ -159,7 +157,7 @@ class Trainer:
         """Train the remaining batches of ``epoch``; an outcome when the run must stop before the epoch's end."""
         plan = self._plan
         images_done = self._images_done_in_epoch()
-        self.parts.sampler.set_epoch(epoch, consumed=images_done)
+        self.parts.loaders.sampler.set_epoch(epoch, consumed=images_done)
         self.parts.data.train_dataset.set_epoch(epoch)
         self.step.set_epoch(epoch)  # --freeze-encoder-epochs
         batches_done = plan.batches_done(images_done)
@@ -193,7 +191,7 @@ class Trainer:
         group per batch, next to a forward and backward pass). Every sampler gives every rank the same number of
         batches, so all of them reach the end of the epoch together.
         """
-        iterator = iter(self.parts.train_loader)
+        iterator = iter(self.parts.loaders.train)
         while True:
             batch = agree_on_errors(self.ctx, functools.partial(_next_batch, iterator))
             if batch is None:
