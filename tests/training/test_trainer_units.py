@@ -146,7 +146,6 @@ def make_run(
         raw_model=model,
         step=step,  # type: ignore[arg-type]
         scheduler=torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda _: 1.0),
-        precision="fp32",
         data=TrainData(
             train_set=dataset,  # type: ignore[arg-type]
             val_set=dataset,  # type: ignore[arg-type]

@@ -50,7 +50,6 @@ class TrainParts:
     step: TrainStep
     """The optimizer step; it holds the model as the forward pass calls it (DDP and/or compiled)."""
     scheduler: Any
-    precision: str
     data: TrainData
     loaders: Loaders
     """This rank's sampler, training loader and validation loader (if it validates)."""

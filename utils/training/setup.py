@@ -82,7 +82,7 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
         ctx,
         parts.evaluated_model,
         parts.loaders.val,
-        precision=parts.precision,
+        precision=parts.step.precision,
         interrupts=interrupts,
         run_log=run_log,
     )
@@ -244,7 +244,6 @@ def build_parts(
         raw_model=model,
         step=step,
         scheduler=optimization.scheduler,
-        precision=precision,
         data=data,
         loaders=loaders,
         batch_plan=plan,
