@@ -244,3 +244,28 @@ def test_the_resume_rules_of_the_objective_averages_and_plan() -> None:
     may = ["--patience", "--min-delta", "--batch-size", "--max-steps", "--tensorboard", "--keep-best"]
     assert {flag: rule[flag] for flag in may} == dict.fromkeys(may, MAY_CHANGE)
     assert {rule[flag] for flag in ("--epochs", "--start_from", "--load", "--resume")} == {NEW_PLAN}
+
+
+def test_a_resume_keeps_the_checkpoints_epoch_plan_for_every_component(caplog: pytest.LogCaptureFixture) -> None:
+    import types
+
+    import torch
+
+    from unet import UNet
+    from utils.training.setup import planned_config
+    from utils.training.step import TrainStep
+
+    freeze = ["--encoder", "resnet18", "--freeze-encoder-epochs", "2"]
+    asked = parse_config(["--start_from", "1", "--epochs", "2", *freeze])
+    state = types.SimpleNamespace(run_args={**asked.as_dict(), "start_from": 4, "epochs": 3})
+    with caplog.at_level("WARNING"):
+        planned = planned_config(asked, state)  # type: ignore[arg-type]
+    assert planned.epoch_range() == (4, 6) and planned.model == asked.model
+    assert "--resume continues the run's plan, epochs 4..6 (--start_from 4 --epochs 3)" in caplog.text
+    assert planned_config(asked, None) is asked  # a new run's plan is its flags
+    # The frozen epochs count from the plan's --start_from, not from the one this command gave (and which it ignores).
+    model = UNet(3, 2, base_channels=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"model": model, "raw_model": model, "optimizer": optimizer, "scheduler": None, "scaler": None}
+    step = TrainStep(planned, precision="fp32", class_weights=None, device=torch.device("cpu"), **options)
+    assert step.freeze_encoder_before_epoch == 4 - 1 + 2

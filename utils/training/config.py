@@ -305,6 +305,11 @@ class TrainConfig:
         """The config of a flat dict (``as_dict``, config.yaml); a flag missing from it takes its default."""
         return build_config(cls, values)
 
+    def epoch_range(self) -> tuple[int, int]:
+        """(first, last) epoch numbers: ``--epochs E --start_from S`` trains S..S+E-1, as the DDP script."""
+        first = self.checkpoint.start_from
+        return first, first + self.optimisation.epochs - 1
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(

@@ -55,13 +55,18 @@ class TrainParts:
     """This rank's sampler, training loader and validation loader (if it validates)."""
     batch_plan: BatchPlan
     model_args: dict[str, Any]
-    run_args: dict[str, Any]
-    """The run's flags as a plain dict, stored in every checkpoint."""
+    config: TrainConfig
+    """The run's flags (a resumed run's with its checkpoint's epoch plan)."""
     position: TrainPosition
     resume_images_in_epoch: int
     """Global images of epoch ``position.epoch`` already trained by the run this one resumes."""
     ema: WeightAverage | None = None
     """--ema: the average of the weights, updated after every applied step; it validates and is saved as the model."""
+
+    @property
+    def run_args(self) -> dict[str, Any]:
+        """The run's flags as a plain dict, stored in every checkpoint."""
+        return self.config.as_dict()
 
     @property
     def evaluated_model(self) -> nn.Module:
@@ -83,10 +88,8 @@ class TrainOutcome:
 
 
 class Trainer:
-    """The loop over epochs and optimizer steps, reading its flags from ``config`` (the flat ``TrainConfig``).
-
-    ``last_epoch``: the run's plan (a resumed run takes it from its checkpoint, ``setup.epoch_range``).
-    """
+    """The loop over epochs and optimizer steps, reading its flags from ``config``, the run's (a resumed run's epoch
+    plan is its checkpoint's: ``setup.planned_config``)."""
 
     def __init__(
         self,
@@ -94,7 +97,6 @@ class Trainer:
         ctx: DistributedContext,
         parts: TrainParts,
         *,
-        last_epoch: int,
         run_folder: RunFolder,
         run_log: RunLog,
         validator: Validator,
@@ -104,7 +106,7 @@ class Trainer:
         self.ctx = ctx
         self.parts = parts
         self.step = parts.step
-        self.last_epoch = last_epoch
+        self.last_epoch = config.epoch_range()[1]
         self.run_folder = run_folder
         self.run_log = run_log
         self.validator = validator

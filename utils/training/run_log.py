@@ -94,7 +94,7 @@ def settings_block(run_args: dict[str, Any]) -> str:
 class RunLog:
     """The run's progress, metrics and curves (``config``: the logging flags, read whole).
 
-    ``last_epoch``: the run's plan (a resumed run takes it from its checkpoint); ``resumed_step``: the global step a
+    ``config`` holds the run's epoch plan (a resumed run's is its checkpoint's); ``resumed_step``: the global step a
     resumed run continues from (None for a new run), where TensorBoard's step axis goes on.
     """
 
@@ -105,7 +105,6 @@ class RunLog:
         run_folder: RunFolder,
         plan: BatchPlan,
         *,
-        last_epoch: int,
         resumed_step: int | None,
     ) -> None:
         self.ctx = ctx
@@ -114,7 +113,7 @@ class RunLog:
         self.bars = bars_wanted(is_main=ctx.is_main, no_progress=config.logging.no_progress)
         self._log_lines = ctx.is_main and not self.bars
         self._plan = plan
-        self._last_epoch = last_epoch
+        self._last_epoch = config.epoch_range()[1]
         self._max_steps = config.optimisation.max_steps
         # Losses summed over ranks as [sum, count]: since the last train line (a window may span an epoch's end), and
         # of this epoch (for the epoch line's mean).
