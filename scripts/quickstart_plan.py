@@ -32,7 +32,7 @@ from utils.datasets.image_files import split_name
 from utils.datasets.splits import read_split_file
 from utils.errors import count
 from utils.launch.runner import run_main
-from utils.training.setup import epoch_range
+from utils.training.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def plan_quickstart(checkpoint_dir: Path, exp_name: str, imgs_dir: Path, epochs:
         )
         return QuickstartPlan(next_folder, message, fresh)
     done = position_of(payload).epoch
-    _, last = epoch_range(payload[KEY_ARGS])
+    _, last = TrainConfig.from_dict(payload[KEY_ARGS]).epoch_range()
     if done < last:
         message = f"Continuing the stopped run in {newest} (epoch {done} of {last} done) with --resume auto"
         return QuickstartPlan(newest, message, (*fresh, "--resume", "auto"))

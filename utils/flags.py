@@ -66,6 +66,8 @@ class Flag:
     nargs: str | int | None = None
     """For a list field: its values follow the flag (``-i a.jpg b.jpg``) instead of repeating it."""
     required: bool = False
+    resume: str = "may change"
+    """How a resumed training run treats the flag: ``must match``, ``may change`` or ``new plan`` (train.py's)."""
 
     @property
     def name(self) -> str:

@@ -99,7 +99,7 @@ def run_checkpoint(ctx: Context, settings: CheckpointBenchConfig) -> dict[str, A
 
 def _one_step(trainer: Trainer) -> None:
     """One optimizer step of the trainer's ``TrainStep`` on a corner of its first batch: AdamW gets its state."""
-    batch = next(iter(trainer.parts.train_loader))
+    batch = next(iter(trainer.parts.loaders.train))
     crop = {"image": batch["image"][..., :STEP_CROP, :STEP_CROP], "mask": batch["mask"][..., :STEP_CROP, :STEP_CROP]}
     trainer.parts.raw_model.train()
     trainer.step([crop])

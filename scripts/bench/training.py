@@ -382,7 +382,7 @@ def built_trainer(argv: list[str]) -> Iterator[Trainer]:
 def compute_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """``train.py``'s set-up from ``spec["train_argv"]``, then its ``TrainStep`` timed on batches held in memory."""
     with built_trainer(spec["train_argv"]) as trainer:
-        return _time_train_step(trainer.step, trainer.parts.train_loader, trainer.parts.model_args, spec)
+        return _time_train_step(trainer.step, trainer.parts.loaders.train, trainer.parts.model_args, spec)
 
 
 def _time_train_step(step: TrainStep, loader: Any, model_args: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:

@@ -195,11 +195,11 @@ def main(argv: list[str]) -> None:
     with built_trainer(argv) as trainer:
         ctx, parts = trainer.ctx, trainer.parts
         sharded = trainer.validator.sharded
-        loader = parts.val_loader
+        loader = parts.loaders.val
         model = parts.raw_model
-        _warm_up(model, loader, ctx.device, parts.precision)
+        _warm_up(model, loader, ctx.device, parts.step.precision)
         counted = _Counted(loader) if loader is not None else None
-        options = {"n_classes": trainer.config.model.classes, "precision": parts.precision, "progress": False}
+        options = {"n_classes": trainer.config.model.classes, "precision": parts.step.precision, "progress": False}
         barrier(ctx)
         started = time.perf_counter()
         # The same calls as Validator.validate (utils/training/validation.py), less the reporting.
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> None:
             "val_images": len(parts.data.val_set),
             "batch_per_process": parts.batch_plan.batch_size,
             "threads": torch.get_num_threads(),
-            "precision": parts.precision,
+            "precision": parts.step.precision,
             "world_size": ctx.world_size,
         }
         print(RESULT_PREFIX + json.dumps(figures), flush=True)

@@ -69,7 +69,6 @@ def test_legacy_launcher_local_rank_argument(flag: str) -> None:
         (["--amp", "--precision", "fp32"], "--amp"),
         (["--load", "a.pth", "--resume"], "only one of them"),
         (["--rank", "0"], "--rank and --world-size"),
-        (["--rank", "2", "--world-size", "2"], r"--rank must be in \[0, 1\]"),
         (["--dist-url", "tcp://h:1"], "--dist-url is for manual launches"),
         (["--grad-accum", "0"], "--grad-accum"),
         (["--exp_name", "a/b"], "--exp_name"),
@@ -98,6 +97,16 @@ def test_legacy_launcher_local_rank_argument(flag: str) -> None:
 def test_invalid_flags_name_the_flag(argv: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_config(argv)
+
+
+@pytest.mark.parametrize("rank", ["2", "-1"])
+def test_a_manual_rank_outside_the_world_size_is_refused_by_the_launch_plan(rank: str) -> None:
+    from utils.launch.environments import plan_launch
+
+    # Checked once, where every launcher's rank is checked (check_launch_values), not again at parse time.
+    config = parse_config(["--rank", rank, "--world-size", "2", "--dist-url", "tcp://h:1"])
+    with pytest.raises(ConfigError, match=rf"--rank={rank} is outside 0\.\.1 \(--world-size=2\)"):
+        plan_launch(config.launch, environ={})
 
 
 def test_epochs_count_from_start_from_as_the_ddp_script() -> None:
@@ -215,24 +224,48 @@ def test_the_step_freezes_the_encoder_for_the_epochs_counted_from_start_from() -
     assert step([]).freeze_encoder_before_epoch == 0 and step([]).precision == "bf16"
 
 
-def test_every_flag_has_one_resume_rule() -> None:
+def test_every_flag_has_one_of_the_three_resume_rules() -> None:
     from utils.flags import flag_fields
-    from utils.training.config import RESUME_RULES
+    from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN
 
-    flags = [item.flag.name for item in flag_fields(TrainConfig)]
-    rows = [name for names in RESUME_RULES.values() for name in names]
-    assert sorted(rows) == sorted(set(rows)), "a flag is in two rows"
-    assert set(flags) - set(rows) == set(), "flags without a resume rule"
-    assert set(rows) - set(flags) == set(), "rules for flags that do not exist"
+    rules = {item.flag.resume for item in flag_fields(TrainConfig)}
+    assert rules == {MUST_MATCH, MAY_CHANGE, NEW_PLAN}, "a flag's resume= is none of the three rules"
 
 
 def test_the_resume_rules_of_the_objective_averages_and_plan() -> None:
-    from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN, resume_rule
+    from utils.flags import flag_fields
+    from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN
 
+    rule = {item.flag.name: item.flag.resume for item in flag_fields(TrainConfig)}
     must = ["--optimizer", "--scheduler", "--learning-rate", "--weight-decay", "--momentum", "--warmup-steps",
             "--class-weights", "--scale", "--validation", "--seed", "--ignore-value", "--oversample-foreground",
             "--augment", "--ema", "--split-by", "--folds", "--fold", "--base-channels"]  # fmt: skip
-    assert {flag: resume_rule(flag) for flag in must} == dict.fromkeys(must, MUST_MATCH)
+    assert {flag: rule[flag] for flag in must} == dict.fromkeys(must, MUST_MATCH)
     may = ["--patience", "--min-delta", "--batch-size", "--max-steps", "--tensorboard", "--keep-best"]
-    assert {flag: resume_rule(flag) for flag in may} == dict.fromkeys(may, MAY_CHANGE)
-    assert {resume_rule(flag) for flag in ("--epochs", "--start_from", "--load", "--resume")} == {NEW_PLAN}
+    assert {flag: rule[flag] for flag in may} == dict.fromkeys(may, MAY_CHANGE)
+    assert {rule[flag] for flag in ("--epochs", "--start_from", "--load", "--resume")} == {NEW_PLAN}
+
+
+def test_a_resume_keeps_the_checkpoints_epoch_plan_for_every_component(caplog: pytest.LogCaptureFixture) -> None:
+    import types
+
+    import torch
+
+    from unet import UNet
+    from utils.training.setup import planned_config
+    from utils.training.step import TrainStep
+
+    freeze = ["--encoder", "resnet18", "--freeze-encoder-epochs", "2"]
+    asked = parse_config(["--start_from", "1", "--epochs", "2", *freeze])
+    state = types.SimpleNamespace(run_args={**asked.as_dict(), "start_from": 4, "epochs": 3})
+    with caplog.at_level("WARNING"):
+        planned = planned_config(asked, state)  # type: ignore[arg-type]
+    assert planned.epoch_range() == (4, 6) and planned.model == asked.model
+    assert "--resume continues the run's plan, epochs 4..6 (--start_from 4 --epochs 3)" in caplog.text
+    assert planned_config(asked, None) is asked  # a new run's plan is its flags
+    # The frozen epochs count from the plan's --start_from, not from the one this command gave (and which it ignores).
+    model = UNet(3, 2, base_channels=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"model": model, "raw_model": model, "optimizer": optimizer, "scheduler": None, "scaler": None}
+    step = TrainStep(planned, precision="fp32", class_weights=None, device=torch.device("cpu"), **options)
+    assert step.freeze_encoder_before_epoch == 4 - 1 + 2

@@ -26,7 +26,7 @@ from utils.checkpoint.state import TrainPosition
 from utils.launch.process_group import DistributedContext
 from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
-from utils.training.data import TrainData
+from utils.training.data import Loaders, TrainData
 from utils.training.loop import Trainer, TrainParts
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
@@ -146,7 +146,6 @@ def make_run(
         raw_model=model,
         step=step,  # type: ignore[arg-type]
         scheduler=torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda _: 1.0),
-        precision="fp32",
         data=TrainData(
             train_set=dataset,  # type: ignore[arg-type]
             val_set=dataset,  # type: ignore[arg-type]
@@ -156,23 +155,24 @@ def make_run(
             item_seconds=0.0,
             item_pixels=1,
         ),
-        sampler=sampler,
-        train_loader=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
-        val_loader=None,
+        loaders=Loaders(
+            sampler=sampler,
+            train=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
+            val=None,
+            num_workers=0,
+        ),
         batch_plan=BatchPlan(n_train=n_train, batch_size=batch_size, world_size=1, grad_accum=grad_accum),
         model_args={},
-        run_args={**parse_config(["--epochs", str(epochs)]).as_dict(), "start_from": 1},
+        config=parse_config(["--epochs", str(epochs), "--log-every", "1000", *flags]),
         position=position or TrainPosition(),
         resume_images_in_epoch=resume_images,
     )
     interrupts = InterruptFlag()  # never installed: the tests set its signal as the handler would
-    config = parse_config(["--log-every", "1000", *flags])
-    run_log = RunLog(config, CPU, folder, parts.batch_plan, last_epoch=epochs, resumed_step=None)
+    run_log = RunLog(parts.config, CPU, folder, parts.batch_plan, resumed_step=None)
     trainer = Trainer(
-        config,
+        parts.config,
         CPU,
         parts,
-        last_epoch=epochs,
         run_folder=folder,
         run_log=run_log,
         validator=ScriptedValidator(dice),  # type: ignore[arg-type]
@@ -351,10 +351,10 @@ class ImagesOfOnes:
 def test_a_signal_before_the_first_validation_batch_is_a_stop_not_an_empty_validation_set(
     tmp_path: Path, signalled: bool
 ) -> None:
-    config = parse_config([])
+    config = parse_config(["--epochs", "1"])
     interrupts = InterruptFlag()  # never installed: the test sets its signal as the handler would
     plan = BatchPlan(n_train=2, batch_size=1, world_size=1, grad_accum=1)
-    run_log = RunLog(config, CPU, RunFolder(tmp_path / "run"), plan, last_epoch=1, resumed_step=None)
+    run_log = RunLog(config, CPU, RunFolder(tmp_path / "run"), plan, resumed_step=None)
     model = nn.Conv2d(1, 2, kernel_size=1)
     loader = DataLoader(ImagesOfOnes(), batch_size=1)
     validator = Validator(config, CPU, model, loader, precision="fp32", interrupts=interrupts, run_log=run_log)

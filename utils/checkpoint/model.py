@@ -198,12 +198,13 @@ def load_model(
     *,
     expected: Mapping[str, Any] | None = None,
     source: str = "--model",
+    images_from: str = "the input",
     map_location: str | torch.device = "cpu",
 ) -> tuple[torch.nn.Module, ModelSpec]:
     """The UNet stored in ``path`` and its spec, after checking it against ``expected`` (see ``check_expected``)."""
     loaded = read_model_weights(path, map_location)
     spec = spec_of(loaded, path)
-    check_expected(spec, expected or {}, path, source=source)
+    check_expected(spec, expected or {}, path, source=source, images_from=images_from)
     model = spec.build()
     model.load_state_dict(loaded.state_dict)  # spec_of checked that the file's arguments describe its weights
     return model, spec

@@ -18,8 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unet import UNetArgs
 from unet import build_model as build_architecture
-from utils.checkpoint.files import read_model_weights
-from utils.checkpoint.model import check_expected, spec_of
+from utils.checkpoint.model import check_expected, load_model, spec_of
 from utils.checkpoint.state import TrainingState, dataset_record
 from utils.errors import ConfigError
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
@@ -64,18 +63,16 @@ def build_model(
     starting weights from --load, else --encoder-weights for the encoder (a resumed run's are restored later)."""
     unet_args = unet_args_of(config, data)
     model_args = unet_args.as_dict()
-    model = build_architecture(model_args)
-    if config.checkpoint.load and not resuming:
-        loaded = read_model_weights(config.checkpoint.load)
-        spec = spec_of(loaded, config.checkpoint.load)
-        check_expected(
-            spec, dataclasses.asdict(unet_args), config.checkpoint.load, source="--load", images_from="--imgs"
-        )
-        model.load_state_dict(loaded.state_dict)  # check_expected: the file's model is this one
-        _warn_mask_values(loaded.mask_values, data.mask_values, config.checkpoint.load)
-        logger.info("Model weights loaded from %s", config.checkpoint.load)
-    elif config.model.encoder_weights and not resuming:
-        load_encoder_weights(model.encoder, config.model.encoder_weights, config.model.encoder)
+    load = config.checkpoint.load
+    if load and not resuming:
+        # Built from the file's arguments, which check_expected compared with every one of this run's.
+        model, spec = load_model(load, expected=dataclasses.asdict(unet_args), source="--load", images_from="--imgs")
+        _warn_mask_values(spec.mask_values, data.mask_values, load)
+        logger.info("Model weights loaded from %s", load)
+    else:
+        model = build_architecture(model_args)
+        if config.model.encoder_weights and not resuming:
+            load_encoder_weights(model.encoder, config.model.encoder_weights, config.model.encoder)
     if config.performance.checkpointing:
         model.use_checkpointing()
     if config.launch.sync_bn:

@@ -55,6 +55,17 @@ SCHEDULERS = ("cosine", "poly", "plateau")
 CLASS_WEIGHTS_AUTO = "auto"  # --class-weights auto (utils.training.objective computes them)
 
 
+# How a resumed run treats each flag (utils.training.setup.check_resume_flags), marked on the flag as ``resume=``.
+MUST_MATCH = "must match"
+"""The run's value or none: a resume asking for another is refused, naming the flag and ``--load`` (what the loss
+measures, which images train and validate, the optimizer's and the averages' state, the model's arguments)."""
+MAY_CHANGE = "may change"
+"""The default: takes this command's value; a value other than the run's is said in one line at the resume
+(``old -> new``)."""
+NEW_PLAN = "new plan"
+"""How a run starts: a resume keeps the run's recorded plan (another plan is a new run, ``--load``)."""
+
+
 @dataclass
 class DataSection:
     """Where the images are, how they are prepared and split (``utils.training.data``)."""
@@ -63,34 +74,37 @@ class DataSection:
     """Folder of input images."""
     masks: str = flag("data/masks", "--masks")
     """Folder of masks (Carvana '<id>_mask' naming is detected)."""
-    scale: float = flag(0.5, "--scale", "-s", range=Range(0, 1, True))
+    scale: float = flag(0.5, "--scale", "-s", range=Range(0, 1, True), resume=MUST_MATCH)
     """Downscaling factor of the images, in (0, 1]."""
     validation: float = flag(
         10.0,
         "--validation",
         "-v",
         range=Range(0, 100, low_open=True, high_open=True, note=" (a percentage)"),
+        resume=MUST_MATCH,
     )
     """Percent of the data used as validation, in (0, 100)."""
-    augment: bool = flag(False, "--augment")
+    augment: bool = flag(False, "--augment", resume=MUST_MATCH)
     """Random flips, scaled crops and colour jitter of training images."""
     ignore_values: list[int] = flag(
-        [], "--ignore-value", metavar="V", range=Range(0, MAX_MASK_VALUE, what="a mask value")
+        [], "--ignore-value", metavar="V", range=Range(0, MAX_MASK_VALUE, what="a mask value"), resume=MUST_MATCH
     )
     """Void mask value, not a class: left out of the loss and the metrics (repeatable; e.g. 255)."""
-    oversample_foreground: float = flag(0.0, "--oversample-foreground", metavar="P", range=Range(0, 1))
+    oversample_foreground: float = flag(
+        0.0, "--oversample-foreground", metavar="P", range=Range(0, 1), resume=MUST_MATCH
+    )
     """Fraction in [0, 1] of each process's images taken from images with a non-background class."""
-    seed: int = flag(0, "--seed", range=Range(0, MAX_SEED))
+    seed: int = flag(0, "--seed", range=Range(0, MAX_SEED), resume=MUST_MATCH)
     """Seed of initialisation, data order and augmentation (0..4294967295)."""
-    split_by: str = flag(SPLIT_BY_IMAGE, "--split-by", choices=SPLIT_RULES)
+    split_by: str = flag(SPLIT_BY_IMAGE, "--split-by", choices=SPLIT_RULES, resume=MUST_MATCH)
     """Train/validation split: 'image' (seeded random over images) or 'prefix' (ids sharing the part before the last
     '_', e.g. a Carvana car's 16 views, stay on one side)."""
-    group_pattern: str | None = flag(None, "--group-pattern", metavar="REGEX")
+    group_pattern: str | None = flag(None, "--group-pattern", metavar="REGEX", resume=MUST_MATCH)
     """With --split-by prefix: a regular expression whose first group is an id's group (default: the part before the
     last '_')."""
-    folds: int = flag(0, "--folds", range=Range(0))
+    folds: int = flag(0, "--folds", range=Range(0), resume=MUST_MATCH)
     """Cross-validation folds (0 = off; N >= 2: fold --fold validates)."""
-    fold: int = flag(0, "--fold", range=Range(0))
+    fold: int = flag(0, "--fold", range=Range(0), resume=MUST_MATCH)
     """The fold that validates, 0..--folds - 1."""
     class_names: str | None = flag(None, "--class-names", metavar="NAME,NAME,...")
     """One name per class, background first (two for --classes 1); predict's legends and evaluate's table show them."""
@@ -100,13 +114,13 @@ class DataSection:
 class ModelSection:
     """The network a new run builds (``utils.training.build_model``); a resumed run's comes from its checkpoint."""
 
-    classes: int = flag(2, "--classes", "-c", range=Range(1, note=" (1 = binary with one logit)"))
+    classes: int = flag(2, "--classes", "-c", range=Range(1, note=" (1 = binary with one logit)"), resume=MUST_MATCH)
     """Number of classes (1 = binary, sigmoid)."""
-    bilinear: bool = flag(False, "--bilinear")
+    bilinear: bool = flag(False, "--bilinear", resume=MUST_MATCH)
     """Use bilinear upsampling."""
-    base_channels: int = flag(64, "--base-channels", range=Range(1))
+    base_channels: int = flag(64, "--base-channels", range=Range(1), resume=MUST_MATCH)
     """Width of the first UNet block."""
-    encoder: str = flag("unet", "--encoder", choices=ENCODERS)
+    encoder: str = flag("unet", "--encoder", choices=ENCODERS, resume=MUST_MATCH)
     """unet (milesial's UNet) or a torchvision ResNet encoder under a UNet decoder (inputs normalised with ImageNet
     mean/std inside the model)."""
     encoder_weights: str | None = flag(None, "--encoder-weights", metavar="PATH")
@@ -114,27 +128,30 @@ class ModelSection:
     downloaded)."""
     freeze_encoder_epochs: int = flag(0, "--freeze-encoder-epochs", range=Range(0, zero="off"))
     """Train the decoder alone for the first N epochs (the ResNet encoder's weights stay as loaded)."""
-    deep_supervision: bool = flag(False, "--deep-supervision")
+    deep_supervision: bool = flag(False, "--deep-supervision", resume=MUST_MATCH)
     """Also supervise decoder outputs at 1/2 and 1/4 resolution (nnU-Net weights 1, 0.5, 0.25; training only)."""
 
 
 @dataclass
 class OptimisationSection:
-    """The loss, optimizer, schedule and step (``utils.training.build_optimization``), and when the run stops."""
+    """The loss, optimizer, schedule and step (``utils.training.objective``, ``utils.training.step``), and when the
+    run stops."""
 
-    epochs: int = flag(5, "--epochs", "-e", range=Range(1))
+    epochs: int = flag(5, "--epochs", "-e", range=Range(1), resume=NEW_PLAN)
     """Number of epochs to train (numbered --start_from .. --start_from + epochs - 1)."""
     batch_size: int = flag(1, "--batch-size", "-b", range=Range(1))
     """Batch size per process."""
-    learning_rate: float = flag(1e-5, "--learning-rate", "-l", range=Range(0, MAX_LEARNING_RATE, low_open=True))
+    learning_rate: float = flag(
+        1e-5, "--learning-rate", "-l", range=Range(0, MAX_LEARNING_RATE, low_open=True), resume=MUST_MATCH
+    )
     """Peak learning rate, in (0, 1]."""
-    optimizer: str = flag("adamw", "--optimizer", choices=OPTIMIZERS)
+    optimizer: str = flag("adamw", "--optimizer", choices=OPTIMIZERS, resume=MUST_MATCH)
     """Optimizer."""
-    scheduler: str = flag("cosine", "--scheduler", choices=SCHEDULERS)
+    scheduler: str = flag("cosine", "--scheduler", choices=SCHEDULERS, resume=MUST_MATCH)
     """cosine annealing per step, poly (nnU-Net: (1 - t/T)^0.9 per step), or ReduceLROnPlateau on validation Dice."""
-    weight_decay: float = flag(1e-8, "--weight-decay", range=Range(0, MAX_WEIGHT_DECAY))
+    weight_decay: float = flag(1e-8, "--weight-decay", range=Range(0, MAX_WEIGHT_DECAY), resume=MUST_MATCH)
     """Weight decay, in [0, 1]."""
-    momentum: float = flag(0.999, "--momentum", range=Range(0, 1, high_open=True))
+    momentum: float = flag(0.999, "--momentum", range=Range(0, 1, high_open=True), resume=MUST_MATCH)
     """RMSprop momentum, in [0, 1)."""
     grad_clip: float = flag(1.0, "--grad-clip", range=Range(0, note=" (0 = off)"))
     """Max global gradient norm (0 = no clipping)."""
@@ -146,12 +163,14 @@ class OptimisationSection:
     """Stop after N optimizer steps in a row with NaN/inf gradients, each skipped (0 = never stop)."""
     deterministic: bool = flag(False, "--deterministic")
     """Deterministic algorithms (bit-exact resume on CPU)."""
-    class_weights: str | None = flag(None, "--class-weights", metavar="auto|W,W,...")
+    class_weights: str | None = flag(None, "--class-weights", metavar="auto|W,W,...", resume=MUST_MATCH)
     """Cross-entropy class weights: 'auto' (inverse pixel frequency of the training images, clipped at 10x the most
     frequent class, mean 1) or one number per class (two for --classes 1)."""
-    warmup_steps: int = flag(0, "--warmup-steps", metavar="N", range=Range(0, zero="none"))
+    warmup_steps: int = flag(0, "--warmup-steps", metavar="N", range=Range(0, zero="none"), resume=MUST_MATCH)
     """Optimizer steps of linear warmup from ~0 to the learning rate, before any --scheduler (0 = none)."""
-    ema: float | None = flag(None, "--ema", metavar="DECAY", range=Range(0, 1, low_open=True, high_open=True))
+    ema: float | None = flag(
+        None, "--ema", metavar="DECAY", range=Range(0, 1, low_open=True, high_open=True), resume=MUST_MATCH
+    )
     """Keep an exponential moving average of the weights with this decay in (0, 1), e.g. 0.999; validation, best.pth and
     predict use it."""
     patience: int = flag(0, "--patience", metavar="N", range=Range(0, zero="off"))
@@ -195,11 +214,13 @@ class CheckpointSection:
     """Run name (run folder)."""
     checkpoint_dir: str = flag("checkpoints", "--checkpoint-dir")
     """Parent folder of run folders (<checkpoint-dir>/<exp_name>/)."""
-    load: str | None = flag(None, "--load", "-f")
+    load: str | None = flag(None, "--load", "-f", resume=NEW_PLAN)
     """Start from the weights in this file (fresh optimizer)."""
-    start_from: int = flag(1, "--start_from", "--start-from", range=Range(1, note=" (epochs are numbered from 1)"))
+    start_from: int = flag(
+        1, "--start_from", "--start-from", range=Range(1, note=" (epochs are numbered from 1)"), resume=NEW_PLAN
+    )
     """Number of the first epoch (with --load: continue the numbering of the run it came from)."""
-    resume: str | None = flag(None, "--resume", const=RESUME_AUTO, metavar="auto|PATH")
+    resume: str | None = flag(None, "--resume", const=RESUME_AUTO, metavar="auto|PATH", resume=NEW_PLAN)
     """Resume a run: 'auto' = newest complete checkpoint of the run folder (a new run if there is none), or a checkpoint
     path."""
     save_every: int = flag(1, "--save_every", "--save-every", range=Range(0, zero="never"))
@@ -284,39 +305,10 @@ class TrainConfig:
         """The config of a flat dict (``as_dict``, config.yaml); a flag missing from it takes its default."""
         return build_config(cls, values)
 
-
-# How a resumed run treats each flag (utils.training.setup.check_resume_flags); every flag of TrainConfig is in one row
-# (tests/training/test_train_config.py walks the table).
-MUST_MATCH = "must match"
-"""The run's value or none: a resume asking for another is refused, naming the flag and ``--load`` (what the loss
-measures, which images train and validate, the optimizer's and the averages' state, the model's arguments)."""
-MAY_CHANGE = "may change"
-"""Takes this command's value; a value other than the run's is said in one line at the resume (``old -> new``)."""
-NEW_PLAN = "new plan"
-"""How a run starts: a resume keeps the run's recorded plan (another plan is a new run, ``--load``)."""
-RESUME_RULES: dict[str, tuple[str, ...]] = {
-    MUST_MATCH: (
-        "--scale", "--validation", "--augment", "--ignore-value", "--oversample-foreground", "--seed", "--split-by",
-        "--group-pattern", "--folds", "--fold", "--classes", "--bilinear", "--base-channels", "--encoder",
-        "--deep-supervision", "--learning-rate", "--optimizer", "--scheduler", "--weight-decay", "--momentum",
-        "--class-weights", "--warmup-steps", "--ema",
-    ),
-    MAY_CHANGE: (
-        "--imgs", "--masks", "--class-names", "--encoder-weights", "--freeze-encoder-epochs", "--batch-size",
-        "--grad-clip", "--grad-accum", "--max-steps", "--max-nonfinite-steps", "--deterministic", "--patience",
-        "--min-delta", "--ddp_mode", "--sync-bn", "--dist-timeout", "--rank", "--world-size", "--dist-url",
-        "--local-rank", "--val-mode", "--requeue-signal", "--exp_name", "--checkpoint-dir", "--save_every",
-        "--keep-last", "--save-every-minutes", "--keep-best", "--save-every-steps", "--val-every", "--log-every",
-        "--no-progress", "--wandb", "--tensorboard", "--device", "--amp", "--precision", "--num-workers",
-        "--pixel-cache", "--threads", "--channels-last", "--checkpointing", "--compile",
-    ),
-    NEW_PLAN: ("--epochs", "--start_from", "--load", "--resume"),
-}  # fmt: skip
-
-
-def resume_rule(flag_name: str) -> str:
-    """The row of ``RESUME_RULES`` that holds ``flag_name`` (its primary spelling)."""
-    return next(rule for rule, names in RESUME_RULES.items() if flag_name in names)
+    def epoch_range(self) -> tuple[int, int]:
+        """(first, last) epoch numbers: ``--epochs E --start_from S`` trains S..S+E-1, as the DDP script."""
+        first = self.checkpoint.start_from
+        return first, first + self.optimisation.epochs - 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,8 +378,6 @@ def validate_config(config: TrainConfig) -> None:
         (launch.rank is None) == (launch.world_size is None),
         "--rank and --world-size go together (manual launch: one process per rank)",
     )
-    if launch.world_size is not None:
-        _require(0 <= launch.rank < launch.world_size, f"--rank must be in [0, {launch.world_size - 1}]")
     _require(
         launch.dist_url is None or launch.rank is not None,
         "--dist-url is for manual launches and needs --rank and --world-size (torchrun sets the address itself)",
@@ -440,3 +430,15 @@ def non_default_settings(run_args: Mapping[str, Any]) -> dict[str, Any]:
         for item in flag_fields(TrainConfig)
         if item.dest in run_args and run_args[item.dest] != item.default
     }
+
+
+def describe_flag(flag: str, value: Any) -> str:
+    """``--seed 0``, ``--ignore-value 0 --ignore-value 255``, ``--augment``; an unset flag as ``no --class-weights``:
+    a flag's value as the command line would give it."""
+    if value is None or value is False or (isinstance(value, list | tuple) and not value):
+        return f"no {flag}"
+    if value is True:
+        return flag
+    if isinstance(value, list | tuple):
+        return " ".join(f"{flag} {one}" for one in value)
+    return f"{flag} {value}"

@@ -288,14 +288,10 @@ def build_loader(
 
 
 def _init_loader_worker(worker_id: int) -> None:
-    _ignore_stop_signals(worker_id)
-    # The same megabyte-sized tensors are made for every item: reuse their memory (utils.hardware).
-    reuse_large_buffers()
-
-
-def _ignore_stop_signals(worker_id: int) -> None:
     # Ctrl-C reaches every process of the terminal's group and schedulers signal whole jobs: a loader worker that
     # died of it would make the graceful stop fail with "DataLoader worker exited unexpectedly". The training process
     # alone decides when to stop; its workers end with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The same megabyte-sized tensors are made for every item: reuse their memory (utils.hardware).
+    reuse_large_buffers()

@@ -22,7 +22,6 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from utils.checkpoint.checkpointer import Checkpointer
 from utils.checkpoint.run_folder import RunFolder
@@ -32,10 +31,10 @@ from utils.launch.process_group import DistributedContext, StopAgreement, agree_
 from utils.launch.signals import InterruptFlag
 from utils.training import early_stop
 from utils.training.config import TrainConfig
-from utils.training.data import TrainData
+from utils.training.data import Loaders, TrainData
 from utils.training.ema import WeightAverage
 from utils.training.run_log import RunLog
-from utils.training.sampler import BatchPlan, ResumableDistributedSampler
+from utils.training.sampler import BatchPlan
 from utils.training.step import TrainStep
 from utils.training.validation import ValidationStopped, Validator
 
@@ -51,20 +50,23 @@ class TrainParts:
     step: TrainStep
     """The optimizer step; it holds the model as the forward pass calls it (DDP and/or compiled)."""
     scheduler: Any
-    precision: str
     data: TrainData
-    sampler: ResumableDistributedSampler
-    train_loader: DataLoader
-    val_loader: DataLoader | None
+    loaders: Loaders
+    """This rank's sampler, training loader and validation loader (if it validates)."""
     batch_plan: BatchPlan
     model_args: dict[str, Any]
-    run_args: dict[str, Any]
-    """The run's flags as a plain dict, stored in every checkpoint."""
+    config: TrainConfig
+    """The run's flags (a resumed run's with its checkpoint's epoch plan)."""
     position: TrainPosition
     resume_images_in_epoch: int
     """Global images of epoch ``position.epoch`` already trained by the run this one resumes."""
     ema: WeightAverage | None = None
     """--ema: the average of the weights, updated after every applied step; it validates and is saved as the model."""
+
+    @property
+    def run_args(self) -> dict[str, Any]:
+        """The run's flags as a plain dict, stored in every checkpoint."""
+        return self.config.as_dict()
 
     @property
     def evaluated_model(self) -> nn.Module:
@@ -86,10 +88,8 @@ class TrainOutcome:
 
 
 class Trainer:
-    """The loop over epochs and optimizer steps, reading its flags from ``config`` (the flat ``TrainConfig``).
-
-    ``last_epoch``: the run's plan (a resumed run takes it from its checkpoint, ``setup.epoch_range``).
-    """
+    """The loop over epochs and optimizer steps, reading its flags from ``config``, the run's (a resumed run's epoch
+    plan is its checkpoint's: ``setup.planned_config``)."""
 
     def __init__(
         self,
@@ -97,7 +97,6 @@ class Trainer:
         ctx: DistributedContext,
         parts: TrainParts,
         *,
-        last_epoch: int,
         run_folder: RunFolder,
         run_log: RunLog,
         validator: Validator,
@@ -107,7 +106,7 @@ class Trainer:
         self.ctx = ctx
         self.parts = parts
         self.step = parts.step
-        self.last_epoch = last_epoch
+        self.last_epoch = config.epoch_range()[1]
         self.run_folder = run_folder
         self.run_log = run_log
         self.validator = validator
@@ -159,7 +158,7 @@ class Trainer:
         """Train the remaining batches of ``epoch``; an outcome when the run must stop before the epoch's end."""
         plan = self._plan
         images_done = self._images_done_in_epoch()
-        self.parts.sampler.set_epoch(epoch, consumed=images_done)
+        self.parts.loaders.sampler.set_epoch(epoch, consumed=images_done)
         self.parts.data.train_dataset.set_epoch(epoch)
         self.step.set_epoch(epoch)  # --freeze-encoder-epochs
         batches_done = plan.batches_done(images_done)
@@ -193,7 +192,7 @@ class Trainer:
         group per batch, next to a forward and backward pass). Every sampler gives every rank the same number of
         batches, so all of them reach the end of the epoch together.
         """
-        iterator = iter(self.parts.train_loader)
+        iterator = iter(self.parts.loaders.train)
         while True:
             batch = agree_on_errors(self.ctx, functools.partial(_next_batch, iterator))
             if batch is None:

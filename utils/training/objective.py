@@ -13,11 +13,13 @@ weight each pixel's cross-entropy by its true class, and each image's term is th
 ``sum(w[y] * ce) / sum(w[y])`` over its pixels, PyTorch's ``cross_entropy(weight=...)`` applied per image.
 
 Optimizer and schedule: AdamW + cosine (the default) or milesial's RMSprop + ReduceLROnPlateau, or nnU-Net's poly
-schedule; any of them after a linear warmup (--warmup-steps).
+schedule; any of them after a linear warmup (--warmup-steps). ``build_optimization`` makes them with the gradient
+scaler, on every rank (``utils.training.setup.build_parts``), before a resumed run restores their state.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -28,8 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor, optim
 
 from utils.datasets.mask_values import IGNORE_INDEX
+from utils.errors import ConfigError
 from utils.evaluation import dice_coeff, multiclass_dice_coeff
-from utils.training.config import OptimisationSection
+from utils.training.config import OptimisationSection, TrainConfig, parse_class_weights
+
+logger = logging.getLogger(__name__)
 
 # nnU-Net: lr = base * (1 - t / T) ** 0.9.
 POLY_EXPONENT = 0.9
@@ -115,6 +120,23 @@ def auto_class_weights(pixel_counts: Sequence[int], max_ratio: float = MAX_CLASS
     cap = max_ratio * min(inverse)
     clipped = [min(r, cap) for r in inverse]
     return [len(clipped) * r / sum(clipped) for r in clipped]
+
+
+def class_weights_of(config: TrainConfig, train_class_pixels: Sequence[int]) -> tuple[float, ...] | None:
+    """--class-weights as numbers: given, or 'auto' from the training images' class pixel counts (None: off)."""
+    text, classes = config.optimisation.class_weights, config.model.classes
+    if text is None:
+        return None
+    weights = parse_class_weights(text, classes)
+    if weights is None:
+        counts = list(train_class_pixels) + [0] * (max(classes, 2) - len(train_class_pixels))
+        if sum(counts) == 0:
+            raise ConfigError("--class-weights auto found no labelled pixels in the training masks; give the weights")
+        weights = tuple(auto_class_weights(counts))
+        logger.info(
+            "--class-weights auto: class pixel counts %s give weights %s", counts, [round(w, 4) for w in weights]
+        )
+    return weights
 
 
 def cosine_lr_factor(step: int, total_steps: int) -> float:
@@ -230,3 +252,37 @@ def build_scheduler(config: OptimisationSection, optimizer: optim.Optimizer, tot
 def steps_every_update(config: OptimisationSection) -> bool:
     """Whether the scheduler steps after every optimizer update (all but a plain plateau schedule do)."""
     return config.scheduler != "plateau" or config.warmup_steps > 0
+
+
+@dataclass
+class Optimization:
+    """The optimizer of a run and what steps along with it."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+    """fp16 only: the gradient scaler."""
+
+
+def build_optimization(
+    config: OptimisationSection,
+    parameters: Iterable[torch.nn.Parameter],
+    *,
+    total_steps: int,
+    precision: str,
+    resumed: bool,
+) -> Optimization:
+    """Optimizer, schedule (planned over ``total_steps``) and scaler; a resumed run restores their state after."""
+    if not resumed and config.warmup_steps >= total_steps and config.scheduler != "plateau":
+        logger.warning(
+            "--warmup-steps %d is not shorter than the run's %d optimizer steps: the learning rate never reaches the "
+            "%s schedule",
+            config.warmup_steps,
+            total_steps,
+            config.scheduler,
+        )
+    optimizer = build_optimizer(config, parameters)
+    # Planned for the run's epochs; a resumed run's scheduler state brings back the plan it was made with.
+    scheduler = build_scheduler(config, optimizer, total_steps)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    return Optimization(optimizer, scheduler, scaler)

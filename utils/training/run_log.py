@@ -40,7 +40,7 @@ from utils.errors import ConfigError
 from utils.evaluation import EvalResult
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
-from utils.training.config import TrainConfig, non_default_settings
+from utils.training.config import TrainConfig, describe_flag, non_default_settings
 from utils.training.curves import write_curves_if_possible
 from utils.training.sampler import BatchPlan
 
@@ -87,23 +87,14 @@ def settings_block(run_args: dict[str, Any]) -> str:
     if not changed:
         return "Settings: all flags at their defaults"
     return "Settings that differ from the defaults:" + "".join(
-        f"\n  {flag_and_value(flag, value)}" for flag, value in changed.items()
+        f"\n  {describe_flag(flag, value)}" for flag, value in changed.items()
     )
-
-
-def flag_and_value(flag: str, value: Any) -> str:
-    """``--ema 0.999``, ``--deep-supervision`` for a switch that is on, ``--ignore-values 255,0`` for a list."""
-    if value is True:
-        return flag
-    if isinstance(value, list):
-        return f"{flag} {','.join(str(item) for item in value)}"
-    return f"{flag} {value}"
 
 
 class RunLog:
     """The run's progress, metrics and curves (``config``: the logging flags, read whole).
 
-    ``last_epoch``: the run's plan (a resumed run takes it from its checkpoint); ``resumed_step``: the global step a
+    ``config`` holds the run's epoch plan (a resumed run's is its checkpoint's); ``resumed_step``: the global step a
     resumed run continues from (None for a new run), where TensorBoard's step axis goes on.
     """
 
@@ -114,7 +105,6 @@ class RunLog:
         run_folder: RunFolder,
         plan: BatchPlan,
         *,
-        last_epoch: int,
         resumed_step: int | None,
     ) -> None:
         self.ctx = ctx
@@ -123,7 +113,7 @@ class RunLog:
         self.bars = bars_wanted(is_main=ctx.is_main, no_progress=config.logging.no_progress)
         self._log_lines = ctx.is_main and not self.bars
         self._plan = plan
-        self._last_epoch = last_epoch
+        self._last_epoch = config.epoch_range()[1]
         self._max_steps = config.optimisation.max_steps
         # Losses summed over ranks as [sum, count]: since the last train line (a window may span an epoch's end), and
         # of this epoch (for the epoch line's mean).

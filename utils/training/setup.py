@@ -1,7 +1,7 @@
 """Wiring a training run from the parsed flags: the builders that read ``TrainConfig`` are called from here.
 
 ``build_parts`` wires three builders, each handed the config sections it reads: the model
-(``utils.training.build_model``), the optimisation (``utils.training.build_optimization``) and the loaders
+(``utils.training.build_model``), the optimisation (``utils.training.objective``) and the loaders
 (``utils.training.data``). The batch arithmetic (``BatchPlan``) is made once here and handed down.
 
 Every rank builds its own copy (per the PyTorch DDP tutorial: each rank loads the checkpoint before wrapping the model
@@ -12,6 +12,7 @@ instead of leaving the others waiting in a collective.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -31,15 +32,16 @@ from utils.launch.environments import LaunchPlan
 from utils.launch.process_group import DistributedContext, agree_on_errors, setup
 from utils.launch.signals import InterruptFlag
 from utils.training.build_model import build_model, check_resume, wrap_for_training
-from utils.training.build_optimization import build_optimization, build_step
 from utils.training.compiled import use_compile_cache, warn_if_slower
-from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, resume_rule
+from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, describe_flag
 from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, build_loaders, record_split
 from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
+from utils.training.objective import build_optimization, class_weights_of
 from utils.training.run_log import RunLog, settings_block, start_phrase
 from utils.training.sampler import BatchPlan
+from utils.training.step import TrainStep
 from utils.training.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -64,10 +66,8 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
         parts = agree_on_errors(
             ctx, lambda: build_parts(config, ctx, choice.resume_path, choice.payload, run_folder=run_folder)
         )
-        last_epoch = epoch_range(parts.run_args)[1]
-        run_log = agree_on_errors(
-            ctx, lambda: _open_run_log(config, ctx, run_folder, parts, choice.resume_path, last_epoch)
-        )
+        config = parts.config  # a resumed run's keeps the epoch plan of its checkpoint
+        run_log = agree_on_errors(ctx, lambda: _open_run_log(config, ctx, run_folder, parts, choice.resume_path))
     except BaseException:
         run_folder.unlock()
         raise
@@ -75,8 +75,8 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
         config,
         ctx,
         parts.evaluated_model,
-        parts.val_loader,
-        precision=parts.precision,
+        parts.loaders.val,
+        precision=parts.step.precision,
         interrupts=interrupts,
         run_log=run_log,
     )
@@ -84,7 +84,6 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
         config,
         ctx,
         parts,
-        last_epoch=last_epoch,
         run_folder=run_folder,
         run_log=run_log,
         validator=validator,
@@ -95,36 +94,31 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
 # ------------------------------------------------------------------------------------------------ epoch plan
 
 
-def epoch_range(run_args: dict[str, Any]) -> tuple[int, int]:
-    """(first, last) epoch numbers of a run: ``--epochs E --start_from S`` trains S..S+E-1, as the DDP script."""
-    first = int(run_args["start_from"])
-    return first, first + int(run_args["epochs"]) - 1
-
-
-def planned_run_args(config: TrainConfig, state: TrainingState | None) -> dict[str, Any]:
-    """The run's flags as stored in its checkpoints; a resumed run keeps the epoch plan its checkpoint records.
+def planned_config(config: TrainConfig, state: TrainingState | None) -> TrainConfig:
+    """The run's config, as its checkpoints store it: a resumed run keeps the epoch plan its checkpoint records.
 
     The plan is made once, when the run starts: resuming continues it whatever --epochs/--start_from say now (to
     train on with another plan, start a new run from the weights with --load and --start_from).
     """
-    run_args = config.as_dict()
     saved = state.run_args if state is not None else {}
-    if "epochs" in saved and "start_from" in saved:
-        plan = {"epochs": int(saved["epochs"]), "start_from": int(saved["start_from"])}
-        asked = (config.checkpoint.start_from, config.optimisation.epochs)
-        if asked != (plan["start_from"], plan["epochs"]):
-            first, last = epoch_range(plan)
-            logger.warning(
-                "--resume continues the run's plan, epochs %d..%d (--start_from %d --epochs %d); this command's "
-                "--start_from %d --epochs %d are ignored",
-                first,
-                last,
-                plan["start_from"],
-                plan["epochs"],
-                *asked,
-            )
-        run_args.update(plan)
-    return run_args
+    if "epochs" not in saved or "start_from" not in saved:
+        return config
+    planned = dataclasses.replace(
+        config,
+        checkpoint=dataclasses.replace(config.checkpoint, start_from=int(saved["start_from"])),
+        optimisation=dataclasses.replace(config.optimisation, epochs=int(saved["epochs"])),
+    )
+    if planned != config:
+        logger.warning(
+            "--resume continues the run's plan, epochs %d..%d (--start_from %d --epochs %d); this command's "
+            "--start_from %d --epochs %d are ignored",
+            *planned.epoch_range(),
+            planned.checkpoint.start_from,
+            planned.optimisation.epochs,
+            config.checkpoint.start_from,
+            config.optimisation.epochs,
+        )
+    return planned
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -136,14 +130,13 @@ def _open_run_log(
     run_folder: RunFolder,
     parts: TrainParts,
     resume_path: str | None,
-    last_epoch: int,
 ) -> RunLog:
     """The run's log, after its resolved flags (those its checkpoints store) are written to config.yaml."""
     try:
         if ctx.is_main:
             write_config_file(run_folder.config_file, parts.run_args, settings_block(parts.run_args))
         resumed_step = parts.position.global_step if resume_path is not None else None
-        return RunLog(config, ctx, run_folder, parts.batch_plan, last_epoch=last_epoch, resumed_step=resumed_step)
+        return RunLog(config, ctx, run_folder, parts.batch_plan, resumed_step=resumed_step)
     except OSError as error:
         raise ConfigError(
             f"cannot write to the run folder {run_folder}: {error.strerror or error}; choose a writable "
@@ -182,6 +175,7 @@ def build_parts(
         state = TrainingState.of(payload if payload is not None else load_checkpoint_file(resume_path), resume_path)
         logger.info("Resuming from %s", resume_path)
         _check_resume_flags(config, state, resume_path)
+    config = planned_config(config, state)
     data = build_data(config, world_size=ctx.world_size)
     precision = resolve_precision(config.performance.precision, config.performance.amp, ctx.device.type)
     warn_if_emulated(ctx.device, precision)
@@ -200,21 +194,22 @@ def build_parts(
         world_size=ctx.world_size,
         grad_accum=config.optimisation.grad_accum,
     )
-    run_args = planned_run_args(config, state)
     optimization = build_optimization(
         config.optimisation,
         model.parameters(),
-        total_steps=plan.total_steps(int(run_args["epochs"])),
+        total_steps=plan.total_steps(config.optimisation.epochs),
         precision=precision,
         resumed=state is not None,
     )
-    step = build_step(
+    step = TrainStep(
         config,
-        optimization,
+        precision=precision,
+        class_weights=class_weights_of(config, data.train_class_pixels),
         model=wrap_for_training(model, ctx, compile_model=config.performance.compile),
         raw_model=model,
-        data=data,
-        precision=precision,
+        optimizer=optimization.optimizer,
+        scheduler=optimization.scheduler,
+        scaler=optimization.scaler,
         device=ctx.device,
     )
     # After DDP's wrapping, which broadcasts rank 0's weights: every rank's average starts from the same ones.
@@ -229,21 +224,18 @@ def build_parts(
         restore(state, parts)
         resume_images = _resumed_images_in_epoch(plan, state)
     loaders = build_loaders(config, ctx, data)
-    start = start_phrase(epoch_range(run_args), position if state is not None else None)
+    start = start_phrase(config.epoch_range(), position if state is not None else None)
     _log_run_summary(config, ctx, data, plan, precision, loaders.num_workers, start, run_folder)
-    logger.info("%s", settings_block(run_args))
+    logger.info("%s", settings_block(config.as_dict()))
     return TrainParts(
         raw_model=model,
         step=step,
         scheduler=optimization.scheduler,
-        precision=precision,
         data=data,
-        sampler=loaders.sampler,
-        train_loader=loaders.train,
-        val_loader=loaders.val,
+        loaders=loaders,
         batch_plan=plan,
         model_args=model_args,
-        run_args=run_args,
+        config=config,
         position=position,
         resume_images_in_epoch=resume_images,
         ema=ema,
@@ -251,14 +243,14 @@ def build_parts(
 
 
 def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
-    """Apply the resume rules (``RESUME_RULES`` in ``utils.training.config``) to this command's flags.
+    """Apply the resume rules (each flag's ``resume=``, ``utils.training.config``) to this command's flags.
 
     A ``must match`` flag that differs from the run's, set or unset alike, is refused: the optimizer restores its own
     learning rate, weight decay and momentum from the checkpoint (a new value would be logged but not used), the data
     flags decide which images are trained and which validate (a larger --validation would move trained images into
     the validation set), the objective's flags decide what the loss measures, --ema's decay made the average the
     checkpoint holds, and the model's arguments made its weights. A ``may change`` flag takes its new value, said in
-    one line; a ``new plan`` flag is the run's (``planned_run_args``). docs/RELIABILITY.md, "Resume and stop".
+    one line; a ``new plan`` flag is the run's (``planned_config``). docs/RELIABILITY.md, "Resume and stop".
 
     A flag missing from the checkpoint's record (saved before the flag existed) counts as its default, the behaviour
     that run had; a checkpoint recording no flags at all is not checked.
@@ -269,14 +261,14 @@ def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) ->
     wanted_args = config.as_dict()
     changed = []
     for item in flag_fields(TrainConfig):
-        rule, flag = resume_rule(item.flag.name), item.flag.name
+        rule, flag = item.flag.resume, item.flag.name
         saved, wanted = saved_args.get(item.dest, item.default), wanted_args[item.dest]
         if rule == NEW_PLAN or _as_recorded(saved) == _as_recorded(wanted):
             continue
         if rule == MUST_MATCH:
             raise ConfigError(
-                f"{path} was trained with {_describe_flag(flag, saved)} but this run asks for "
-                f"{_describe_flag(flag, wanted)}; resume with {_describe_flag(flag, saved)}, or start a new run from "
+                f"{path} was trained with {describe_flag(flag, saved)} but this run asks for "
+                f"{describe_flag(flag, wanted)}; resume with {describe_flag(flag, saved)}, or start a new run from "
                 f"its weights with --load {path}"
             )
         changed.append(f"{flag} {_show_value(saved)} -> {_show_value(wanted)}")
@@ -297,17 +289,6 @@ def _as_recorded(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return sorted(value)
     return value
-
-
-def _describe_flag(flag: str, value: Any) -> str:
-    """``--seed 0``, ``--ignore-value 0 --ignore-value 255``, ``--augment``; an unset flag as ``no --class-weights``."""
-    if value is None or value is False or (isinstance(value, list | tuple) and not value):
-        return f"no {flag}"
-    if value is True:
-        return flag
-    if isinstance(value, list | tuple):
-        return " ".join(f"{flag} {one}" for one in value)
-    return f"{flag} {value}"
 
 
 def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from utils.hardware import autocast
 from utils.training.config import TrainConfig
 from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
-from utils.training.objective import supervised_loss
+from utils.training.objective import steps_every_update, supervised_loss
 
 
 class TrainStep:
@@ -51,10 +51,12 @@ class TrainStep:
         self.model = model
         self.raw_model = raw_model
         self.optimizer = optimizer
-        self.scheduler = scheduler
+        # ReduceLROnPlateau steps on validation Dice, in the loop; only its warmup (if any) steps after every update.
+        self.scheduler = scheduler if steps_every_update(config.optimisation) else None
         self.scaler = scaler
         self.device = device
-        self._ddp = _find_ddp(model)
+        # The DDP wrapper, if any (--compile compiles the blocks inside it: utils.training.compiled).
+        self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._memory_format = torch.channels_last if config.performance.channels_last else torch.contiguous_format
         self._class_weights = None if class_weights is None else torch.tensor(class_weights, device=device)
         # fp16 runs leave skipping to GradScaler (see utils.training.nonfinite).
@@ -133,8 +135,3 @@ class TrainStep:
     def skip_report(self) -> SkipReport | None:
         """Steps skipped for NaN/inf gradients since the previous report (reads the device); None under GradScaler."""
         return self.guard.report() if self.guard is not None else None
-
-
-def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
-    """The DDP wrapper ``model`` is, if any (--compile compiles the blocks inside it: ``utils.training.compiled``)."""
-    return model if isinstance(model, DistributedDataParallel) else None
