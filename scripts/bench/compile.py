@@ -65,6 +65,13 @@ def run_compile(ctx: Context) -> dict[str, Any]:
 
 def _pair(ctx: Context, data: Any, precision: str) -> dict[str, dict[str, Any]]:
     eager = _train(ctx, data, precision, f"compile-eager-{precision}", ["-e", "2"], fresh=True)
+    runs: dict[str, dict[str, Any]] = {"eager": eager}
+    if not ctx.config.channels_last:
+        # On a CPU, inductor runs the convolutions channels_last: the eager step in that layout is what compile
+        # must beat (docs/PERFORMANCE.md, "Why compile loses here").
+        runs["eager_channels_last"] = _train(
+            ctx, data, precision, f"compile-eager-cl-{precision}", ["-e", "2", "--channels-last"], fresh=True
+        )
     cold = _train(ctx, data, precision, f"compile-on-{precision}", ["-e", "2", "--compile"], fresh=True)
     # A fresh run folder holding the cold run's compile-cache/, as a resumed or requeued run finds its own.
     warm_name = f"compile-warm-{precision}"
@@ -72,7 +79,7 @@ def _pair(ctx: Context, data: Any, precision: str) -> dict[str, dict[str, Any]]:
     shutil.copytree(RunFolder(ctx.work_dir / "runs" / cold["name"]).compile_cache,
                     RunFolder(ctx.work_dir / "runs" / warm_name).compile_cache)  # fmt: skip
     warm = _train(ctx, data, precision, warm_name, ["-e", "1", "--compile"], fresh=False)
-    return {"eager": eager, "compiled": cold, "resumed": warm}
+    return {**runs, "compiled": cold, "resumed": warm}
 
 
 def _train(ctx: Context, data: Any, precision: str, name: str, extra: list[str], *, fresh: bool) -> dict[str, Any]:
@@ -130,7 +137,7 @@ def run_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _summary(pairs: list[dict[str, dict[str, Any]]], load_average: list[float]) -> dict[str, Any]:
     def values(run: str, key: str) -> list[float]:
-        return [pair[run][key] for pair in pairs if key in pair[run]]
+        return [pair[run][key] for pair in pairs if key in pair.get(run, {})]
 
     figures: dict[str, Any] = {"runs": pairs, "load_average": load_average}
     for run, key in (
@@ -138,6 +145,7 @@ def _summary(pairs: list[dict[str, dict[str, Any]]], load_average: list[float]) 
         ("compiled", "first_step_s"),
         ("resumed", "first_step_s"),
         ("eager", "steady_images_per_s"),
+        ("eager_channels_last", "steady_images_per_s"),
         ("compiled", "steady_images_per_s"),
         ("eager", "epoch_s"),
         ("compiled", "epoch_s"),
@@ -145,13 +153,16 @@ def _summary(pairs: list[dict[str, dict[str, Any]]], load_average: list[float]) 
         repeats = values(run, key)
         if repeats:
             figures[f"{run}_{key}"] = {"median": statistics.median(repeats), **reliability(repeats, load_average)}
-    speedups = [
-        pair["compiled"]["steady_images_per_s"] / pair["eager"]["steady_images_per_s"]
-        for pair in pairs
-        if "steady_images_per_s" in pair["compiled"] and "steady_images_per_s" in pair["eager"]
-    ]
-    if speedups:
-        figures["speedup"] = {"median": statistics.median(speedups), **reliability(speedups, load_average)}
+    ratios_of = {"speedup": ("compiled", "eager"), "channels_last_speedup": ("eager_channels_last", "eager"),
+                 "speedup_over_channels_last": ("compiled", "eager_channels_last")}  # fmt: skip
+    for name, (run, over) in ratios_of.items():
+        ratios = [
+            pair[run]["steady_images_per_s"] / pair[over]["steady_images_per_s"]
+            for pair in pairs
+            if "steady_images_per_s" in pair.get(run, {}) and "steady_images_per_s" in pair.get(over, {})
+        ]
+        if ratios:
+            figures[name] = {"median": statistics.median(ratios), **reliability(ratios, load_average)}
     warm = values("resumed", "first_step_s")
     cold = values("compiled", "first_step_s")
     if warm and cold:
@@ -175,6 +186,13 @@ def _rows(ctx: Context, precision: str, result: dict[str, Any]) -> None:
         cell("speedup", "x"),
         f"{cell('compiled_steady_images_per_s', ' img/s')} / {cell('eager_steady_images_per_s', ' img/s')}; {note}",
     )
+    if "channels_last_speedup" in result:
+        ctx.row(
+            SECTION,
+            f"{precision} steady state, eager channels_last / eager; compiled / eager channels_last",
+            f"{cell('channels_last_speedup', 'x')}; {cell('speedup_over_channels_last', 'x')}",
+            f"{cell('eager_channels_last_steady_images_per_s', ' img/s')} eager channels_last; {note}",
+        )
     ctx.row(
         SECTION,
         f"{precision} first step: compiled cold / warm cache / eager",

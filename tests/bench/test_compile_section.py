@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from scripts.bench.compile import run_figures
@@ -47,6 +49,12 @@ def test_quick_compile_section_pairs_eager_and_compiled_runs(run_benchmark: RunB
         assert positive(pair["eager"][figure]) and positive(pair["compiled"][figure]), figure
     assert positive(pair["resumed"]["first_step_s"])  # the warm-cache compile of the resumed run
     assert positive(fp32["speedup"]["median"]) and "reliable" in fp32["speedup"]
+    # The eager channels_last run: the layout inductor gives the convolutions, without compile.
+    assert positive(pair["eager_channels_last"]["steady_images_per_s"])
+    steady = "steady_images_per_s"
+    ratios = [each["compiled"][steady] / each["eager_channels_last"][steady] for each in fp32["runs"]]
+    assert fp32["speedup_over_channels_last"]["median"] == pytest.approx(statistics.median(ratios))
+    assert "fp32 steady state, eager channels_last / eager; compiled / eager channels_last" in run.stdout
     assert len(run.doc["compile"]["section_load_average"]) == 2
     assert "fp32 steady state, compiled / eager" in run.stdout and "\ncompile " in run.stdout
     assert (run.work_dir / "runs" / "compile-on-fp32" / "compile-cache").is_dir()
