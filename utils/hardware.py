@@ -240,11 +240,18 @@ def machine_memory_bytes() -> int | None:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+    limit = cgroup_memory("max")
+    return total if limit is None else min(total, limit)
+
+
+def cgroup_memory(name: str) -> int | None:
+    """The cgroup's ``memory.<name>`` (``max``: its limit, ``current``: its use) in bytes; None where there is no
+    such file or no limit."""
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()  # noqa: SIM115 - one small read
+        text = Path(f"/sys/fs/cgroup/memory.{name}").read_text().strip()
     except OSError:
-        limit = "max"
-    return min(total, int(limit)) if limit.isdigit() else total
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def check_model_fits(n_channels: int, n_classes: int, *, bilinear: bool, base_channels: int) -> None:

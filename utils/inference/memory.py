@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from utils.errors import UserError
+from utils.hardware import cgroup_memory
 from utils.inference.tiling import DOWNSAMPLING, TileSettings
 
 logger = logging.getLogger(__name__)
@@ -63,13 +64,8 @@ def _proc_kib(path: str, field_name: str) -> int | None:
 
 
 def _cgroup_free() -> int | None:
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
-    except (OSError, ValueError):
-        return None
+    limit, used = cgroup_memory("max"), cgroup_memory("current")
+    return None if limit is None or used is None else limit - used
 
 
 def _address_space_free() -> int | None:
