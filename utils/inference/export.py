@@ -26,7 +26,6 @@ import io
 import json
 import logging
 import re
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -123,15 +122,9 @@ def export_model(
     other = torch.rand(
         2, n_channels, sample_size[0] + SIZE_MULTIPLE, sample_size[1] + 2 * SIZE_MULTIPLE, generator=generator
     )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as error:
-        raise ExportError(f"cannot write export file {path}: {error.strerror or error}") from error
-
-    # Written and checked under a temporary name, then renamed (utils.output_files): a file that failed its check is
-    # never left to be mistaken for a usable export, and an earlier export at ``path`` stays whole until then.
+    # Written and checked under a temporary name, then renamed (utils.output_files, which also refuses a folder it
+    # cannot write before anything is exported): a file that failed its check is never left to be mistaken for a
+    # usable export, and an earlier export at ``path`` stays whole until then.
     with replacing(path, "--export") as temporary:
         if export_format == "torchscript":
             report = _export_torchscript(model, temporary, sample, other)

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from utils.datasets.dataset import BasicDataset
-from utils.errors import ConfigError, DatasetError
+from utils.errors import DatasetError
 from utils.evaluation import EvalResult
 from utils.inference.config import EvaluateConfig
 from utils.inference.engine import ShapeBuckets
@@ -137,8 +137,4 @@ def write_json(
         **({"class_names": list(class_names)} if class_names else {}),
         **result.as_dict(),
     }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--json {path}: cannot create its folder ({error.strerror or error})") from error
     write_text(path, json.dumps(payload, indent=2) + "\n", role="--json")
