@@ -31,7 +31,6 @@ import torch
 from unet import UNet
 from utils.cli import setup_logging
 from utils.errors import count
-from utils.hardware import pick_device, warn_if_emulated
 from utils.inference.config import PredictConfig, parse_predict_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items, run_export
 from utils.inference.file_plan import (
@@ -115,9 +114,7 @@ def read_paths(inputs: Sequence[Path], config: PredictConfig) -> dict[Path, str]
 
 def run(config: PredictConfig) -> int:
     """Export and/or predict as ``config`` says; returns the exit status (see the module docstring)."""
-    device = pick_device(config.device)
-    warn_if_emulated(device, config.precision)
-    model, preprocessing = load_predictor(config)
+    device, model, preprocessing = load_predictor(config)
     config = dataclasses.replace(config, scale=preprocessing.scale)
     if config.export_format is not None:
         run_export(model, config, preprocessing, read_paths(collect_inputs(config.inputs), config))

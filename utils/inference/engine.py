@@ -34,7 +34,7 @@ from utils.datasets.image_files import FileInfo, image_header, load_image, mode_
 from utils.datasets.pixel_cache import PixelCache
 from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
-from utils.hardware import SharedMemoryGuard, check_room, loader_timeout
+from utils.hardware import SharedMemoryGuard, check_room, loader_timeout, pick_device, warn_if_emulated
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
 from utils.inference.export import Preprocessing, export_model
 from utils.inference.memory import MemoryPlanner
@@ -48,19 +48,22 @@ WORKERS_FIX = "--workers 0 (-j 0)"
 """predict.py's flag that keeps decoding in the main process (see utils.hardware)."""
 
 
-def load_model(config: InferenceConfig) -> tuple[UNet, model_spec.ModelSpec, float]:
-    """The checkpoint's model (checked against --classes/--bilinear), its spec and the image scale (--scale or the
-    checkpoint's)."""
+def open_model(config: InferenceConfig) -> tuple[torch.device, UNet, model_spec.ModelSpec, float]:
+    """Where predict.py and evaluate.py start: the device (--device), the checkpoint's model on the CPU (checked
+    against --classes/--bilinear), its spec and the image scale (--scale or the checkpoint's)."""
+    device = pick_device(config.device)
+    warn_if_emulated(device, config.precision)
     model, spec = model_spec.load_model(
         config.model, expected={"n_classes": config.classes, "bilinear": True if config.bilinear else None}
     )
-    return model, spec, model_spec.resolve_scale(spec, config.scale, config.model)
+    return device, model, spec, model_spec.resolve_scale(spec, config.scale, config.model)
 
 
-def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
-    """The checkpoint's model (eval mode, on the CPU) and how predict.py prepares images for it and writes its classes:
-    the image scale, the mask value of each class, void values and class names (empty when the checkpoint has none)."""
-    model, spec, scale = load_model(config)
+def load_predictor(config: PredictConfig) -> tuple[torch.device, UNet, Preprocessing]:
+    """``open_model``'s device and model (in eval mode), and how predict.py prepares images for it and writes its
+    classes: the image scale, the mask value of each class, void values and class names (empty when the checkpoint
+    has none)."""
+    device, model, spec, scale = open_model(config)
     mask_values, inference = spec.mask_values, spec.inference
     if mask_values is None:
         mask_values = default_mask_values(model.n_classes)
@@ -83,7 +86,7 @@ def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
             model.n_classes,
         )
     preprocessing = Preprocessing(scale, mask_values, model.n_channels, inference.ignore_values, inference.class_names)
-    return model.eval(), preprocessing
+    return device, model.eval(), preprocessing
 
 
 def run_export(
@@ -221,6 +224,27 @@ def keep_as_list(items: list[Any]) -> list[Any]:
     return items
 
 
+def item_loader(
+    dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False, first: Any = None
+) -> SharedMemoryGuard:
+    """predict.py's and evaluate.py's loader: lists of ``batch_size`` items (``keep_as_list``), decoded by ``workers``
+    processes once one item (``first``, else ``dataset[0]``) shows their batches fit in shared memory (``check_room``),
+    and their shared-memory failures as one line (``SharedMemoryGuard``)."""
+    if workers and len(dataset):  # type: ignore[arg-type]
+        check_room(
+            dataset[0] if first is None else first, batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX
+        )
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=keep_as_list,
+        pin_memory=pin_memory,
+        timeout=loader_timeout(workers),
+    )
+    return SharedMemoryGuard(loader, WORKERS_FIX)
+
+
 class ShapeBuckets:
     """Collects items by image shape and releases full batches, so interleaved sizes still make full batches.
 
@@ -317,15 +341,7 @@ def predict_items(
     whose whole-image pass would not fit runs in windows the planner sizes, with one warning.
     """
     model.eval()
-    if workers and len(dataset):  # one image decoded here tells what the workers will share
-        check_room(dataset[0], batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX)
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        num_workers=workers,
-        collate_fn=keep_as_list,
-        timeout=loader_timeout(workers),
-    )
+    loader = item_loader(dataset, batch_size=batch_size, workers=workers)
     buckets = ShapeBuckets(batch_size)
     run = functools.partial(
         predict_batch,
@@ -340,7 +356,7 @@ def predict_items(
     )
 
     def batches() -> Iterator[list[Prediction]]:
-        for loaded in SharedMemoryGuard(loader, WORKERS_FIX):
+        for loaded in loader:
             for item in loaded:
                 if item.error is not None:
                     yield [Prediction(item)]
