@@ -30,7 +30,7 @@ from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import validation_positions
 from utils.errors import DatasetError, count
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
-from utils.inference.config import EvaluateConfig, parse_evaluate_config
+from utils.inference.config import EvaluateConfig, parse_config
 from utils.inference.engine import item_loader, open_model
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, check_json_path, format_table, write_json
 from utils.launch.runner import run_main
@@ -93,7 +93,9 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
 def main(argv: Sequence[str] | None = None) -> int:
     startup_done()  # the imports are over: Ctrl-C is a KeyboardInterrupt again, reported by run_main
     setup_logging(rank=0, world_size=1)
-    return run_main(lambda: score_and_report(parse_evaluate_config(argv, __doc__)), oom_fix=OOM_FIX)
+    return run_main(
+        lambda: score_and_report(parse_config(EvaluateConfig, "evaluate.py", argv, __doc__)), oom_fix=OOM_FIX
+    )
 
 
 def score_and_report(config: EvaluateConfig) -> int:

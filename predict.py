@@ -31,7 +31,7 @@ import torch
 from unet import UNet
 from utils.cli import setup_logging
 from utils.errors import count
-from utils.inference.config import PredictConfig, parse_predict_config
+from utils.inference.config import PredictConfig, parse_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items, run_export
 from utils.inference.file_plan import (
     check_writable,
@@ -126,7 +126,9 @@ def run(config: PredictConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     startup_done()  # the imports are over: Ctrl-C is a KeyboardInterrupt again, reported by run_main
     setup_logging(rank=0, world_size=1)
-    return run_main(lambda: run(parse_predict_config(argv, __doc__)), oom_fix=OOM_FIX)
+    return run_main(
+        lambda: run(parse_config(PredictConfig, "predict.py", argv, __doc__, examples=True)), oom_fix=OOM_FIX
+    )
 
 
 if __name__ == "__main__":
