@@ -20,8 +20,7 @@ if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gi
 
     stop_quietly_while_starting()
 
-import dataclasses  # noqa: E402 - after the start-up handler above, as every import below
-import logging
+import logging  # noqa: E402 - after the start-up handler above, as every import below
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from utils.cli import setup_logging
 from utils.errors import count
 from utils.inference.config import PredictConfig, parse_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items, run_export
+from utils.inference.export import Preprocessing
 from utils.inference.file_plan import (
     check_writable,
     collect_inputs,
@@ -55,12 +55,9 @@ PARTIAL_FAILURE_EXIT_CODE = 1
 OOM_FIX = "lower --batch-size, or use --tile 512 (or smaller) for large images"
 
 
-def predict_files(
-    model: UNet, mask_values: list, config: PredictConfig, device: torch.device, class_names: tuple[str, ...] = ()
-) -> int:
-    """Predict and write every input of ``config`` (its scale resolved from the checkpoint by ``run``); the exit
-    status (see the module docstring)."""
-    assert config.scale is not None
+def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConfig, device: torch.device) -> int:
+    """Predict and write every input of ``config`` as the checkpoint's ``preprocessing`` says; the exit status (see
+    the module docstring)."""
     inputs = collect_inputs(config.inputs)
     plans = plan_outputs(inputs, config.inputs, config.outputs, config.output_dir)
     check_outputs(
@@ -68,18 +65,19 @@ def predict_files(
         read_paths(inputs, config),
         input_folders(config.inputs, inputs, config.masks_dir),
     )
-    check_writable({plan.mask.parent for plan in plans})
+    # An input's mask and overlay share a folder (plan_outputs).
+    folders = {plan.mask.parent for plan in plans}
+    check_writable(folders)
     model.to(device)
     dataset = PredictionInputs(
         inputs,
-        config.scale,
+        preprocessing.scale,
         model.n_channels,
         keep_original=config.viz,
         pixel_cache=config.pixel_cache,
         any_size=config.tile is not None,
     )
-    colours = class_colours(mask_values, model.n_classes)
-    writer = Writer(mask_values, colours, not config.no_save, config.viz, config.masks_dir, class_names)
+    writer = Writer(preprocessing, class_colours(preprocessing.mask_values, model.n_classes), config)
     predictions = predict_items(
         model,
         dataset,
@@ -95,8 +93,6 @@ def predict_files(
     failures = write_predictions(predictions, writer, plans)
     if failures:
         logger.error("%d of %s failed (named above)", len(failures), count(len(inputs), "image"))
-    folders = {plan.mask.parent for plan in plans} if not config.no_save else set()
-    folders.update(plan.viz.parent for plan in plans if config.viz)
     written = len(inputs) - len(failures)
     logger.info(
         "%s", prediction_summary(written, len(inputs), masks=not config.no_save, viz=config.viz, folders=folders)
@@ -115,12 +111,11 @@ def read_paths(inputs: Sequence[Path], config: PredictConfig) -> dict[Path, str]
 def run(config: PredictConfig) -> int:
     """Export and/or predict as ``config`` says; returns the exit status (see the module docstring)."""
     device, model, preprocessing = load_predictor(config)
-    config = dataclasses.replace(config, scale=preprocessing.scale)
     if config.export_format is not None:
         run_export(model, config, preprocessing, read_paths(collect_inputs(config.inputs), config))
         if not config.inputs:
             return 0
-    return predict_files(model, preprocessing.mask_values, config, device, preprocessing.class_names)
+    return predict_files(model, preprocessing, config, device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
