@@ -78,18 +78,7 @@ def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConf
         any_size=config.tile is not None,
     )
     writer = Writer(preprocessing, class_colours(preprocessing.mask_values, model.n_classes), config)
-    predictions = predict_items(
-        model,
-        dataset,
-        device,
-        batch_size=config.batch_size,
-        precision=config.precision,
-        threshold=config.mask_threshold,
-        tile=config.tile_settings(),
-        workers=config.workers,
-        progress=config.progress,
-        tta=config.tta,
-    )
+    predictions = predict_items(model, dataset, device, config)
     failures = write_predictions(predictions, writer, plans)
     if failures:
         logger.error("%d of %s failed (named above)", len(failures), count(len(inputs), "image"))

@@ -39,7 +39,7 @@ from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, Pred
 from utils.inference.export import Preprocessing, export_model
 from utils.inference.memory import MemoryPlanner
 from utils.inference.outputs import check_mask_values, default_mask_values
-from utils.inference.tiling import TileSettings, forward_logits, predict_logits_tiled
+from utils.inference.tiling import forward_logits, predict_logits_tiled
 from utils.output_files import check_outputs
 
 logger = logging.getLogger(__name__)
@@ -295,28 +295,28 @@ def predict_batch(
     model: nn.Module,
     items: Sequence[InputItem],
     device: torch.device,
-    *,
-    precision: str = "fp32",
-    threshold: float = 0.5,
-    tile: TileSettings | None = None,
-    tile_batch_size: int = 4,
-    tta: bool = False,
+    config: PredictConfig,
     memory: MemoryPlanner | None = None,
 ) -> list[Prediction]:
-    """Predict a batch of items whose network-input images all have the same shape.
+    """Predict a batch of items whose network-input images all have the same shape, as ``config`` says (precision,
+    threshold, --tta, --tile: windows run --batch-size at a time).
 
-    Without ``tile``, ``memory`` (when given) decides whether the whole-image pass fits, else which windows to use.
+    Without ``--tile``, ``memory`` (when given) decides whether the whole-image pass fits, else which windows to use.
     """
+    tile = config.tile_settings()
     if tile is None and memory is not None:
         shape = tuple(items[0].image.shape)  # type: ignore[union-attr] - decoded items only
-        tile = memory.tile_if_needed(model, len(items), shape, tta, window_batch=tile_batch_size)
+        tile = memory.tile_if_needed(model, len(items), shape, config.tta, window_batch=config.batch_size)
     images = torch.stack([item.image for item in items]).to(device, non_blocking=True)
     if tile is None:
-        logits = forward_logits(model, images, precision, tta)
+        logits = forward_logits(model, images, config.precision, config.tta)
     else:
-        logits = predict_logits_tiled(model, images, tile, precision, tile_batch_size)
+        logits = predict_logits_tiled(model, images, tile, config.precision, config.batch_size)
     return [
-        Prediction(item, logits_to_classes(item_logits, item.original_size, threshold).to(torch.uint8).cpu().numpy())
+        Prediction(
+            item,
+            logits_to_classes(item_logits, item.original_size, config.mask_threshold).to(torch.uint8).cpu().numpy(),
+        )
         for item, item_logits in zip(items, logits, strict=True)
     ]
 
@@ -325,35 +325,20 @@ def predict_items(
     model: nn.Module,
     dataset: PredictionInputs,
     device: torch.device,
-    *,
-    batch_size: int = 4,
-    precision: str = "fp32",
-    threshold: float = 0.5,
-    tile: TileSettings | None = None,
-    workers: int = 0,
-    progress: bool = True,
-    tta: bool = False,
+    config: PredictConfig,
     memory: MemoryPlanner | None = None,
 ) -> Iterator[Prediction]:
     """Yield one ``Prediction`` per input (in completion order, not input order); unreadable inputs carry ``error``.
 
-    Without ``tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch
-    whose whole-image pass would not fit runs in windows the planner sizes, with one warning.
+    ``config`` gives the batch size, the loader workers, the progress bar and what ``predict_batch`` reads. Without
+    ``--tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch whose
+    whole-image pass would not fit runs in windows the planner sizes, with one warning.
     """
     model.eval()
-    loader = item_loader(dataset, batch_size=batch_size, workers=workers)
-    buckets = ShapeBuckets(batch_size)
-    run = functools.partial(
-        predict_batch,
-        model,
-        device=device,
-        precision=precision,
-        threshold=threshold,
-        tile=tile,
-        tile_batch_size=batch_size,
-        tta=tta,
-        memory=memory if memory is not None else MemoryPlanner(device=device),
-    )
+    loader = item_loader(dataset, batch_size=config.batch_size, workers=config.workers)
+    buckets = ShapeBuckets(config.batch_size)
+    planner = memory if memory is not None else MemoryPlanner(device=device)
+    run = functools.partial(predict_batch, model, device=device, config=config, memory=planner)
 
     def batches() -> Iterator[list[Prediction]]:
         for loaded in loader:
@@ -365,7 +350,7 @@ def predict_items(
         yield from map(run, buckets.flush())
 
     converted: dict[int, int] = {}
-    with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not progress) as bar:
+    with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not config.progress) as bar:
         for predictions in batches():
             for prediction in predictions:
                 if prediction.item.converted_from is not None:
