@@ -36,10 +36,10 @@ from utils.inference.export import Preprocessing
 from utils.inference.file_plan import (
     check_writable,
     collect_inputs,
-    files_in,
     input_folders,
     plan_outputs,
     prediction_outputs,
+    read_files,
 )
 from utils.inference.overlays import class_colours
 from utils.inference.writer import Writer, prediction_summary, write_predictions
@@ -91,10 +91,7 @@ def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConf
 
 def read_paths(inputs: Sequence[Path], config: PredictConfig) -> dict[Path, str]:
     """Every file the run reads or must keep: the inputs, the true masks of --viz and the checkpoint."""
-    protected = files_in([config.masks_dir] if config.masks_dir is not None else [], "a true mask in --masks")
-    protected.update((path, "the input") for path in inputs)
-    protected[config.model] = "the checkpoint"
-    return protected
+    return read_files(config.model, {config.masks_dir: "a true mask in --masks"}, inputs)
 
 
 def run(config: PredictConfig) -> int:

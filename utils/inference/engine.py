@@ -90,15 +90,15 @@ def load_predictor(config: PredictConfig) -> tuple[torch.device, UNet, Preproces
 
 
 def run_export(
-    model: nn.Module, config: PredictConfig, preprocessing: Preprocessing, protected: dict[Path, str] | None = None
+    model: nn.Module, config: PredictConfig, preprocessing: Preprocessing, protected: dict[Path, str]
 ) -> None:
-    """predict.py's ``--export``: the file may replace neither the checkpoint, ``protected`` (the inputs), a training
+    """predict.py's ``--export``: the file may replace neither ``protected`` (the checkpoint, the inputs), a training
     run's file, nor an existing file without ``--overwrite`` (``check_outputs``); it carries ``preprocessing`` (in an
     ONNX file's metadata)."""
     assert config.export_format is not None and config.export_path is not None
     check_outputs(
         [(config.export_path, "--export")],
-        {**(protected or {}), config.model: "the checkpoint"},
+        protected,
         writes_images=False,
         replaces_torchscript=config.overwrite and config.export_format == "torchscript",
         overwrite=config.overwrite,

@@ -17,7 +17,7 @@ from utils.errors import DatasetError
 from utils.evaluation import EvalResult
 from utils.inference.config import EvaluateConfig
 from utils.inference.engine import ShapeBuckets
-from utils.inference.file_plan import files_in
+from utils.inference.file_plan import read_files
 from utils.output_files import check_outputs, write_text
 
 logger = logging.getLogger(__name__)
@@ -113,9 +113,9 @@ def check_json_path(config: EvaluateConfig) -> None:
     """``--json`` must not replace an image, a mask or a checkpoint (checked before anything runs)."""
     if config.json_path is None:
         return
-    protected = files_in([config.images_dir], "an image in --imgs")
-    protected.update(files_in([config.masks_dir], "a mask in --masks"))
-    protected[config.model] = "the checkpoint"
+    protected = read_files(
+        config.model, {config.images_dir: "an image in --imgs", config.masks_dir: "a mask in --masks"}
+    )
     check_outputs([(config.json_path, "--json")], protected, [config.images_dir, config.masks_dir], writes_images=False)
 
 
