@@ -102,7 +102,7 @@ def score_and_report(config: EvaluateConfig) -> int:
     """Score, write --json if asked, print the table; the exit status."""
     result, mask_values, scale, class_names = run(config)
     if config.json_path is not None:
-        write_json(config.json_path, result, mask_values, scale, config, class_names)
+        write_json(config, result, mask_values, scale, class_names)
     print(f"{config.model} on {count(result.n_images, 'image')} of {config.images_dir}:")
     print(format_table(result, mask_values, class_names))
     if config.json_path is not None:

@@ -120,13 +120,10 @@ def check_json_path(config: EvaluateConfig) -> None:
 
 
 def write_json(
-    path: Path,
-    result: EvalResult,
-    mask_values: list,
-    scale: float,
-    config: EvaluateConfig,
-    class_names: tuple[str, ...] = (),
+    config: EvaluateConfig, result: EvalResult, mask_values: list, scale: float, class_names: tuple[str, ...] = ()
 ) -> None:
+    """The scores as ``--json`` FILE, with what was scored and how."""
+    assert config.json_path is not None
     payload = {
         "checkpoint": str(config.model),
         "images": str(config.images_dir),
@@ -137,4 +134,4 @@ def write_json(
         **({"class_names": list(class_names)} if class_names else {}),
         **result.as_dict(),
     }
-    write_text(path, json.dumps(payload, indent=2) + "\n", role="--json")
+    write_text(config.json_path, json.dumps(payload, indent=2) + "\n", role="--json")
