@@ -115,7 +115,7 @@ def export_model(
     path = Path(path)
     # Export a float32 CPU copy in eval mode so the caller's model (maybe on a GPU) is left as it was.
     model = copy.deepcopy(model).float().cpu().eval()
-    n_channels = _input_channels(model)
+    n_channels = int(model.n_channels)  # a SegmentationNet (unet), as every model this project builds
     generator = torch.Generator().manual_seed(0)
     sample = torch.rand(1, n_channels, *sample_size, generator=generator)
     # A second input with another batch size and shape checks that the exported sizes are not frozen to the sample.
@@ -145,14 +145,6 @@ def _quiet_loggers(*names: str) -> Iterator[None]:
     finally:
         for each, level in zip(loggers, levels, strict=True):
             each.setLevel(level)
-
-
-def _input_channels(model: nn.Module) -> int:
-    n_channels = getattr(model, "n_channels", None)
-    if isinstance(n_channels, int):
-        return n_channels
-    first_conv = next(module for module in model.modules() if isinstance(module, nn.Conv2d))
-    return first_conv.in_channels
 
 
 @torch.inference_mode()
