@@ -97,16 +97,14 @@ def cpu_has_native(precision: str) -> bool:
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
-def warn_if_emulated(device: torch.device, precision: str) -> bool:
-    """One warning when ``precision`` would be emulated on this CPU (about 5x slower than fp32); True if it warned."""
-    if device.type != "cpu" or cpu_has_native(precision):
-        return False
-    logger.warning(
-        "%s on this CPU is emulated (no AVX-512 BF16/AMX instructions) and runs about 5x slower than fp32 "
-        "(docs/PERFORMANCE.md); use --precision fp32 here",
-        precision,
-    )
-    return True
+def warn_if_emulated(device: torch.device, precision: str) -> None:
+    """One warning when ``precision`` would be emulated on this CPU (about 5x slower than fp32)."""
+    if device.type == "cpu" and not cpu_has_native(precision):
+        logger.warning(
+            "%s on this CPU is emulated (no AVX-512 BF16/AMX instructions) and runs about 5x slower than fp32 "
+            "(docs/PERFORMANCE.md); use --precision fp32 here",
+            precision,
+        )
 
 
 def pick_device(requested: str, *, local_rank: int = 0, distributed: bool = False) -> torch.device:
