@@ -20,7 +20,7 @@ from torch import nn
 
 from utils.errors import UserError
 from utils.hardware import cgroup_memory
-from utils.inference.tiling import DOWNSAMPLING, TileSettings
+from utils.inference.tiling import DOWNSAMPLING, MIN_TILE, TileSettings
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,6 @@ ACTIVATION_FLOATS = 12
 BYTES_PER_FLOAT = 4
 # Leave this share of the free memory to everything else (allocator slack, decoding, writers).
 USABLE_FRACTION = 0.5
-MIN_TILE = 2 * DOWNSAMPLING
 GIB = 1024**3
 
 
