@@ -150,8 +150,11 @@ def parse_config(
 ) -> ConfigT:
     """``prog``'s flags as a checked ``config_class``; ``doc`` is the script's docstring: its first paragraph is the
     help's summary, its second (with ``examples``) the help's examples."""
-    summary, example_lines = doc.split("\n\n")[:2]
-    layout = {"epilog": f"examples:\n{example_lines}", "formatter_class": argparse.RawTextHelpFormatter}
-    config = parse_flags(FlagParser(prog=prog, description=summary, **(layout if examples else {})), config_class, argv)
+    summary, *paragraphs = doc.split("\n\n")
+    parser = FlagParser(prog=prog, description=summary)
+    if examples:
+        parser.epilog = f"examples:\n{paragraphs[0]}"
+        parser.formatter_class = argparse.RawTextHelpFormatter
+    config = parse_flags(parser, config_class, argv)
     config.validate()
     return config
