@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 
 from utils.datasets.dataset import BasicDataset
 from utils.errors import DatasetError
 from utils.evaluation import EvalResult
+from utils.hardware import SharedMemoryGuard
 from utils.inference.config import EvaluateConfig
 from utils.inference.engine import ShapeBuckets
 from utils.inference.file_plan import read_files
@@ -57,13 +57,13 @@ def _comparable(value: object) -> object:
 
 @dataclass(frozen=True)
 class SizeGroupedBatches:
-    """Stacked batches of up to ``batch_size`` items of one image size, from a loader collated by ``keep_as_list``.
+    """Stacked batches of up to ``batch_size`` items of one image size, from ``engine.item_loader``'s lists of items.
 
     Images of mixed sizes are grouped by size as ``predict.py`` groups them (``ShapeBuckets``): since the score is a
     mean over images, grouping does not change it.
     """
 
-    loader: DataLoader
+    loader: SharedMemoryGuard
     batch_size: int
 
     def __len__(self) -> int:
