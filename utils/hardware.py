@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from utils.errors import ConfigError
+from utils.errors import ConfigError, user_message
 
 logger = logging.getLogger(__name__)
 
@@ -367,8 +367,8 @@ def _cause(error: RuntimeError) -> str:
     if "dataloader timed out" in str(error).lower():
         # A worker that cannot allocate shared memory for its batch only prints a traceback: the batch never comes.
         return f"no batch arrived for {LOADER_TIMEOUT_S:.0f} s (a worker lost it: see any traceback above)"
-    # A worker's error ends with its own last line (after "Original Traceback"): that one says why.
-    return (str(error).strip().splitlines() or ["?"])[-1].strip()
+    # A worker's error re-raised here carries its traceback: its own message says why (utils.errors).
+    return user_message(error)
 
 
 class SharedMemoryGuard:
