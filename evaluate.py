@@ -30,7 +30,7 @@ from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import validation_positions
 from utils.errors import DatasetError, count
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
-from utils.inference.config import EvaluateConfig, parse_config
+from utils.inference.config import EvaluateConfig, parse_inference_config
 from utils.inference.engine import item_loader, open_model
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, check_json_path, format_table, write_json
 from utils.launch.runner import run_main
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     startup_done()  # the imports are over: Ctrl-C is a KeyboardInterrupt again, reported by run_main
     setup_logging(rank=0, world_size=1)
     return run_main(
-        lambda: score_and_report(parse_config(EvaluateConfig, "evaluate.py", argv, __doc__)), oom_fix=OOM_FIX
+        lambda: score_and_report(parse_inference_config(EvaluateConfig, "evaluate.py", argv, __doc__)), oom_fix=OOM_FIX
     )
 
 

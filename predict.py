@@ -30,7 +30,7 @@ import torch
 from unet import UNet
 from utils.cli import setup_logging
 from utils.errors import count
-from utils.inference.config import PredictConfig, parse_config
+from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items, run_export
 from utils.inference.export import Preprocessing
 from utils.inference.file_plan import (
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     startup_done()  # the imports are over: Ctrl-C is a KeyboardInterrupt again, reported by run_main
     setup_logging(rank=0, world_size=1)
     return run_main(
-        lambda: run(parse_config(PredictConfig, "predict.py", argv, __doc__, examples=True)), oom_fix=OOM_FIX
+        lambda: run(parse_inference_config(PredictConfig, "predict.py", argv, __doc__, examples=True)), oom_fix=OOM_FIX
     )
 
 

@@ -145,7 +145,7 @@ class EvaluateConfig(InferenceConfig):
 ConfigT = TypeVar("ConfigT", bound=InferenceConfig)
 
 
-def parse_config(
+def parse_inference_config(
     config_class: type[ConfigT], prog: str, argv: Sequence[str] | None, doc: str, *, examples: bool = False
 ) -> ConfigT:
     """``prog``'s flags as a checked ``config_class``; ``doc`` is the script's docstring: its first paragraph is the
