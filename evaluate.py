@@ -23,16 +23,15 @@ if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gi
 import sys  # noqa: E402 - after the start-up handler above, as every import below
 from collections.abc import Sequence
 
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import Subset
 
 from utils.cli import setup_logging
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import validation_positions
 from utils.errors import DatasetError, count
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
-from utils.hardware import SharedMemoryGuard, check_room, loader_timeout, pick_device, warn_if_emulated
-from utils.inference.config import EvaluateConfig, parse_evaluate_config
-from utils.inference.engine import WORKERS_FIX, keep_as_list, load_model
+from utils.inference.config import EvaluateConfig, parse_inference_config
+from utils.inference.engine import item_loader, open_model
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, check_json_path, format_table, write_json
 from utils.launch.runner import run_main
 from utils.launch.signals import startup_done
@@ -45,10 +44,8 @@ OOM_FIX = "lower --batch-size or --scale"
 def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...]]:
     """Score the checkpoint on the dataset; returns the result, the mask values its classes stand for, the scale and
     the class names (empty when the checkpoint has none)."""
-    device = pick_device(config.device)
-    warn_if_emulated(device, config.precision)
     check_json_path(config)
-    model, spec, scale = load_model(config)
+    device, model, spec, scale = open_model(config)
     dataset = BasicDataset(
         config.images_dir,
         config.masks_dir,
@@ -77,20 +74,13 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
             f"the images in {config.images_dir} have {first['image'].shape[0]} channel(s) but "
             f"{config.model} expects {model.n_channels}"
         )
-    check_room(first, batch_size=config.batch_size, workers=config.workers, workers_fix=WORKERS_FIX)
-    loader = DataLoader(
-        scored,
-        batch_size=config.batch_size,
-        shuffle=False,
-        num_workers=config.workers,
-        collate_fn=keep_as_list,
-        pin_memory=device.type == "cuda",
-        timeout=loader_timeout(config.workers),
+    loader = item_loader(
+        scored, batch_size=config.batch_size, workers=config.workers, pin_memory=device.type == "cuda", first=first
     )
     model.to(device)
     result = evaluate_segmentation(
         model,
-        SizeGroupedBatches(SharedMemoryGuard(loader, WORKERS_FIX), config.batch_size),
+        SizeGroupedBatches(loader, config.batch_size),
         device,
         n_classes=model.n_classes,
         precision=config.precision,
@@ -103,14 +93,16 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
 def main(argv: Sequence[str] | None = None) -> int:
     startup_done()  # the imports are over: Ctrl-C is a KeyboardInterrupt again, reported by run_main
     setup_logging(rank=0, world_size=1)
-    return run_main(lambda: score_and_report(parse_evaluate_config(argv, __doc__)), oom_fix=OOM_FIX)
+    return run_main(
+        lambda: score_and_report(parse_inference_config(EvaluateConfig, "evaluate.py", argv, __doc__)), oom_fix=OOM_FIX
+    )
 
 
 def score_and_report(config: EvaluateConfig) -> int:
     """Score, write --json if asked, print the table; the exit status."""
     result, mask_values, scale, class_names = run(config)
     if config.json_path is not None:
-        write_json(config.json_path, result, mask_values, scale, config, class_names)
+        write_json(config, result, mask_values, scale, class_names)
     print(f"{config.model} on {count(result.n_images, 'image')} of {config.images_dir}:")
     print(format_table(result, mask_values, class_names))
     if config.json_path is not None:

@@ -32,7 +32,7 @@ def unet(
     download.
     """
     # Imported here: torch.hub puts the checkout on sys.path only while it imports this file.
-    from unet import UNet, UNetArgs
+    from unet import build_model
     from utils.checkpoint.model import load_model
     from utils.errors import CheckpointError
 
@@ -40,7 +40,7 @@ def unet(
         raise CheckpointError("unet-ddp publishes no pretrained weights to download; pass checkpoint=<local file>")
     expected = {"n_channels": n_channels, "n_classes": n_classes, "bilinear": bilinear, "base_channels": base_channels}
     if checkpoint is None:
-        return UNet(**UNetArgs(**{key: value for key, value in expected.items() if value is not None}).as_dict()).eval()
+        return build_model({key: value for key, value in expected.items() if value is not None}).eval()
     if "://" in str(checkpoint):
         raise CheckpointError(f"checkpoint={checkpoint!r}: only local files are loaded, never URLs; download it first")
     model, spec = load_model(Path(checkpoint), expected=expected, source="checkpoint=")

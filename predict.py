@@ -20,8 +20,7 @@ if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gi
 
     stop_quietly_while_starting()
 
-import dataclasses  # noqa: E402 - after the start-up handler above, as every import below
-import logging
+import logging  # noqa: E402 - after the start-up handler above, as every import below
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,16 +30,16 @@ import torch
 from unet import UNet
 from utils.cli import setup_logging
 from utils.errors import count
-from utils.hardware import pick_device, warn_if_emulated
-from utils.inference.config import PredictConfig, parse_predict_config
+from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items, run_export
+from utils.inference.export import Preprocessing
 from utils.inference.file_plan import (
     check_writable,
     collect_inputs,
-    files_in,
     input_folders,
     plan_outputs,
     prediction_outputs,
+    read_files,
 )
 from utils.inference.overlays import class_colours
 from utils.inference.writer import Writer, prediction_summary, write_predictions
@@ -56,12 +55,9 @@ PARTIAL_FAILURE_EXIT_CODE = 1
 OOM_FIX = "lower --batch-size, or use --tile 512 (or smaller) for large images"
 
 
-def predict_files(
-    model: UNet, mask_values: list, config: PredictConfig, device: torch.device, class_names: tuple[str, ...] = ()
-) -> int:
-    """Predict and write every input of ``config`` (its scale resolved from the checkpoint by ``run``); the exit
-    status (see the module docstring)."""
-    assert config.scale is not None
+def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConfig, device: torch.device) -> int:
+    """Predict and write every input of ``config`` as the checkpoint's ``preprocessing`` says; the exit status (see
+    the module docstring)."""
     inputs = collect_inputs(config.inputs)
     plans = plan_outputs(inputs, config.inputs, config.outputs, config.output_dir)
     check_outputs(
@@ -69,35 +65,23 @@ def predict_files(
         read_paths(inputs, config),
         input_folders(config.inputs, inputs, config.masks_dir),
     )
-    check_writable({plan.mask.parent for plan in plans})
+    # An input's mask and overlay share a folder (plan_outputs).
+    folders = {plan.mask.parent for plan in plans}
+    check_writable(folders)
     model.to(device)
     dataset = PredictionInputs(
         inputs,
-        config.scale,
+        preprocessing.scale,
         model.n_channels,
         keep_original=config.viz,
         pixel_cache=config.pixel_cache,
         any_size=config.tile is not None,
     )
-    colours = class_colours(mask_values, model.n_classes)
-    writer = Writer(mask_values, colours, not config.no_save, config.viz, config.masks_dir, class_names)
-    predictions = predict_items(
-        model,
-        dataset,
-        device,
-        batch_size=config.batch_size,
-        precision=config.precision,
-        threshold=config.mask_threshold,
-        tile=config.tile_settings(),
-        workers=config.workers,
-        progress=config.progress,
-        tta=config.tta,
-    )
+    writer = Writer(preprocessing, class_colours(preprocessing.mask_values, model.n_classes), config)
+    predictions = predict_items(model, dataset, device, config)
     failures = write_predictions(predictions, writer, plans)
     if failures:
         logger.error("%d of %s failed (named above)", len(failures), count(len(inputs), "image"))
-    folders = {plan.mask.parent for plan in plans} if not config.no_save else set()
-    folders.update(plan.viz.parent for plan in plans if config.viz)
     written = len(inputs) - len(failures)
     logger.info(
         "%s", prediction_summary(written, len(inputs), masks=not config.no_save, viz=config.viz, folders=folders)
@@ -107,29 +91,25 @@ def predict_files(
 
 def read_paths(inputs: Sequence[Path], config: PredictConfig) -> dict[Path, str]:
     """Every file the run reads or must keep: the inputs, the true masks of --viz and the checkpoint."""
-    protected = files_in([config.masks_dir] if config.masks_dir is not None else [], "a true mask in --masks")
-    protected.update((path, "the input") for path in inputs)
-    protected[config.model] = "the checkpoint"
-    return protected
+    return read_files(config.model, {config.masks_dir: "a true mask in --masks"}, inputs)
 
 
 def run(config: PredictConfig) -> int:
     """Export and/or predict as ``config`` says; returns the exit status (see the module docstring)."""
-    device = pick_device(config.device)
-    warn_if_emulated(device, config.precision)
-    model, preprocessing = load_predictor(config)
-    config = dataclasses.replace(config, scale=preprocessing.scale)
+    device, model, preprocessing = load_predictor(config)
     if config.export_format is not None:
         run_export(model, config, preprocessing, read_paths(collect_inputs(config.inputs), config))
         if not config.inputs:
             return 0
-    return predict_files(model, preprocessing.mask_values, config, device, preprocessing.class_names)
+    return predict_files(model, preprocessing, config, device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     startup_done()  # the imports are over: Ctrl-C is a KeyboardInterrupt again, reported by run_main
     setup_logging(rank=0, world_size=1)
-    return run_main(lambda: run(parse_predict_config(argv, __doc__)), oom_fix=OOM_FIX)
+    return run_main(
+        lambda: run(parse_inference_config(PredictConfig, "predict.py", argv, __doc__, examples=True)), oom_fix=OOM_FIX
+    )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from tests.conftest import REPO_ROOT, child_env
-from utils.cli import command_name
+from utils.flags import command_name
 
 
 def test_command_name_follows_how_the_program_was_started():

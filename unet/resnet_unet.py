@@ -101,7 +101,6 @@ class ResNetUNet(SegmentationNet):
         if encoder not in _FEATURE_CHANNELS:
             raise ValueError(f"unknown encoder {encoder!r}; choose one of {', '.join(_FEATURE_CHANNELS)}")
         super().__init__(UNetArgs(n_channels, n_classes, False, base_channels, encoder, deep_supervision))
-        self.encoder_name = encoder
         mean, std = input_statistics(n_channels)
         # Not persistent: the values follow from the architecture, so the state dict holds only learnt tensors.
         self.register_buffer("input_mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)

@@ -68,7 +68,6 @@ class SegmentationNet(nn.Module):
         self.n_channels = args.n_channels
         self.n_classes = args.n_classes
         self.base_channels = args.base_channels
-        self.deep_supervision = args.deep_supervision
         self._args = args
 
     def constructor_args(self) -> dict[str, Any]:

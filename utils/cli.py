@@ -39,16 +39,6 @@ def setup_logging(rank: int, world_size: int) -> None:
             handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S"))
 
 
-def command_name(prog: str, argv0: str | None = None) -> str:
-    """How the user started the program whose parser is ``prog`` (``train.py``): the installed command by its own
-    name (``unet-train``, from ``sys.argv[0]``), else ``python train.py``; a ``prog`` that is a whole command line
-    (``python -m utils.datasets.check``) as it is."""
-    name = (sys.argv[0] if argv0 is None else argv0).replace("\\", "/").rsplit("/", 1)[-1]
-    if name.startswith("unet-"):
-        return name
-    return prog if prog.startswith("python ") else f"python {prog}"
-
-
 def print_error(message: object) -> None:
     """The one line a person reads when a run stops for something they can fix.
 

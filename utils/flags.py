@@ -23,6 +23,7 @@ import difflib
 import functools
 import inspect
 import math
+import sys
 import textwrap
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -234,10 +235,18 @@ def parse_known_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
 
 
 def help_hint(prog: str) -> str:
-    """``(see unet-train --help)``: the program as the user started it (``utils.cli.command_name``)."""
-    from utils.cli import command_name  # here: utils.cli imports torch, which flags alone must not
-
+    """``(see unet-train --help)``: the program as the user started it (``command_name``)."""
     return f"(see {command_name(prog)} --help)"
+
+
+def command_name(prog: str, argv0: str | None = None) -> str:
+    """How the user started the program whose parser is ``prog`` (``train.py``): the installed command by its own
+    name (``unet-train``, from ``sys.argv[0]``), else ``python train.py``; a ``prog`` that is a whole command line
+    (``python -m utils.datasets.check``) as it is."""
+    name = (sys.argv[0] if argv0 is None else argv0).replace("\\", "/").rsplit("/", 1)[-1]
+    if name.startswith("unet-"):
+        return name
+    return prog if prog.startswith("python ") else f"python {prog}"
 
 
 def flat_values(config: Any) -> dict[str, Any]:

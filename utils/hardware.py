@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from utils.errors import ConfigError
+from utils.errors import ConfigError, user_message
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +97,14 @@ def cpu_has_native(precision: str) -> bool:
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
-def warn_if_emulated(device: torch.device, precision: str) -> bool:
-    """One warning when ``precision`` would be emulated on this CPU (about 5x slower than fp32); True if it warned."""
-    if device.type != "cpu" or cpu_has_native(precision):
-        return False
-    logger.warning(
-        "%s on this CPU is emulated (no AVX-512 BF16/AMX instructions) and runs about 5x slower than fp32 "
-        "(docs/PERFORMANCE.md); use --precision fp32 here",
-        precision,
-    )
-    return True
+def warn_if_emulated(device: torch.device, precision: str) -> None:
+    """One warning when ``precision`` would be emulated on this CPU (about 5x slower than fp32)."""
+    if device.type == "cpu" and not cpu_has_native(precision):
+        logger.warning(
+            "%s on this CPU is emulated (no AVX-512 BF16/AMX instructions) and runs about 5x slower than fp32 "
+            "(docs/PERFORMANCE.md); use --precision fp32 here",
+            precision,
+        )
 
 
 def pick_device(requested: str, *, local_rank: int = 0, distributed: bool = False) -> torch.device:
@@ -240,11 +238,18 @@ def machine_memory_bytes() -> int | None:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+    limit = cgroup_memory("max")
+    return total if limit is None else min(total, limit)
+
+
+def cgroup_memory(name: str) -> int | None:
+    """The cgroup's ``memory.<name>`` (``max``: its limit, ``current``: its use) in bytes; None where there is no
+    such file or no limit."""
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()  # noqa: SIM115 - one small read
+        text = Path(f"/sys/fs/cgroup/memory.{name}").read_text().strip()
     except OSError:
-        limit = "max"
-    return min(total, int(limit)) if limit.isdigit() else total
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def check_model_fits(n_channels: int, n_classes: int, *, bilinear: bool, base_channels: int) -> None:
@@ -362,8 +367,8 @@ def _cause(error: RuntimeError) -> str:
     if "dataloader timed out" in str(error).lower():
         # A worker that cannot allocate shared memory for its batch only prints a traceback: the batch never comes.
         return f"no batch arrived for {LOADER_TIMEOUT_S:.0f} s (a worker lost it: see any traceback above)"
-    # A worker's error ends with its own last line (after "Original Traceback"): that one says why.
-    return (str(error).strip().splitlines() or ["?"])[-1].strip()
+    # A worker's error re-raised here carries its traceback: its own message says why (utils.errors).
+    return user_message(error)
 
 
 class SharedMemoryGuard:

@@ -194,11 +194,13 @@ def replacing(path: Path, role: str | None = None) -> Iterator[Path]:
 
     If the block raises, the temporary file is removed and ``path`` is left as it was. The temporary name keeps the
     suffix (PIL and exporters choose the format by it) and starts with a dot (folder inputs skip hidden files).
-    OS errors become ``OutputError`` naming ``role`` (or the path) and the fix.
+    The folder is created if missing (``--json``, ``--export`` may name a new one). OS errors become ``OutputError``
+    naming ``role`` (or the path) and the fix.
     """
     path = Path(path)
     temporary = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp{path.suffix}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         # O_EXCL: never reuse a name; mode 0o666 lets the umask give the file the permissions of any new file.
         os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError as error:

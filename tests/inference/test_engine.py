@@ -12,6 +12,7 @@ from PIL import Image
 from tests.helpers import make_model, reference_classes, write_images
 from utils.errors import ConfigError
 from utils.hardware import pick_device
+from utils.inference.config import PredictConfig
 from utils.inference.engine import (
     InputItem,
     PredictionInputs,
@@ -81,7 +82,7 @@ def test_a_batch_predicts_what_each_image_alone_gives(tmp_path):
     dataset = PredictionInputs(paths, scale=0.5, n_channels=3)
     items = [dataset[i] for i in range(3)]
     assert len({tuple(item.image.shape) for item in items}) == 1
-    predictions = predict_batch(model, items, torch.device("cpu"))
+    predictions = predict_batch(model, items, torch.device("cpu"), PredictConfig())
     for path, prediction in zip(paths, predictions, strict=True):
         assert prediction.classes.shape == (Image.open(path).height, Image.open(path).width)
         np.testing.assert_array_equal(prediction.classes, reference_classes(model, path, 0.5))

@@ -100,6 +100,7 @@ def test_the_control_a_whole_image_forced_under_that_limit_fails_with_one_line_s
 
 
 def test_a_batch_over_the_budget_predicts_exactly_as_the_windows_the_planner_names(tmp_path, caplog):
+    from utils.inference.config import PredictConfig
     from utils.inference.engine import PredictionInputs, predict_items
 
     paths = write_images(tmp_path, [(160, 128)])
@@ -107,12 +108,12 @@ def test_a_batch_over_the_budget_predicts_exactly_as_the_windows_the_planner_nam
     dataset = PredictionInputs(paths, 1.0, 3)
     budget = estimate_forward_bytes(model, 1, 128, 160) // 2
     planner = MemoryPlanner(budget)
-    [planned] = predict_items(model, dataset, torch.device("cpu"), batch_size=1, memory=planner, progress=False)
+    config = PredictConfig(batch_size=1, workers=0, no_progress=True)
+    [planned] = predict_items(model, dataset, torch.device("cpu"), config, memory=planner)
     tile = MemoryPlanner(budget).tile_if_needed(model, 1, (3, 128, 160), window_batch=1)
     assert tile is not None and tile.size < 128
-    [explicit] = predict_items(model, dataset, torch.device("cpu"), batch_size=1, tile=tile, progress=False)
-    [whole] = predict_items(
-        model, dataset, torch.device("cpu"), batch_size=1, memory=MemoryPlanner(None), progress=False
-    )
+    windows = PredictConfig(batch_size=1, workers=0, no_progress=True, tile=tile.size, tile_overlap=tile.overlap)
+    [explicit] = predict_items(model, dataset, torch.device("cpu"), windows)
+    [whole] = predict_items(model, dataset, torch.device("cpu"), config, memory=MemoryPlanner(None))
     np.testing.assert_array_equal(planned.classes, explicit.classes)
     assert not np.array_equal(planned.classes, whole.classes)  # the control: windows really were used

@@ -12,7 +12,7 @@ from tests.datasets.test_pixel_cache import HEIGHT, WIDTH, write_photos
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.pixel_cache import IMAGE
 from utils.errors import ConfigError
-from utils.inference.config import parse_predict_config
+from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import PredictionInputs, _file_info
 
 
@@ -61,8 +61,10 @@ def test_a_miss_is_decoded_and_stored_and_viz_decodes(tmp_path: Path) -> None:
 
 def test_the_flag_reaches_the_config_and_a_cache_inside_the_inputs_is_refused(tmp_path: Path) -> None:
     images_dir, _ = write_photos(tmp_path / "data")
-    config = parse_predict_config(["-i", str(images_dir), "--pixel-cache", str(tmp_path / "p")], "a\n\nb")
+    config = parse_inference_config(
+        PredictConfig, "predict.py", ["-i", str(images_dir), "--pixel-cache", str(tmp_path / "p")], "a\n\nb"
+    )
     assert config.pixel_cache == tmp_path / "p"
-    assert parse_predict_config(["-i", str(images_dir)], "a\n\nb").pixel_cache is None
+    assert parse_inference_config(PredictConfig, "predict.py", ["-i", str(images_dir)], "a\n\nb").pixel_cache is None
     with pytest.raises(ConfigError, match="inside the data folder"):
         PredictionInputs(sorted(images_dir.iterdir()), 0.5, 3, pixel_cache=images_dir / "cache")

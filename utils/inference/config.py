@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from utils.cli import device_flag, parse_size, stderr_is_terminal
 from utils.errors import ConfigError
@@ -141,25 +142,19 @@ class EvaluateConfig(InferenceConfig):
     """score a --split other than the one the checkpoint records it was trained on (refused without this flag)"""
 
 
-def parse_predict_config(argv: Sequence[str] | None, doc: str) -> PredictConfig:
-    """predict.py's flags as a checked ``PredictConfig``; ``doc`` is the script's docstring (its summary and examples
-    make the help)."""
-    summary, examples = doc.split("\n\n")[:2]
-    parser = FlagParser(
-        prog="predict.py",
-        description=summary,
-        epilog=f"examples:\n{examples}",
-        formatter_class=argparse.RawTextHelpFormatter,
-    )
-    config = parse_flags(parser, PredictConfig, argv)
-    config.validate()
-    return config
+ConfigT = TypeVar("ConfigT", bound=InferenceConfig)
 
 
-def parse_evaluate_config(argv: Sequence[str] | None, doc: str) -> EvaluateConfig:
-    """evaluate.py's flags as a checked ``EvaluateConfig``; ``doc`` is the script's docstring (its first paragraph is
-    the summary)."""
-    parser = FlagParser(prog="evaluate.py", description=doc.split("\n\n")[0])
-    config = parse_flags(parser, EvaluateConfig, argv)
+def parse_inference_config(
+    config_class: type[ConfigT], prog: str, argv: Sequence[str] | None, doc: str, *, examples: bool = False
+) -> ConfigT:
+    """``prog``'s flags as a checked ``config_class``; ``doc`` is the script's docstring: its first paragraph is the
+    help's summary, its second (with ``examples``) the help's examples."""
+    summary, *paragraphs = doc.split("\n\n")
+    parser = FlagParser(prog=prog, description=summary)
+    if examples:
+        parser.epilog = f"examples:\n{paragraphs[0]}"
+        parser.formatter_class = argparse.RawTextHelpFormatter
+    config = parse_flags(parser, config_class, argv)
     config.validate()
     return config

@@ -34,12 +34,12 @@ from utils.datasets.image_files import FileInfo, image_header, load_image, mode_
 from utils.datasets.pixel_cache import PixelCache
 from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
-from utils.hardware import SharedMemoryGuard, check_room, loader_timeout
+from utils.hardware import SharedMemoryGuard, check_room, loader_timeout, pick_device, warn_if_emulated
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
 from utils.inference.export import Preprocessing, export_model
 from utils.inference.memory import MemoryPlanner
 from utils.inference.outputs import check_mask_values, default_mask_values
-from utils.inference.tiling import TileSettings, forward_logits, predict_logits_tiled
+from utils.inference.tiling import forward_logits, predict_logits_tiled
 from utils.output_files import check_outputs
 
 logger = logging.getLogger(__name__)
@@ -48,19 +48,22 @@ WORKERS_FIX = "--workers 0 (-j 0)"
 """predict.py's flag that keeps decoding in the main process (see utils.hardware)."""
 
 
-def load_model(config: InferenceConfig) -> tuple[UNet, model_spec.ModelSpec, float]:
-    """The checkpoint's model (checked against --classes/--bilinear), its spec and the image scale (--scale or the
-    checkpoint's)."""
+def open_model(config: InferenceConfig) -> tuple[torch.device, UNet, model_spec.ModelSpec, float]:
+    """Where predict.py and evaluate.py start: the device (--device), the checkpoint's model on the CPU (checked
+    against --classes/--bilinear), its spec and the image scale (--scale or the checkpoint's)."""
+    device = pick_device(config.device)
+    warn_if_emulated(device, config.precision)
     model, spec = model_spec.load_model(
         config.model, expected={"n_classes": config.classes, "bilinear": True if config.bilinear else None}
     )
-    return model, spec, model_spec.resolve_scale(spec, config.scale, config.model)
+    return device, model, spec, model_spec.resolve_scale(spec, config.scale, config.model)
 
 
-def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
-    """The checkpoint's model (eval mode, on the CPU) and how predict.py prepares images for it and writes its classes:
-    the image scale, the mask value of each class, void values and class names (empty when the checkpoint has none)."""
-    model, spec, scale = load_model(config)
+def load_predictor(config: PredictConfig) -> tuple[torch.device, UNet, Preprocessing]:
+    """``open_model``'s device and model (in eval mode), and how predict.py prepares images for it and writes its
+    classes: the image scale, the mask value of each class, void values and class names (empty when the checkpoint
+    has none)."""
+    device, model, spec, scale = open_model(config)
     mask_values, inference = spec.mask_values, spec.inference
     if mask_values is None:
         mask_values = default_mask_values(model.n_classes)
@@ -83,19 +86,19 @@ def load_predictor(config: PredictConfig) -> tuple[UNet, Preprocessing]:
             model.n_classes,
         )
     preprocessing = Preprocessing(scale, mask_values, model.n_channels, inference.ignore_values, inference.class_names)
-    return model.eval(), preprocessing
+    return device, model.eval(), preprocessing
 
 
 def run_export(
-    model: nn.Module, config: PredictConfig, preprocessing: Preprocessing, protected: dict[Path, str] | None = None
+    model: nn.Module, config: PredictConfig, preprocessing: Preprocessing, protected: dict[Path, str]
 ) -> None:
-    """predict.py's ``--export``: the file may replace neither the checkpoint, ``protected`` (the inputs), a training
+    """predict.py's ``--export``: the file may replace neither ``protected`` (the checkpoint, the inputs), a training
     run's file, nor an existing file without ``--overwrite`` (``check_outputs``); it carries ``preprocessing`` (in an
     ONNX file's metadata)."""
     assert config.export_format is not None and config.export_path is not None
     check_outputs(
         [(config.export_path, "--export")],
-        {**(protected or {}), config.model: "the checkpoint"},
+        protected,
         writes_images=False,
         replaces_torchscript=config.overwrite and config.export_format == "torchscript",
         overwrite=config.overwrite,
@@ -221,6 +224,27 @@ def keep_as_list(items: list[Any]) -> list[Any]:
     return items
 
 
+def item_loader(
+    dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False, first: Any = None
+) -> SharedMemoryGuard:
+    """predict.py's and evaluate.py's loader: lists of ``batch_size`` items (``keep_as_list``), decoded by ``workers``
+    processes once one item (``first``, else ``dataset[0]``) shows their batches fit in shared memory (``check_room``),
+    and their shared-memory failures as one line (``SharedMemoryGuard``)."""
+    if workers and len(dataset):  # type: ignore[arg-type]
+        check_room(
+            dataset[0] if first is None else first, batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX
+        )
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=keep_as_list,
+        pin_memory=pin_memory,
+        timeout=loader_timeout(workers),
+    )
+    return SharedMemoryGuard(loader, WORKERS_FIX)
+
+
 class ShapeBuckets:
     """Collects items by image shape and releases full batches, so interleaved sizes still make full batches.
 
@@ -271,28 +295,28 @@ def predict_batch(
     model: nn.Module,
     items: Sequence[InputItem],
     device: torch.device,
-    *,
-    precision: str = "fp32",
-    threshold: float = 0.5,
-    tile: TileSettings | None = None,
-    tile_batch_size: int = 4,
-    tta: bool = False,
+    config: PredictConfig,
     memory: MemoryPlanner | None = None,
 ) -> list[Prediction]:
-    """Predict a batch of items whose network-input images all have the same shape.
+    """Predict a batch of items whose network-input images all have the same shape, as ``config`` says (precision,
+    threshold, --tta, --tile: windows run --batch-size at a time).
 
-    Without ``tile``, ``memory`` (when given) decides whether the whole-image pass fits, else which windows to use.
+    Without ``--tile``, ``memory`` (when given) decides whether the whole-image pass fits, else which windows to use.
     """
+    tile = config.tile_settings()
     if tile is None and memory is not None:
         shape = tuple(items[0].image.shape)  # type: ignore[union-attr] - decoded items only
-        tile = memory.tile_if_needed(model, len(items), shape, tta, window_batch=tile_batch_size)
+        tile = memory.tile_if_needed(model, len(items), shape, config.tta, window_batch=config.batch_size)
     images = torch.stack([item.image for item in items]).to(device, non_blocking=True)
     if tile is None:
-        logits = forward_logits(model, images, precision, tta)
+        logits = forward_logits(model, images, config.precision, config.tta)
     else:
-        logits = predict_logits_tiled(model, images, tile, precision, tile_batch_size)
+        logits = predict_logits_tiled(model, images, tile, config.precision, config.batch_size)
     return [
-        Prediction(item, logits_to_classes(item_logits, item.original_size, threshold).to(torch.uint8).cpu().numpy())
+        Prediction(
+            item,
+            logits_to_classes(item_logits, item.original_size, config.mask_threshold).to(torch.uint8).cpu().numpy(),
+        )
         for item, item_logits in zip(items, logits, strict=True)
     ]
 
@@ -301,46 +325,23 @@ def predict_items(
     model: nn.Module,
     dataset: PredictionInputs,
     device: torch.device,
-    *,
-    batch_size: int = 4,
-    precision: str = "fp32",
-    threshold: float = 0.5,
-    tile: TileSettings | None = None,
-    workers: int = 0,
-    progress: bool = True,
-    tta: bool = False,
+    config: PredictConfig,
     memory: MemoryPlanner | None = None,
 ) -> Iterator[Prediction]:
     """Yield one ``Prediction`` per input (in completion order, not input order); unreadable inputs carry ``error``.
 
-    Without ``tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch
-    whose whole-image pass would not fit runs in windows the planner sizes, with one warning.
+    ``config`` gives the batch size, the loader workers, the progress bar and what ``predict_batch`` reads. Without
+    ``--tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch whose
+    whole-image pass would not fit runs in windows the planner sizes, with one warning.
     """
     model.eval()
-    if workers and len(dataset):  # one image decoded here tells what the workers will share
-        check_room(dataset[0], batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX)
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        num_workers=workers,
-        collate_fn=keep_as_list,
-        timeout=loader_timeout(workers),
-    )
-    buckets = ShapeBuckets(batch_size)
-    run = functools.partial(
-        predict_batch,
-        model,
-        device=device,
-        precision=precision,
-        threshold=threshold,
-        tile=tile,
-        tile_batch_size=batch_size,
-        tta=tta,
-        memory=memory if memory is not None else MemoryPlanner(device=device),
-    )
+    loader = item_loader(dataset, batch_size=config.batch_size, workers=config.workers)
+    buckets = ShapeBuckets(config.batch_size)
+    planner = memory if memory is not None else MemoryPlanner(device=device)
+    run = functools.partial(predict_batch, model, device=device, config=config, memory=planner)
 
     def batches() -> Iterator[list[Prediction]]:
-        for loaded in SharedMemoryGuard(loader, WORKERS_FIX):
+        for loaded in loader:
             for item in loaded:
                 if item.error is not None:
                     yield [Prediction(item)]
@@ -349,7 +350,7 @@ def predict_items(
         yield from map(run, buckets.flush())
 
     converted: dict[int, int] = {}
-    with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not progress) as bar:
+    with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not config.progress) as bar:
         for predictions in batches():
             for prediction in predictions:
                 if prediction.item.converted_from is not None:

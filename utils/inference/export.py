@@ -26,7 +26,6 @@ import io
 import json
 import logging
 import re
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -37,13 +36,12 @@ import torch
 from torch import Tensor, nn
 
 from utils.errors import UserError
+from utils.inference.tiling import DOWNSAMPLING
 from utils.output_files import replacing
 
 logger = logging.getLogger(__name__)
 
 EXPORT_FORMATS = ("onnx", "torchscript")
-# Spatial sizes the exported graph supports must be multiples of this (see the module docstring).
-SIZE_MULTIPLE = 16
 ABSOLUTE_TOLERANCE = 1e-4
 RELATIVE_TOLERANCE = 1e-4
 ONNX_INSTALL_HINT = "pip install onnx onnxscript"
@@ -76,7 +74,7 @@ class Preprocessing:
         entries = {f"{METADATA_PREFIX}{key}": json.dumps(value) for key, value in dataclasses.asdict(self).items()}
         entries[f"{METADATA_PREFIX}input"] = (
             f"image: float32 [N, {self.channels}, H, W], pixel values / 255 (RGB order for 3 channels), resized by "
-            f"scale; H and W multiples of {SIZE_MULTIPLE} (pad, then crop the logits)"
+            f"scale; H and W multiples of {DOWNSAMPLING} (pad, then crop the logits)"
         )
         entries[f"{METADATA_PREFIX}output"] = (
             "logits: float32 [N, classes, H, W]; class = argmax over classes (one class: sigmoid > 0.5), written "
@@ -111,27 +109,21 @@ def export_model(
     ``sample_size`` is ``(height, width)`` of the sample input used to trace the model; both must be multiples of 16.
     ``preprocessing`` goes into an ONNX file's ``metadata_props``.
     """
-    if any(side < SIZE_MULTIPLE or side % SIZE_MULTIPLE for side in sample_size):
-        raise ExportError(f"--export-size {sample_size[1]}x{sample_size[0]}: use multiples of {SIZE_MULTIPLE}")
+    if any(side < DOWNSAMPLING or side % DOWNSAMPLING for side in sample_size):
+        raise ExportError(f"--export-size {sample_size[1]}x{sample_size[0]}: use multiples of {DOWNSAMPLING}")
     path = Path(path)
     # Export a float32 CPU copy in eval mode so the caller's model (maybe on a GPU) is left as it was.
     model = copy.deepcopy(model).float().cpu().eval()
-    n_channels = _input_channels(model)
+    n_channels = int(model.n_channels)  # a SegmentationNet (unet), as every model this project builds
     generator = torch.Generator().manual_seed(0)
     sample = torch.rand(1, n_channels, *sample_size, generator=generator)
     # A second input with another batch size and shape checks that the exported sizes are not frozen to the sample.
     other = torch.rand(
-        2, n_channels, sample_size[0] + SIZE_MULTIPLE, sample_size[1] + 2 * SIZE_MULTIPLE, generator=generator
+        2, n_channels, sample_size[0] + DOWNSAMPLING, sample_size[1] + 2 * DOWNSAMPLING, generator=generator
     )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as error:
-        raise ExportError(f"cannot write export file {path}: {error.strerror or error}") from error
-
-    # Written and checked under a temporary name, then renamed (utils.output_files): a file that failed its check is
-    # never left to be mistaken for a usable export, and an earlier export at ``path`` stays whole until then.
+    # Written and checked under a temporary name, then renamed (utils.output_files, which also refuses a folder it
+    # cannot write before anything is exported): a file that failed its check is never left to be mistaken for a
+    # usable export, and an earlier export at ``path`` stays whole until then.
     with replacing(path, "--export") as temporary:
         if export_format == "torchscript":
             report = _export_torchscript(model, temporary, sample, other)
@@ -152,14 +144,6 @@ def _quiet_loggers(*names: str) -> Iterator[None]:
     finally:
         for each, level in zip(loggers, levels, strict=True):
             each.setLevel(level)
-
-
-def _input_channels(model: nn.Module) -> int:
-    n_channels = getattr(model, "n_channels", None)
-    if isinstance(n_channels, int):
-        return n_channels
-    first_conv = next(module for module in model.modules() if isinstance(module, nn.Conv2d))
-    return first_conv.in_channels
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import glob
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,12 +97,15 @@ def prediction_outputs(
     return outputs
 
 
-def files_in(folders: Iterable[Path], role: str) -> dict[Path, str]:
-    """Every file directly in ``folders`` (inputs a run reads, such as --masks), each with ``role``."""
+def read_files(checkpoint: Path, folders: Mapping[Path | None, str], inputs: Iterable[Path] = ()) -> dict[Path, str]:
+    """Every file a run reads or must keep, each with its role, for ``check_outputs``: the checkpoint, each file
+    directly in ``folders`` (``{--masks: "a true mask in --masks"}``; None: not given) and the ``inputs``."""
     found: dict[Path, str] = {}
-    for folder in folders:
-        if folder.is_dir():
+    for folder, role in folders.items():
+        if folder is not None and folder.is_dir():
             found.update((path, role) for path in folder.iterdir() if path.is_file())
+    found.update((path, "the input") for path in inputs)
+    found[checkpoint] = "the checkpoint"
     return found
 
 

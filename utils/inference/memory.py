@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from utils.errors import UserError
-from utils.inference.tiling import DOWNSAMPLING, TileSettings
+from utils.hardware import cgroup_memory
+from utils.inference.tiling import DOWNSAMPLING, MIN_TILE, TileSettings
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ ACTIVATION_FLOATS = 12
 BYTES_PER_FLOAT = 4
 # Leave this share of the free memory to everything else (allocator slack, decoding, writers).
 USABLE_FRACTION = 0.5
-MIN_TILE = 2 * DOWNSAMPLING
 GIB = 1024**3
 
 
@@ -63,13 +63,8 @@ def _proc_kib(path: str, field_name: str) -> int | None:
 
 
 def _cgroup_free() -> int | None:
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
-    except (OSError, ValueError):
-        return None
+    limit, used = cgroup_memory("max"), cgroup_memory("current")
+    return None if limit is None or used is None else limit - used
 
 
 def _address_space_free() -> int | None:

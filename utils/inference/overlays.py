@@ -22,7 +22,8 @@ from torch import Tensor
 from torchvision.utils import draw_segmentation_masks
 
 from utils.datasets.dataset import mask_classes
-from utils.datasets.image_files import load_image
+from utils.datasets.image_files import IMAGE_EXTENSIONS, load_image
+from utils.inference.file_plan import MASK_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ MAX_LEGEND_ENTRIES = 32
 CAPTIONS = ("truth", "prediction")
 # Truth masks are looked up by the image's name plus one of these suffixes (Carvana uses "_mask").
 TRUTH_SUFFIXES = ("", "_mask", "_masks", "-mask", "_label", "_labels", "_gt")
-MASK_FILE_SUFFIXES = (".png", ".gif", ".bmp", ".tif", ".tiff", ".jpg", ".jpeg", ".npy", ".pt")
+# Every extension a dataset mask may have (image_files), the lossless ones first.
+MASK_FILE_SUFFIXES = (*MASK_FORMATS, *sorted(IMAGE_EXTENSIONS - set(MASK_FORMATS)))
 
 
 def class_colours(mask_values: Sequence, n_classes: int) -> list[tuple[int, int, int]]:

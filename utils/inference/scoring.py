@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 
 from utils.datasets.dataset import BasicDataset
-from utils.errors import ConfigError, DatasetError
+from utils.errors import DatasetError
 from utils.evaluation import EvalResult
+from utils.hardware import SharedMemoryGuard
 from utils.inference.config import EvaluateConfig
 from utils.inference.engine import ShapeBuckets
-from utils.inference.file_plan import files_in
+from utils.inference.file_plan import read_files
 from utils.output_files import check_outputs, write_text
 
 logger = logging.getLogger(__name__)
@@ -57,13 +57,13 @@ def _comparable(value: object) -> object:
 
 @dataclass(frozen=True)
 class SizeGroupedBatches:
-    """Stacked batches of up to ``batch_size`` items of one image size, from a loader collated by ``keep_as_list``.
+    """Stacked batches of up to ``batch_size`` items of one image size, from ``engine.item_loader``'s lists of items.
 
     Images of mixed sizes are grouped by size as ``predict.py`` groups them (``ShapeBuckets``): since the score is a
     mean over images, grouping does not change it.
     """
 
-    loader: DataLoader
+    loader: SharedMemoryGuard
     batch_size: int
 
     def __len__(self) -> int:
@@ -113,20 +113,17 @@ def check_json_path(config: EvaluateConfig) -> None:
     """``--json`` must not replace an image, a mask or a checkpoint (checked before anything runs)."""
     if config.json_path is None:
         return
-    protected = files_in([config.images_dir], "an image in --imgs")
-    protected.update(files_in([config.masks_dir], "a mask in --masks"))
-    protected[config.model] = "the checkpoint"
+    protected = read_files(
+        config.model, {config.images_dir: "an image in --imgs", config.masks_dir: "a mask in --masks"}
+    )
     check_outputs([(config.json_path, "--json")], protected, [config.images_dir, config.masks_dir], writes_images=False)
 
 
 def write_json(
-    path: Path,
-    result: EvalResult,
-    mask_values: list,
-    scale: float,
-    config: EvaluateConfig,
-    class_names: tuple[str, ...] = (),
+    config: EvaluateConfig, result: EvalResult, mask_values: list, scale: float, class_names: tuple[str, ...] = ()
 ) -> None:
+    """The scores as ``--json`` FILE, with what was scored and how."""
+    assert config.json_path is not None
     payload = {
         "checkpoint": str(config.model),
         "images": str(config.images_dir),
@@ -137,8 +134,4 @@ def write_json(
         **({"class_names": list(class_names)} if class_names else {}),
         **result.as_dict(),
     }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--json {path}: cannot create its folder ({error.strerror or error})") from error
-    write_text(path, json.dumps(payload, indent=2) + "\n", role="--json")
+    write_text(config.json_path, json.dumps(payload, indent=2) + "\n", role="--json")

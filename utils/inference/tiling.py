@@ -47,6 +47,8 @@ def forward_logits(model: nn.Module, images: Tensor, precision: str, tta: bool =
 
 # The UNet pools four times by 2: windows that start on multiples of this see the whole image's pooling grid.
 DOWNSAMPLING = 16
+"""Also the grid of an exported model's input sizes (``utils.inference.export``)."""
+MIN_TILE = 2 * DOWNSAMPLING
 MAX_TILE_OVERLAP = 0.5
 DEFAULT_TILE_OVERLAP = 0.5
 # nnU-Net's importance map: sigma is this fraction of the window side.
@@ -65,8 +67,8 @@ class TileSettings:
     """Average each window's logits over its flips (``forward_logits``)."""
 
     def __post_init__(self) -> None:
-        if self.size < 2 * DOWNSAMPLING or self.size % DOWNSAMPLING:
-            raise ConfigError(f"--tile {self.size}: use a multiple of {DOWNSAMPLING} of at least {2 * DOWNSAMPLING}")
+        if self.size < MIN_TILE or self.size % DOWNSAMPLING:
+            raise ConfigError(f"--tile {self.size}: use a multiple of {DOWNSAMPLING} of at least {MIN_TILE}")
         if not 0.0 <= self.overlap <= MAX_TILE_OVERLAP:
             raise ConfigError(f"--tile-overlap {self.overlap}: use a fraction between 0 and {MAX_TILE_OVERLAP}")
 

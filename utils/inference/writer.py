@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils.errors import UserError, count
+from utils.inference.config import PredictConfig
 from utils.inference.engine import Prediction
+from utils.inference.export import Preprocessing
 from utils.inference.file_plan import OutputPlan
 from utils.inference.outputs import mask_to_image
 from utils.inference.overlays import find_truth_mask, load_truth_classes, render_visualization
@@ -34,22 +36,21 @@ MAX_PENDING_WRITES = 16
 class Writer:
     """Turns predictions into files; runs in writer threads so PNG encoding overlaps the next forward pass."""
 
-    mask_values: list
+    preprocessing: Preprocessing
+    """The checkpoint's mask values and class names."""
     colours: list[tuple[int, int, int]]
-    save_mask: bool
-    save_viz: bool
-    masks_dir: Path | None
-    class_names: tuple[str, ...] = ()
+    config: PredictConfig
+    """Which files to write (--no-save, --viz) and the true masks beside the overlays (--masks)."""
 
     def write(self, prediction: Prediction, plan: OutputPlan) -> str | None:
         """Write one prediction's files; returns an error message instead of raising, except for an
         ``OutputError`` of the output location (see the module docstring)."""
         assert prediction.classes is not None
         try:
-            if self.save_mask:
-                mask = mask_to_image(prediction.classes, self.mask_values)
+            if not self.config.no_save:
+                mask = mask_to_image(prediction.classes, self.preprocessing.mask_values)
                 write_file(plan.mask, mask.save, f"the mask of {prediction.item.path}")
-            if self.save_viz:
+            if self.config.viz:
                 self._write_viz(prediction, plan.viz)
         except (OSError, ValueError, UserError) as error:
             if isinstance(error, OutputError) and error.location_failure:
@@ -61,16 +62,16 @@ class Writer:
         item = prediction.item
         assert item.original is not None and prediction.classes is not None
         truth = None
-        if self.masks_dir is not None:
-            truth_path = find_truth_mask(self.masks_dir, item.path)
+        masks_dir = self.config.masks_dir
+        mask_values = self.preprocessing.mask_values
+        if masks_dir is not None:
+            truth_path = find_truth_mask(masks_dir, item.path)
             if truth_path is None:
-                logger.warning(
-                    "no true mask for %s in %s; writing the prediction overlay alone", item.path, self.masks_dir
-                )
+                logger.warning("no true mask for %s in %s; writing the prediction overlay alone", item.path, masks_dir)
             else:
-                truth = load_truth_classes(truth_path, self.mask_values, item.original_size)
+                truth = load_truth_classes(truth_path, mask_values, item.original_size)
         overlay = render_visualization(
-            item.original, prediction.classes, self.colours, truth, self.mask_values, self.class_names
+            item.original, prediction.classes, self.colours, truth, mask_values, self.preprocessing.class_names
         )
         write_file(path, overlay.save, f"the overlay of {item.path}")
 
