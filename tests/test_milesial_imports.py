@@ -9,7 +9,7 @@ def test_unet_is_the_model_training_and_inference_build() -> None:
     from unet import UNet, build_model
     from unet.unet_model import UNet as defined
     from utils.checkpoint import model as model_spec
-    from utils.training.build_model import build_architecture as trained
+    from utils.training.model import build_architecture as trained
 
     # Both build through unet.build_model, which gives milesial's UNet for arguments without an encoder.
     assert UNet is defined and trained is build_model is model_spec.build_model

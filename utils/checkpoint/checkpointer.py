@@ -278,7 +278,7 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
     """Load a resumed ``state`` into every part that has it: ``model``, ``optimizer``, ``scheduler``, ``scaler`` and
     ``ema`` (None where the run has none), the RNG, and ``position``.
 
-    ``state`` was checked against the model already (``utils.training.build_model.check_resume``). The optimizer is
+    ``state`` was checked against the model already (``utils.training.model.check_resume``). The optimizer is
     restored before the average, whose reference step count is the optimizer's.
     """
     parts["model"].load_state_dict(state.weights.state_dict)

@@ -112,7 +112,7 @@ class DataSection:
 
 @dataclass
 class ModelSection:
-    """The network a new run builds (``utils.training.build_model``); a resumed run's comes from its checkpoint."""
+    """The network a new run builds (``utils.training.model``); a resumed run's comes from its checkpoint."""
 
     classes: int = flag(2, "--classes", "-c", range=Range(1, note=" (1 = binary with one logit)"), resume=MUST_MATCH)
     """Number of classes (1 = binary, sigmoid)."""

@@ -1,7 +1,7 @@
 """Wiring a training run from the parsed flags: the builders that read ``TrainConfig`` are called from here.
 
 ``build_parts`` wires three builders, each handed the config sections it reads: the model
-(``utils.training.build_model``), the optimisation (``utils.training.objective``) and the loaders
+(``utils.training.model``), the optimisation (``utils.training.objective``) and the loaders
 (``utils.training.data``). The batch arithmetic (``BatchPlan``) is made once here and handed down.
 
 Every rank builds its own copy (per the PyTorch DDP tutorial: each rank loads the checkpoint before wrapping the model
@@ -31,13 +31,13 @@ from utils.hardware import resolve_precision, reuse_large_buffers, warn_if_emula
 from utils.launch.environments import LaunchPlan
 from utils.launch.process_group import DistributedContext, agree_on_errors, setup
 from utils.launch.signals import InterruptFlag
-from utils.training.build_model import build_model, check_resume, wrap_for_training
 from utils.training.compiled import use_compile_cache, warn_if_slower
 from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, describe_flag
 from utils.training.config_file import write_config_file
 from utils.training.data import TrainData, build_data, build_loaders, record_split
 from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
+from utils.training.model import check_resume, starting_model, wrap_for_training
 from utils.training.objective import build_optimization, class_weights_of
 from utils.training.run_log import RunLog, settings_block, start_phrase
 from utils.training.sampler import BatchPlan
@@ -184,7 +184,7 @@ def build_parts(
         warn_if_slower(ctx.device, precision)
     if state is not None:
         check_resume(config, data, state, resume_path)
-    model, model_args = build_model(config, ctx, data, resuming=state is not None)
+    model, model_args = starting_model(config, ctx, data, resuming=state is not None)
     # After the model's checks, whose check of the dataset's files names the likelier cause of a changed split.
     saved_digest = state.weights.split_digest if state is not None else None
     record_split(data.split, run_folder.split, saved_digest=saved_digest, resume_path=resume_path, write=ctx.is_main)

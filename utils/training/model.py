@@ -56,7 +56,7 @@ def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, pat
     _warn_mask_values(state.weights.mask_values, data.mask_values, path)
 
 
-def build_model(
+def starting_model(
     config: TrainConfig, ctx: DistributedContext, data: TrainData, *, resuming: bool
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model (UNet, or ResNet-encoder UNet with --encoder) on ``ctx.device`` and its constructor arguments; its
