@@ -63,6 +63,8 @@ def test_a_user_error_is_printed_once_and_torchrun_names_rank_0_as_the_root_caus
     cause = root_cause(output)
     assert re.search(r"rank\s*: 0 ", cause) and re.search(r"exitcode\s*: 2 ", cause), cause
     assert "[rank 1]" not in output, output
+    # The waiting rank ends on torchrun's SIGTERM; it used to sleep on until torchrun killed it 30 s later.
+    assert "Unable to shutdown process" not in output, output  # torchrun: "... via 15, forcefully exiting via 9"
 
 
 def test_a_ddp_run_warns_once_and_logs_its_progress_from_rank_0(runner: TrainRunner) -> None:

@@ -125,4 +125,7 @@ def report_user_error(error: UserError, stage: RunStage) -> None:
         except (RuntimeError, torch.distributed.DistError):
             pass  # a rank is gone already: nothing left to wait for
     if quiet:
+        # torchrun stops the others with SIGTERM once rank 0 has exited; the stop handler installed at the start would
+        # take it as a request to save and sleep on, until torchrun's SIGKILL 30 s later.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(QUIET_EXIT_DELAY_S if ctx is not None else QUIET_EXIT_BEFORE_JOINING_S)
