@@ -177,31 +177,33 @@ def test_train_with_workers_and_a_small_shm_says_so(tmp_path: Path) -> None:
 
 # The backstop: the same scripts with the check before the workers start switched off (as when its estimate falls
 # short), and a short loader timeout. predict's workers lose their batch in their queue's feeder thread (before the fix
-# it hung for good); train's report the failure from the worker (before the fix: a traceback, then a hang at exit).
+# it hung for good): it waits the whole timeout, so its is shorter; train's report the failure from the worker (before
+# the fix: a traceback, then a hang at exit), and a slow worker on a busy machine must not time out before that.
 WITHOUT_CHECK = """
 import runpy, sys
 sys.path.insert(0, {root!r})
 import utils.hardware as shared_memory
 shared_memory.check_room = lambda *args, **kwargs: None
-shared_memory.LOADER_TIMEOUT_S = 10.0
+shared_memory.LOADER_TIMEOUT_S = {timeout_s}
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def _run_without_check(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+def _run_without_check(args: list[str], tmp_path: Path, timeout_s: float = 10.0) -> subprocess.CompletedProcess:
     script = tmp_path / "without_check.py"
-    script.write_text(WITHOUT_CHECK.format(root=str(REPO_ROOT)))
+    script.write_text(WITHOUT_CHECK.format(root=str(REPO_ROOT), timeout_s=timeout_s))
     return _run([str(script), *args])
 
 
 @pytest.mark.slow
 def test_predict_backstop_a_lost_batch_ends_in_one_line(checkpoint: Path, images: Path, tmp_path: Path) -> None:
     result = _run_without_check(["predict.py", "-m", str(checkpoint), "-i", str(images), "--output-dir",
-                                 str(tmp_path / "out"), "-b", "2", "-j", "2", "--no-progress"], tmp_path)  # fmt: skip
+                                 str(tmp_path / "out"), "-b", "2", "-j", "2", "--no-progress"], tmp_path,
+                                timeout_s=3.0)  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
     line = one_error_line(result.stderr)
-    assert "no batch arrived for 10 s" in line and "--workers 0 (-j 0)" in line, line
+    assert "no batch arrived for 3 s" in line and "--workers 0 (-j 0)" in line, line
 
 
 @pytest.mark.slow

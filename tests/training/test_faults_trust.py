@@ -29,12 +29,16 @@ def trained(runner: TrainRunner) -> Path:
 
 def _predict(model: Path, image: Path, output: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "predict.py", "-m", str(model), "-i", str(image), "-o", str(output)],
+        [sys.executable, "predict.py", *_predict_args(model, image, output)],
         cwd=REPO_ROOT,
         env=child_env(),
         capture_output=True,
         text=True,
     )
+
+
+def _predict_args(model: Path, image: Path, output: Path) -> list[str]:
+    return ["-m", str(model), "-i", str(image), "-o", str(output)]
 
 
 def test_best_last_and_epoch_files_are_separate_files(
@@ -95,8 +99,11 @@ def _damage(kind: str, path: Path) -> None:
         save_checkpoint_atomic(payload, path)
 
 
+# One kind runs predict.py as the real script (its exit status and error line); the other, predict.main in this
+# process: the same refusal without the seconds of another interpreter start.
 @pytest.mark.parametrize(
-    ("kind", "message"), [("flipped bytes", "differ from what was saved"), ("nan", "holds NaN or inf weights")]
+    ("kind", "message", "predict_process"),
+    [("flipped bytes", "differ from what was saved", True), ("nan", "holds NaN or inf weights", False)],
 )
 def test_a_damaged_checkpoint_is_refused_everywhere_and_skipped_by_resume_auto(
     trained: Path,
@@ -104,6 +111,7 @@ def test_a_damaged_checkpoint_is_refused_everywhere_and_skipped_by_resume_auto(
     tmp_path: Path,
     kind: str,
     message: str,
+    predict_process: bool,
     capsys: pytest.CaptureFixture,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -111,9 +119,17 @@ def test_a_damaged_checkpoint_is_refused_everywhere_and_skipped_by_resume_auto(
     _damage(kind, last)
     assert torch.load(last, weights_only=True)  # torch itself notices nothing
 
-    result = _predict(last, next(runner.data.imgs.iterdir()), tmp_path / "mask.png")
-    assert result.returncode == 2
-    assert one_error_line(result.stderr).startswith(f"Error: checkpoint {last}") and message in result.stderr
+    args = (last, next(runner.data.imgs.iterdir()), tmp_path / "mask.png")
+    capsys.readouterr()
+    if predict_process:
+        result = _predict(*args)
+        code, err = result.returncode, result.stderr
+    else:
+        import predict
+
+        code, err = predict.main(_predict_args(*args)), capsys.readouterr().err
+    assert code == 2
+    assert one_error_line(err).startswith(f"Error: checkpoint {last}") and message in err
     assert not (tmp_path / "mask.png").exists()
 
     capsys.readouterr()

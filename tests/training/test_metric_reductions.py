@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +10,6 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import REPO_ROOT, child_env
 from tests.helpers import checkpoint_payload, make_model, read_metrics
 from utils.checkpoint.files import save_checkpoint_atomic
 from utils.evaluation import SegmentationMetrics
@@ -53,12 +50,12 @@ def self_labelled_void(tmp_path: Path, carvana_data, self_labelled_masks) -> tup
     return checkpoint, carvana_data.imgs, masks, frame
 
 
-def _evaluate(checkpoint: Path, images: Path, masks: Path, report: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "evaluate.py", "-m", str(checkpoint), "--imgs", str(images), "--masks", str(masks),
-         "-s", "1", "--json", str(report), "--no-progress", "--workers", "0"],
-        cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def _evaluate(checkpoint: Path, images: Path, masks: Path, report: Path) -> int:
+    """evaluate.main in this process (the script as a process is tested in tests/training/test_faults_trust.py)."""
+    import evaluate
+
+    return evaluate.main(["-m", str(checkpoint), "--imgs", str(images), "--masks", str(masks), "-s", "1", "--json",
+                          str(report), "--no-progress", "--workers", "0"])  # fmt: skip
 
 
 @pytest.mark.slow
@@ -70,8 +67,7 @@ def test_evaluate_ignores_void_borders_and_reports_both_reductions(self_labelled
         labels[frame] = 255
         Image.fromarray(labels).save(path)
     report = tmp_path / "void.json"
-    done = _evaluate(checkpoint, images, masks, report)
-    assert done.returncode == 0, done.stderr
+    assert _evaluate(checkpoint, images, masks, report) == 0
     scores = json.loads(report.read_text())
     assert scores["mask_values"] == [0, 1, 2]
     for name in ("micro", "macro"):
@@ -84,7 +80,7 @@ def test_evaluate_ignores_void_borders_and_reports_both_reductions(self_labelled
         labels = np.array(Image.open(path))
         labels[frame] = 1
         Image.fromarray(labels).save(path)
-    assert _evaluate(checkpoint, images, masks, report).returncode == 0
+    assert _evaluate(checkpoint, images, masks, report) == 0
     assert json.loads(report.read_text())["reductions"]["micro"]["dice_with_background"] < 1.0
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -133,24 +133,19 @@ def test_oversampling_fraction_over_an_epoch() -> None:
 
 
 @pytest.mark.slow
-def test_a_void_bordered_dataset_trains_with_weights_and_oversampling(void_data: SyntheticData, tmp_path: Path) -> None:
+def test_a_void_bordered_dataset_trains_with_weights_and_oversampling(
+    void_data: SyntheticData, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    # In this process: train.py's exit status and error line as a process are tested in test_train_single.py.
     runner = TrainRunner(void_data, tmp_path)
     common = ("-c", "3", "-v", "25", "-e", "1", "--log-every", "1")
-    refused = subprocess.run(
-        [sys.executable, "train.py", *runner.args("plain", *common)],
-        cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert refused.returncode == 2
-    assert "contain 4 distinct values (0, 1, 2, 255) but n_classes=3" in one_error_line(refused.stderr)
+    assert runner.main("plain", *common) == 2
+    assert "contain 4 distinct values (0, 1, 2, 255) but n_classes=3" in one_error_line(capsys.readouterr().err)
 
     extra = ("--ignore-value", "255", "--class-weights", "auto", "--oversample-foreground", "0.5")
-    done = subprocess.run(
-        [sys.executable, "train.py", *runner.args("void", *common, *extra)],
-        cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    log = done.stdout + done.stderr
-    assert "are void (mask value(s) 255)" in log and "--class-weights auto: class pixel counts" in log
+    with caplog.at_level(logging.INFO):
+        assert runner.main("void", *common, *extra) == 0
+    assert "are void (mask value(s) 255)" in caplog.text and "--class-weights auto: class pixel counts" in caplog.text
     last = load_checkpoint(runner.run_dir("void") / "last.pth")
     assert last["mask_values"] == [0, 1, 2]
     args = last["args"]
