@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
-from torchvision.utils import draw_segmentation_masks
 
 from utils.datasets.dataset import mask_classes
 from utils.datasets.image_files import IMAGE_EXTENSIONS, load_image
@@ -70,6 +69,8 @@ def overlay(image: Tensor, classes: np.ndarray, colours: Sequence[tuple[int, int
     if not present:
         return rgb.clone()
     masks = torch.stack([class_map == k for k in present])
+    from torchvision.utils import draw_segmentation_masks  # here: torchvision imports dynamo, seconds per start
+
     painted = draw_segmentation_masks(rgb, masks, alpha=OVERLAY_ALPHA, colors=[colours[k] for k in present])
     for mask in masks:
         edge = inside_edge(mask)

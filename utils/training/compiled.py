@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +40,8 @@ def compile_blocks(model: nn.Module) -> nn.Module:
 
     A child ``ModuleList`` (the ResNet decoder) has each of its blocks compiled.
     """
+    from torch._dynamo.eval_frame import OptimizedModule  # here: importing dynamo costs seconds at every start
+
     compiled = copy.copy(model)  # the same forward, parameters and buffers; its own child-module table
     compiled._modules = {name: _compiled(child) for name, child in model._modules.items()}
     blocks = sum(1 for module in compiled.modules() if isinstance(module, OptimizedModule))
