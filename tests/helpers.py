@@ -314,3 +314,12 @@ def launch_flags(**flags: Any) -> Any:
             **flags,
         }
     )
+
+
+def fake_scontrol(folder: Path, *, exit_status: int = 0) -> Path:
+    """A ``scontrol`` that appends its arguments to ``folder/scontrol.calls`` and exits with ``exit_status``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> "{folder}/scontrol.calls"\nexit {exit_status}\n')
+    script.chmod(0o755)
+    return folder / "scontrol.calls"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, child_env
+from tests.helpers import fake_scontrol
 from utils.launch.signals import startup_done, stop_quietly_while_starting
 
 
@@ -93,8 +94,6 @@ def test_sigterm_during_train_imports_is_remembered_and_saves_at_the_first_step(
 def test_the_requeue_signal_during_train_imports_saves_and_requeues_the_job(runner, tmp_path: Path) -> None:
     # SLURM's --signal=USR1@N can come while torch is still loading (its resolution is about 30 s): the signal is
     # remembered, the run saves at its first step and requeues the job, instead of dying of SIGUSR1 with nothing saved.
-    from tests.cluster.test_slurm_requeue import fake_scontrol
-
     calls = fake_scontrol(tmp_path / "bin")
     path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
     process = runner.popen([sys.executable], "early", "--epochs", "1", env={"SLURM_JOB_ID": "4242", "PATH": path})

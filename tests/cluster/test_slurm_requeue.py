@@ -22,20 +22,12 @@ from tests.conftest import (
     load_checkpoint,
     wait_for_step,
 )
+from tests.helpers import fake_scontrol
 from utils.launch.signals import requeue_job
 
 JOB_ID = "777123"
 EPOCHS = ["-e", "30"]  # 30 epochs of 4 steps (16 images, 2 ranks of batch 2): the signal always lands mid-run
 STOP_AT = "12"
-
-
-def fake_scontrol(folder: Path, *, exit_status: int = 0) -> Path:
-    """A ``scontrol`` that appends its arguments to ``folder/scontrol.calls`` and exits with ``exit_status``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    script = folder / "scontrol"
-    script.write_text(f'#!/bin/sh\necho "$@" >> "{folder}/scontrol.calls"\nexit {exit_status}\n')
-    script.chmod(0o755)
-    return folder / "scontrol.calls"
 
 
 def srun_tasks(runner: TrainRunner, exp_name: str, *extra: str, path_prefix: Path, ntasks: int = 2):
