@@ -113,7 +113,11 @@ def _launch(ctx: Context, name: str, argv: list[str]) -> dict[str, Any]:
     )
     lines = [line for line in run.output.splitlines() if line.startswith(RESULT_PREFIX)]
     if run.returncode != 0 or not lines:
-        raise MeasurementError(f"{name}: the validation launch exited with {run.returncode}:\n{tail(run.output)}")
+        # Enough lines to reach a rank's own message above torchrun's summary of the failure.
+        raise MeasurementError(
+            f"{name}: the validation launch exited with {run.returncode} (log: {ctx.log_dir / f'{name}.log'}):\n"
+            f"{tail(run.output, 40)}"
+        )
     result = json.loads(lines[-1][len(RESULT_PREFIX) :])
     result["load_average"] = [load_before, os.getloadavg()[0]]
     result["wall_s"] = run.wall_s
@@ -214,21 +218,29 @@ def main(argv: list[str]) -> None:
         mine = {"seconds": seconds, "images": counted.images if counted is not None else 0, "dice": float(dice)}
         every_rank: list[dict[str, Any]] = [{} for _ in range(ctx.world_size)]
         dist.all_gather_object(every_rank, mine, group=ctx.control_group)
-        if not ctx.is_main:
-            return
-        figures = {
-            "mode": "sharded" if sharded else "rank0",
-            "seconds": every_rank[0]["seconds"],
-            "seconds_per_rank": [rank["seconds"] for rank in every_rank],
-            "images_per_rank": [rank["images"] for rank in every_rank],
-            "dice_per_rank": [rank["dice"] for rank in every_rank],
-            "val_images": len(parts.data.val_set),
-            "batch_per_process": parts.batch_plan.batch_size,
-            "threads": torch.get_num_threads(),
-            "precision": parts.step.precision,
-            "world_size": ctx.world_size,
-        }
-        print(RESULT_PREFIX + json.dumps(figures), flush=True)
+        if ctx.is_main:
+            _print_figures(trainer, every_rank, sharded)
+        # Nobody leaves before rank 0 has printed, as at the end of Trainer.train: a rank that left first made gloo
+        # abort rank 0 now and then (SIGABRT, in a sharded launch on a loaded machine).
+        barrier(ctx)
+
+
+def _print_figures(trainer: Any, every_rank: list[dict[str, Any]], sharded: bool) -> None:
+    """Rank 0: every rank's figures on the line ``_launch`` reads."""
+    ctx, parts = trainer.ctx, trainer.parts
+    figures = {
+        "mode": "sharded" if sharded else "rank0",
+        "seconds": every_rank[0]["seconds"],
+        "seconds_per_rank": [rank["seconds"] for rank in every_rank],
+        "images_per_rank": [rank["images"] for rank in every_rank],
+        "dice_per_rank": [rank["dice"] for rank in every_rank],
+        "val_images": len(parts.data.val_set),
+        "batch_per_process": parts.batch_plan.batch_size,
+        "threads": torch.get_num_threads(),
+        "precision": parts.step.precision,
+        "world_size": ctx.world_size,
+    }
+    print(RESULT_PREFIX + json.dumps(figures), flush=True)
 
 
 if __name__ == "__main__":

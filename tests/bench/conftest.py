@@ -43,8 +43,9 @@ def run_benchmark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytes
             status = benchmark.main([*argv, "--json", str(out), "--work-dir", str(work_dir)])
         finally:
             torch.set_num_threads(threads)
-        stdout = capsys.readouterr().out
-        assert status == 0, stdout
+        captured = capsys.readouterr()
+        stdout = captured.out
+        assert status == 0, f"{stdout}\n{captured.err}"
         return BenchmarkRun(json.loads(out.read_text()), stdout, work_dir)
 
     return run
