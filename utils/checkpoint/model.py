@@ -144,22 +144,21 @@ def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
     )
 
 
-def resolve_scale(spec: ModelSpec, flag_value: float | None, path: str | Path, *, flag: str = "--scale") -> float:
-    """The scale to prepare images at: ``flag_value`` when given (warning once if it differs), else the spec's."""
+def resolve_scale(spec: ModelSpec, flag_value: float | None, path: str | Path) -> float:
+    """The scale to prepare images at: ``--scale``'s ``flag_value`` when given (warning once if it differs), else the
+    spec's."""
     trained_at = spec.inference.scale
     if flag_value is None:
         if trained_at is None:
-            logger.info("%s records no training scale; using %s %s (milesial's default)", path, flag, DEFAULT_SCALE)
+            logger.info("%s records no training scale; using --scale %s (milesial's default)", path, DEFAULT_SCALE)
         return spec.scale
     if trained_at is not None and flag_value != trained_at:
         logger.warning(
-            "%s %s differs from the scale %s was trained at (%s); using %s as asked (drop %s to use %s)",
-            flag,
+            "--scale %s differs from the scale %s was trained at (%s); using %s as asked (drop --scale to use %s)",
             flag_value,
             path,
             trained_at,
             flag_value,
-            flag,
             trained_at,
         )
     return flag_value
@@ -199,10 +198,10 @@ def load_model(
     expected: Mapping[str, Any] | None = None,
     source: str = "--model",
     images_from: str = "the input",
-    map_location: str | torch.device = "cpu",
 ) -> tuple[torch.nn.Module, ModelSpec]:
-    """The UNet stored in ``path`` and its spec, after checking it against ``expected`` (see ``check_expected``)."""
-    loaded = read_model_weights(path, map_location)
+    """The UNet stored in ``path`` (read to the CPU) and its spec, after checking it against ``expected`` (see
+    ``check_expected``)."""
+    loaded = read_model_weights(path)
     spec = spec_of(loaded, path)
     check_expected(spec, expected or {}, path, source=source, images_from=images_from)
     model = spec.build()
