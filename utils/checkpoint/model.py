@@ -77,18 +77,14 @@ class ModelSpec(UNetArgs):
         return DEFAULT_SCALE if self.inference.scale is None else self.inference.scale
 
     @property
-    def model_args(self) -> dict[str, Any]:
-        return self._unet_args().as_dict()
-
-    def all_model_args(self) -> dict[str, Any]:
-        """``model_args`` with the optional arguments a file may omit filled in (for comparisons)."""
-        return dataclasses.asdict(self._unet_args())
-
-    def _unet_args(self) -> UNetArgs:
+    def unet_args(self) -> UNetArgs:
+        """The constructor arguments alone, every one (the optional ones a file may omit filled in)."""
         return UNetArgs(**{field.name: getattr(self, field.name) for field in dataclasses.fields(UNetArgs)})
 
-    def build(self) -> torch.nn.Module:
-        return build_model(self.model_args)
+    @property
+    def model_args(self) -> dict[str, Any]:
+        """The constructor arguments as checkpoints store them (``UNetArgs.as_dict``): what ``build_model`` takes."""
+        return self.unet_args.as_dict()
 
 
 def validate_model_args(args: Any, path: str | Path) -> dict[str, Any]:
@@ -172,7 +168,7 @@ def check_expected(
     ``source`` names the flag the file came from (``--load``, ``--model``, ...), ``images_from`` where the images
     whose channel count is ``expected["n_channels"]`` come from (``--imgs``, ...).
     """
-    stored = spec.all_model_args()
+    stored = dataclasses.asdict(spec.unet_args)
     for key, value in expected.items():
         if value is None or stored[key] == value:
             continue
@@ -204,7 +200,7 @@ def load_model(
     loaded = read_model_weights(path)
     spec = spec_of(loaded, path)
     check_expected(spec, expected or {}, path, source=source, images_from=images_from)
-    model = spec.build()
+    model = build_model(spec.model_args)
     model.load_state_dict(loaded.state_dict)  # spec_of checked that the file's arguments describe its weights
     return model, spec
 
