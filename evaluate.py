@@ -25,7 +25,6 @@ from collections.abc import Sequence
 
 from torch.utils.data import Subset
 
-from utils.cli import setup_logging
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import validation_positions
 from utils.errors import DatasetError, count
@@ -33,8 +32,7 @@ from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.inference.config import EvaluateConfig, parse_inference_config
 from utils.inference.engine import item_loader, open_model
 from utils.inference.scoring import SizeGroupedBatches, align_mask_values, check_json_path, format_table, write_json
-from utils.launch.runner import run_main
-from utils.launch.signals import startup_done
+from utils.launch.runner import run_single_process
 
 __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", "main", "run"]
 
@@ -91,9 +89,7 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    startup_done()  # the imports are over: Ctrl-C is a KeyboardInterrupt again, reported by run_main
-    setup_logging(rank=0, world_size=1)
-    return run_main(
+    return run_single_process(
         lambda: score_and_report(parse_inference_config(EvaluateConfig, "evaluate.py", argv, __doc__)), oom_fix=OOM_FIX
     )
 

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from unet import UNet
-from utils.cli import setup_logging
 from utils.errors import count
 from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items, run_export
@@ -43,8 +42,7 @@ from utils.inference.file_plan import (
 )
 from utils.inference.overlays import class_colours
 from utils.inference.writer import Writer, prediction_summary, write_predictions
-from utils.launch.runner import run_main
-from utils.launch.signals import startup_done
+from utils.launch.runner import run_single_process
 from utils.output_files import check_outputs
 
 __all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "main", "predict_files", "run"]
@@ -105,9 +103,7 @@ def run(config: PredictConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    startup_done()  # the imports are over: Ctrl-C is a KeyboardInterrupt again, reported by run_main
-    setup_logging(rank=0, world_size=1)
-    return run_main(
+    return run_single_process(
         lambda: run(parse_inference_config(PredictConfig, "predict.py", argv, __doc__, examples=True)), oom_fix=OOM_FIX
     )
 

@@ -82,25 +82,17 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
 def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome) -> int:
     position = outcome.position
     if outcome.interrupted_by:
-        name = signal.Signals(outcome.interrupted_by).name
-        if ctx.is_main and outcome.checkpoint is None:
-            logger.warning(
-                "Stopped by %s at epoch %d, step %d, without saving (the latest step was skipped for NaN/inf "
-                "gradients). To continue from the newest checkpoint, run the same command with --resume auto",
-                name,
-                position.epoch + 1,
-                position.global_step,
+        saved = outcome.checkpoint
+        if saved is None:
+            how = (
+                ", without saving (the latest step was skipped for NaN/inf gradients). To continue from the newest "
+                "checkpoint, run the same command with --resume auto"
             )
-        elif ctx.is_main:
-            logger.warning(
-                "Stopped by %s at epoch %d, step %d; saved %s. To continue, run the same command with --resume auto "
-                "(or --resume %s)",
-                name,
-                position.epoch + 1,
-                position.global_step,
-                outcome.checkpoint,
-                outcome.checkpoint,
-            )
+        else:
+            how = f"; saved {saved}. To continue, run the same command with --resume auto (or --resume {saved})"
+        if ctx.is_main:
+            name = signal.Signals(outcome.interrupted_by).name
+            logger.warning("Stopped by %s at epoch %d, step %d%s", name, position.epoch + 1, position.global_step, how)
         requeue_if_asked(ctx, outcome.interrupted_by)
         return signal_exit_code(outcome.interrupted_by)
     if outcome.reached_max_steps:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,7 +35,6 @@ from utils.checkpoint.format import LoadedWeights, all_finite
 from utils.checkpoint.run_folder import RunFolder
 from utils.checkpoint.state import (
     TrainingState,
-    TrainPosition,
     dataset_record,
     inference_of_run,
     restore_rng_state,
@@ -46,6 +45,7 @@ from utils.launch.process_group import DistributedContext, agree_on_errors, rais
 
 if TYPE_CHECKING:
     from utils.training.config import CheckpointSection
+    from utils.training.loop import TrainParts
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +94,13 @@ def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, 
     return place + 1
 
 
-class SavedParts(Protocol):
-    """What a save reads of the run (``utils.training.loop.TrainParts`` is one): the unwrapped model and its
-    arguments, the optimizer step (``optimizer``, ``scaler``), the scheduler, the average, the data and the flags."""
-
-    position: TrainPosition
-    raw_model: torch.nn.Module
-    model_args: dict[str, Any]
-    step: Any
-    scheduler: Any
-    ema: Any
-    data: Any
-    run_args: dict[str, Any]
-
-
 class Checkpointer:
     """When and which checkpoint files a run writes (see the module docstring), from the checkpoint flags.
 
-    ``config`` is the checkpoint section of the flags, handed whole; ``skipped_steps`` reports the run of skipped
-    optimizer steps up to now (0: the latest was applied), ``phase`` times a write (``RunLog.phase``).
+    ``config`` is the checkpoint section of the flags, handed whole; ``parts`` what a save reads of the run (the
+    unwrapped model and its arguments, the optimizer step, the scheduler, the average, the data and the flags);
+    ``skipped_steps`` reports the run of skipped optimizer steps up to now (0: the latest was applied), ``phase``
+    times a write (``RunLog.phase``).
     """
 
     def __init__(
@@ -120,7 +108,7 @@ class Checkpointer:
         config: CheckpointSection,
         ctx: DistributedContext,
         folder: RunFolder,
-        parts: SavedParts,
+        parts: TrainParts,
         *,
         skipped_steps: Callable[[], int],
         phase: Callable[[str], AbstractContextManager[None]],

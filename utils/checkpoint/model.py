@@ -77,18 +77,14 @@ class ModelSpec(UNetArgs):
         return DEFAULT_SCALE if self.inference.scale is None else self.inference.scale
 
     @property
-    def model_args(self) -> dict[str, Any]:
-        return self._unet_args().as_dict()
-
-    def all_model_args(self) -> dict[str, Any]:
-        """``model_args`` with the optional arguments a file may omit filled in (for comparisons)."""
-        return dataclasses.asdict(self._unet_args())
-
-    def _unet_args(self) -> UNetArgs:
+    def unet_args(self) -> UNetArgs:
+        """The constructor arguments alone, every one (the optional ones a file may omit filled in)."""
         return UNetArgs(**{field.name: getattr(self, field.name) for field in dataclasses.fields(UNetArgs)})
 
-    def build(self) -> torch.nn.Module:
-        return build_model(self.model_args)
+    @property
+    def model_args(self) -> dict[str, Any]:
+        """The constructor arguments as checkpoints store them (``UNetArgs.as_dict``): what ``build_model`` takes."""
+        return self.unet_args.as_dict()
 
 
 def validate_model_args(args: Any, path: str | Path) -> dict[str, Any]:
@@ -144,22 +140,21 @@ def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
     )
 
 
-def resolve_scale(spec: ModelSpec, flag_value: float | None, path: str | Path, *, flag: str = "--scale") -> float:
-    """The scale to prepare images at: ``flag_value`` when given (warning once if it differs), else the spec's."""
+def resolve_scale(spec: ModelSpec, flag_value: float | None, path: str | Path) -> float:
+    """The scale to prepare images at: ``--scale``'s ``flag_value`` when given (warning once if it differs), else the
+    spec's."""
     trained_at = spec.inference.scale
     if flag_value is None:
         if trained_at is None:
-            logger.info("%s records no training scale; using %s %s (milesial's default)", path, flag, DEFAULT_SCALE)
+            logger.info("%s records no training scale; using --scale %s (milesial's default)", path, DEFAULT_SCALE)
         return spec.scale
     if trained_at is not None and flag_value != trained_at:
         logger.warning(
-            "%s %s differs from the scale %s was trained at (%s); using %s as asked (drop %s to use %s)",
-            flag,
+            "--scale %s differs from the scale %s was trained at (%s); using %s as asked (drop --scale to use %s)",
             flag_value,
             path,
             trained_at,
             flag_value,
-            flag,
             trained_at,
         )
     return flag_value
@@ -173,7 +168,7 @@ def check_expected(
     ``source`` names the flag the file came from (``--load``, ``--model``, ...), ``images_from`` where the images
     whose channel count is ``expected["n_channels"]`` come from (``--imgs``, ...).
     """
-    stored = spec.all_model_args()
+    stored = dataclasses.asdict(spec.unet_args)
     for key, value in expected.items():
         if value is None or stored[key] == value:
             continue
@@ -199,13 +194,13 @@ def load_model(
     expected: Mapping[str, Any] | None = None,
     source: str = "--model",
     images_from: str = "the input",
-    map_location: str | torch.device = "cpu",
 ) -> tuple[torch.nn.Module, ModelSpec]:
-    """The UNet stored in ``path`` and its spec, after checking it against ``expected`` (see ``check_expected``)."""
-    loaded = read_model_weights(path, map_location)
+    """The UNet stored in ``path`` (read to the CPU) and its spec, after checking it against ``expected`` (see
+    ``check_expected``)."""
+    loaded = read_model_weights(path)
     spec = spec_of(loaded, path)
     check_expected(spec, expected or {}, path, source=source, images_from=images_from)
-    model = spec.build()
+    model = build_model(spec.model_args)
     model.load_state_dict(loaded.state_dict)  # spec_of checked that the file's arguments describe its weights
     return model, spec
 

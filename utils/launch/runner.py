@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from utils.cli import print_error
+from utils.cli import print_error, setup_logging
 from utils.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from utils.launch.environments import LaunchValueError
 from utils.launch.process_group import DistributedContext, barrier, is_raised_on_every_rank
-from utils.launch.signals import signal_exit_code
+from utils.launch.signals import signal_exit_code, startup_done
 
 OUT_OF_MEMORY_EXIT_CODE = USER_ERROR_EXIT_CODE
 LOST_CONTACT_EXIT_CODE = 1
@@ -90,6 +90,14 @@ def run_main(body: Callable[[], int], *, oom_fix: str, stage: RunStage | None = 
         raise
     except SystemExit as exit_request:  # --help, or argparse's own usage error (status 2)
         return exit_request.code if isinstance(exit_request.code, int) else 0
+
+
+def run_single_process(body: Callable[[], int], *, oom_fix: str) -> int:
+    """``main`` of predict.py and evaluate.py: ``run_main`` in one process, which logs as rank 0, once the imports are
+    over (``startup_done``: Ctrl-C is a KeyboardInterrupt again, which ``run_main`` reports)."""
+    startup_done()
+    setup_logging(rank=0, world_size=1)
+    return run_main(body, oom_fix=oom_fix)
 
 
 def is_allocator_error(error: BaseException) -> bool:
