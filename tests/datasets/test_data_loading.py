@@ -379,7 +379,7 @@ def test_fewer_values_than_classes_warns_that_classes_shift(tmp_path: Path, cach
     caplog.set_level(logging.WARNING)
     assert build(images_dir, masks_dir, cache_dir, n_classes=4).mask_values == [0, 3]
     assert (
-        "contain 2 distinct values ([0, 3]) but n_classes=4" in caplog.text
+        "contain 2 distinct values (0, 3) but n_classes=4" in caplog.text
         and "classes 2..3 never occur" in caplog.text
     )
 

@@ -26,18 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from PIL import Image
-
 from utils.datasets.image_files import (
     ARRAY_EXTENSIONS,
     UNREADABLE_FILE_ERRORS,
     Finding,
     MaskPair,
     exif_orientation,
+    open_pil,
     pair_folders,
     pool_map,
 )
-from utils.datasets.mask_values import class_totals, scan_masks
+from utils.datasets.mask_values import class_totals, class_value_findings, scan_masks
 from utils.datasets.splits import (
     SPLIT_BY_PREFIX,
     SPLIT_RULES,
@@ -111,9 +110,9 @@ class CheckReport:
     void_share: float = 0.0
     seconds: float = 0.0
 
-    @property
-    def trainable(self) -> bool:
-        return not self.problems
+    def passes(self, strict: bool) -> bool:
+        """Whether training would start on this data (and, ``strict``, nothing was found even to warn about)."""
+        return not self.problems and not (strict and self.warnings)
 
 
 class _PhotoFacts(NamedTuple):
@@ -154,7 +153,7 @@ def _inspect_photo(pair: MaskPair) -> _PhotoFacts:
         digest = hashlib.sha256(Path(pair.image.path).read_bytes()).hexdigest()
         if pair.image.ext in ARRAY_EXTENSIONS:
             return _PhotoFacts(pair.name, digest, None)
-        with Image.open(pair.image.path) as img:  # the bytes are in the page cache now
+        with open_pil(pair.image.path, any_size=True) as img:  # the bytes are in the page cache now; a header only
             return _PhotoFacts(pair.name, digest, exif_orientation(img))
     except UNREADABLE_FILE_ERRORS:
         return _PhotoFacts(pair.name, None, None)
@@ -168,21 +167,9 @@ def _report_mask_values(report: CheckReport, pairs: list[MaskPair], settings: Ch
     totals = class_totals(per_image.values(), len(values))
     report.class_shares = [(value, pixels / max(sum(totals), 1)) for value, pixels in zip(values, totals, strict=True)]
     report.void_share = void / max(sum(totals) + void, 1)
-    if settings.classes is not None:
-        allowed = 2 if settings.classes == 1 else settings.classes
-        if len(values) > allowed:
-            report.problems.append(
-                Finding(
-                    "mask values",
-                    f"{len(values)} distinct mask values but --classes {settings.classes} allows {allowed}",
-                    tuple(map(str, values)),
-                    f"train with --classes {len(values)} if each value is a class, or pass "
-                    "the void values with --ignore-value",
-                )
-            )
-    if len(values) == 1:
-        what, fix = "1 distinct mask value in every mask", "there is nothing to learn: check --masks"
-        report.warnings.append(Finding("mask values", what, (str(values[0]),), fix))
+    problems, warnings = class_value_findings(values, pairs, settings.masks, settings.classes, settings.ignore_values)
+    report.problems += problems
+    report.warnings += warnings
 
 
 def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[str], rule: SplitRule | None) -> None:
@@ -222,7 +209,7 @@ def _copies(names: list[str], shown: int = 3) -> str:
     return text if len(names) <= shown else f"{text} (+{len(names) - shown} more)"
 
 
-def format_report(report: CheckReport, settings: CheckSettings, *, strict: bool = False) -> list[str]:
+def format_report(report: CheckReport, settings: CheckSettings) -> list[str]:
     """The lines the command prints: a summary, the classes' shares, then one line per warning and problem."""
     lines = [
         f"{report.n_images} images in {settings.imgs}, {report.n_pairs} with a mask in {settings.masks} "
@@ -233,9 +220,9 @@ def format_report(report: CheckReport, settings: CheckSettings, *, strict: bool 
         lines.append(f"mask values {report.mask_values}; pixels per class: {shares}")
         if settings.ignore_values:
             lines.append(f"void (--ignore-value): {100 * report.void_share:.2f}% of the pixels")
-    lines += [f"{'problem' if strict else 'warning'}: {f.kind}: {f.sentence()}" for f in report.warnings]
+    lines += [f"{'problem' if settings.strict else 'warning'}: {f.kind}: {f.sentence()}" for f in report.warnings]
     lines += [f"problem: {f.kind}: {f.sentence()}" for f in report.problems]
-    if report.trainable and not (strict and report.warnings):
+    if report.passes(settings.strict):
         lines.append("OK: training would start on this data")
     return lines
 
@@ -255,9 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The same one line as utils.cli.print_error, which would import torch (through utils.hardware) for nothing.
         print(f"Error: {user_message(error)}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    print("\n".join(format_report(report, settings, strict=settings.strict)))
-    failed = not report.trainable or (settings.strict and report.warnings)
-    return PROBLEMS_EXIT_CODE if failed else 0
+    print("\n".join(format_report(report, settings)))
+    return 0 if report.passes(settings.strict) else PROBLEMS_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ class Finding:
     fix: str
 
     def sentence(self) -> str:
-        examples = f": {format_examples(list(self.examples))}" if self.examples else ""
+        examples = f": {format_examples(self.examples)}" if self.examples else ""
         return f"{self.what}{examples}; {self.fix}"
 
 
@@ -214,7 +214,7 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
             f"{format_examples(sorted(broken_links))}; fix or remove the link(s)"
         )
     if duplicates:
-        examples = "; ".join(" and ".join(sorted(names)) for _, names in sorted(duplicates.items())[:5])
+        examples = format_examples([" and ".join(sorted(names)) for _, names in sorted(duplicates.items())])
         raise DatasetError(
             f"{len(duplicates)} {role} name(s) in {folder} exist with several extensions ({examples}); "
             "keep one file per name (delete or rename the others)"
@@ -305,10 +305,10 @@ def count_named(image_ids: Iterable[str], mask_stems: Iterable[str], suffix: str
     return sum(1 for name in image_ids if name + suffix in stems)
 
 
-def format_examples(items: list[str]) -> str:
-    """Join the first few names of a list for a message, counting the rest."""
-    shown = ", ".join(items[:MAX_NAMED_FILES])
-    return shown if len(items) <= MAX_NAMED_FILES else f"{shown}, ... ({len(items) - MAX_NAMED_FILES} more)"
+def format_examples(items: Sequence[object], limit: int = MAX_NAMED_FILES) -> str:
+    """Join the first ``limit`` items of a list (names, mask values) for a message, counting the rest."""
+    shown = ", ".join(map(str, items[:limit]))
+    return shown if len(items) <= limit else f"{shown}, ... ({len(items) - limit} more)"
 
 
 def pool_context() -> multiprocessing.context.BaseContext:
@@ -374,7 +374,7 @@ def load_image(path: str | Path, *, any_size: bool = False) -> Image.Image:
     return image
 
 
-def open_pil(path: Path, *, any_size: bool = False) -> Image.Image:
+def open_pil(path: str | Path, *, any_size: bool = False) -> Image.Image:
     """``Image.open`` with PIL's pixel limit checked here: PIL only warns between its limit and twice the limit and
     raises above; here anything above the limit is one ``DatasetError`` that names the file, the limit and the fix."""
     with _pil_limit_lock:

@@ -99,7 +99,6 @@ def build_data(config: TrainConfig, *, world_size: int) -> TrainData:
         data.scale,
         None,
         n_classes=config.model.classes,
-        seed=data.seed,
         pixel_cache_dir=config.performance.pixel_cache,
         ignore_values=tuple(data.ignore_values),
     )
