@@ -160,7 +160,7 @@ def _inspect_photo(pair: MaskPair) -> _PhotoFacts:
 
 
 def _report_mask_values(report: CheckReport, pairs: list[MaskPair], settings: CheckSettings) -> None:
-    scan = scan_masks(pairs, cache_dir=settings.cache_dir, workers=settings.workers, keep_problems=True)
+    scan = scan_masks(pairs, cache_dir=settings.cache_dir, workers=settings.workers)
     report.problems += scan.problems
     report.mask_values = list(scan.mask_values)
     values, per_image, void = scan.classes(settings.ignore_values)

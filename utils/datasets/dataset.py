@@ -16,7 +16,7 @@ import gc
 import logging
 import operator
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -110,6 +110,7 @@ class BasicDataset(Dataset):
             _raise_problems(pairing.problems, pairing.warnings)
             images, pairs = pairing.images, pairing.pairs
             scan = scan_masks(pairs, cache_dir=cache_dir, workers=scan_workers)
+            _raise_problems(scan.problems, [], f"bad data in {self.mask_dir} / {self.images_dir}: ")
             self.ignore_values: list[int] = sorted(set(ignore_values))
             # Per image, pixels of each class; void pixels counted apart.
             self.mask_values, self._class_counts, self.void_pixels = scan.classes(self.ignore_values)
@@ -270,12 +271,12 @@ def _choose_channels(
     return channels
 
 
-def _raise_problems(problems: list[Finding], warnings: list[Finding]) -> None:
-    """Log each warning; raise the problems as one DatasetError."""
+def _raise_problems(problems: Sequence[Finding], warnings: Sequence[Finding], where: str = "") -> None:
+    """Log each warning; raise the problems as one DatasetError (after ``where``)."""
     for warning in warnings:
         logger.warning("%s", warning.sentence())
     if problems:
-        raise DatasetError("; ".join(problem.sentence() for problem in problems))
+        raise DatasetError(where + "; ".join(problem.sentence() for problem in problems))
 
 
 def _check_scaled_sizes(sizes: dict[str, tuple[int, int]], scale: float, images: dict[str, FileInfo]) -> None:

@@ -469,25 +469,16 @@ def _load_pt(path: Path) -> np.ndarray:
     return loaded.detach().numpy()
 
 
-def _layout(shape: tuple[int, ...], path: str | Path) -> str:
-    """Name the axis order of an array shape: ``"hw"``, ``"hwc"`` or ``"chw"`` (channels last wins a tie)."""
-    if len(shape) == 2:
-        return "hw"
-    if len(shape) == 3:
-        if shape[2] in _CHANNEL_COUNTS:
-            return "hwc"
-        if shape[0] in _CHANNEL_COUNTS:
-            return "chw"
-    raise DatasetError(
-        f"{path} holds an array of shape {tuple(shape)}; save images as HxW or HxWxC arrays with C in 1, 3 or 4"
-    )
-
-
 def _to_hwc(array: np.ndarray, path: str | Path) -> np.ndarray:
-    """Return the array as HxW or HxWxC (C in 3, 4), moving a leading channel axis to the end."""
-    layout = _layout(array.shape, path)
-    if layout == "chw":
+    """Return the array as HxW or HxWxC (C in 3, 4), moving a leading channel axis to the end (channels last wins
+    when both ends could be channels)."""
+    shape = array.shape
+    if len(shape) == 3 and shape[2] not in _CHANNEL_COUNTS and shape[0] in _CHANNEL_COUNTS:
         array = np.moveaxis(array, 0, -1)
+    elif len(shape) != 2 and not (len(shape) == 3 and shape[2] in _CHANNEL_COUNTS):
+        raise DatasetError(
+            f"{path} holds an array of shape {tuple(shape)}; save images as HxW or HxWxC arrays with C in 1, 3 or 4"
+        )
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[:, :, 0]
     return array

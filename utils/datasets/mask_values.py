@@ -62,8 +62,8 @@ class MaskScan:
     value_counts: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     """Per image, ``(k, pixels)`` for each value ``mask_values[k]`` it contains (full-size masks, before scaling)."""
     problems: tuple[Finding, ...] = ()
-    """Unreadable files, size mismatches, mixed mask kinds (``scan_masks(keep_problems=True)`` only); the values
-    and sizes above are then those of the usable pairs."""
+    """Unreadable files, size mismatches, mixed mask kinds; the values and sizes above are then those of the usable
+    pairs (and nothing is cached)."""
 
     def classes(self, ignore_values: Sequence[int]) -> tuple[MaskValues, dict[str, dict[int, int]], int]:
         """The class values (``mask_values`` less the void ``ignore_values``; class k is the k-th), per image the
@@ -239,13 +239,12 @@ def scan_masks(
     *,
     cache_dir: str | Path | None = None,
     workers: int | None = None,
-    keep_problems: bool = False,
 ) -> MaskScan:
     """Return the masks' distinct values and the images' sizes, from the cache when the files have not changed.
 
-    Raises one ``DatasetError`` naming every unreadable file, every mask whose size differs from its image, and
-    masks that mix single-channel and colour files; with ``keep_problems`` they come back in ``problems`` instead
-    (the dataset check reports each kind on its own line). ``workers``: processes (``image_files.pool_map``).
+    Every unreadable file, every mask whose size differs from its image, and masks that mix single-channel and
+    colour files come back in ``problems`` (the dataset raises them, the check prints each kind on its own line).
+    ``workers``: processes (``image_files.pool_map``).
     """
     if not pairs:
         raise ValueError("scan_masks needs at least one image/mask pair")
@@ -258,10 +257,7 @@ def scan_masks(
     announce = "Scanning %d masks with %d processes (cached for the next start)"
     scan = _summarise(pool_map(_scan_pair, pairs, workers, announce), pairs)
     if scan.problems:
-        if keep_problems:
-            return scan
-        mask_dir, image_dir = os.path.dirname(pairs[0].mask.path), os.path.dirname(pairs[0].image.path)
-        raise DatasetError(f"bad data in {mask_dir} / {image_dir}: " + "; ".join(p.sentence() for p in scan.problems))
+        return scan
     logger.info(
         "Scanned %d masks in %.1f s; %d distinct values",
         len(pairs),
