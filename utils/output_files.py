@@ -189,8 +189,10 @@ def _future_key(path: Path) -> object:
 
 
 @contextlib.contextmanager
-def replacing(path: Path, role: str | None = None) -> Iterator[Path]:
-    """A temporary path next to ``path`` to write into; on leaving the block it is flushed and renamed onto ``path``.
+def replacing(path: Path, role: str | None = None, *, durable: bool = True) -> Iterator[Path]:
+    """A temporary path next to ``path`` to write into; on leaving the block it is flushed and renamed onto ``path``
+    (without ``durable``, renamed only: no fsync of the file or its folder, for a cache whose lost entry costs a
+    re-decode).
 
     If the block raises, the temporary file is removed and ``path`` is left as it was. The temporary name keeps the
     suffix (PIL and exporters choose the format by it) and starts with a dot (folder inputs skip hidden files).
@@ -207,8 +209,9 @@ def replacing(path: Path, role: str | None = None) -> Iterator[Path]:
         raise _output_error(path, role, error) from error
     try:
         yield temporary
-        with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())
+        if durable:
+            with open(temporary, "rb") as handle:
+                os.fsync(handle.fileno())
         os.replace(temporary, path)
     except OSError as error:
         temporary.unlink(missing_ok=True)
@@ -216,7 +219,8 @@ def replacing(path: Path, role: str | None = None) -> Iterator[Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    fsync_folder(path.parent)
+    if durable:
+        fsync_folder(path.parent)
 
 
 def write_file(path: Path, write: Callable[[Path], object], role: str | None = None) -> None:

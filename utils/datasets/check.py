@@ -100,10 +100,10 @@ class CheckSettings:
 class CheckReport:
     """Everything the check found; ``problems`` stop training, ``warnings`` do not."""
 
-    n_images: int = 0
-    n_pairs: int = 0
-    problems: list[Finding] = field(default_factory=list)
-    warnings: list[Finding] = field(default_factory=list)
+    n_images: int
+    n_pairs: int
+    problems: list[Finding]
+    warnings: list[Finding]
     mask_values: list = field(default_factory=list)
     class_shares: list[tuple[object, float]] = field(default_factory=list)
     """``(mask value, share of the non-void pixels)`` per class, in class order."""
@@ -127,12 +127,9 @@ def check_dataset(settings: CheckSettings) -> CheckReport:
     """Read the folders once and report every problem found; a DatasetError or ConfigError only when a folder cannot
     be listed, holds no images or masks, or is both (``image_files.pair_folders``, the dataset's own pairing)."""
     started = time.perf_counter()
-    report = CheckReport()
     pairing = pair_folders(settings.imgs, settings.masks, None)
     images = pairing.images
-    report.n_images, report.n_pairs = len(images), len(pairing.pairs)
-    report.problems += pairing.problems
-    report.warnings += pairing.warnings
+    report = CheckReport(len(images), len(pairing.pairs), pairing.problems, pairing.warnings)
     pairs = [pair for pair in pairing.pairs if pair.image.size and pair.mask.size]
     if pairs:  # the values of the usable pairs, whatever else is wrong: one run reports every kind of problem
         _report_mask_values(report, pairs, settings)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import logging
 import operator
@@ -199,10 +200,8 @@ class BasicDataset(Dataset):
 
     def _image_pixels(self, info: FileInfo) -> torch.Tensor:
         """The resized image, [C, H, W]: uint8, or float32 in [0, 1] for 16-bit and float images."""
-        return cached_image(self.pixel_cache, info, lambda: _decode(info.path, self._resized_image))
-
-    def _resized_image(self, img: Image.Image) -> torch.Tensor:
-        return resized_image(img, self.scale, self.channels)
+        resize = functools.partial(resized_image, scale=self.scale, channels=self.channels)
+        return cached_image(self.pixel_cache, info, lambda: _decode(info.path, resize))
 
     def _mask_pixels(self, info: FileInfo) -> np.ndarray:
         """The resized mask's raw values (``mask_array`` sampled to the network's size), before the class mapping."""
