@@ -32,6 +32,7 @@ from utils.datasets.image_files import (
     Finding,
     MaskPair,
     exif_orientation,
+    format_examples,
     open_pil,
     pair_folders,
     pool_map,
@@ -84,16 +85,13 @@ class CheckSettings:
     strict: bool = flag(False, "--strict")
     """count warnings (duplicates, EXIF) as problems"""
 
-    @property
     def split(self) -> SplitRule | None:
-        """With --split-by: the split whose train/validation line duplicates must not cross."""
-        return None if self.split_by is None else SplitRule.of_flags(self)
-
-    def validate(self) -> None:
-        """The rules between flags (each value's range is its flag's, checked by ``parse_flags``; ``check_dataset``
-        trusts its settings)."""
-        if self.split_by is not None:
-            check_split_flags(self.split_by, self.group_pattern, self.folds, self.fold)
+        """With --split-by: the split whose train/validation line duplicates must not cross, its flags checked
+        together (each value's range is its flag's, checked by ``parse_flags``)."""
+        if self.split_by is None:
+            return None
+        check_split_flags(self.split_by, self.group_pattern, self.folds, self.fold)
+        return SplitRule.of_flags(self)
 
 
 @dataclass
@@ -124,9 +122,11 @@ class _PhotoFacts(NamedTuple):
 
 
 def check_dataset(settings: CheckSettings) -> CheckReport:
-    """Read the folders once and report every problem found; a DatasetError or ConfigError only when a folder cannot
-    be listed, holds no images or masks, or is both (``image_files.pair_folders``, the dataset's own pairing)."""
+    """Read the folders once and report every problem found; a DatasetError or ConfigError only when the split flags
+    are impossible together, or a folder cannot be listed, holds no images or masks, or is both
+    (``image_files.pair_folders``, the dataset's own pairing)."""
     started = time.perf_counter()
+    split = settings.split()  # before any file is read
     pairing = pair_folders(settings.imgs, settings.masks, None)
     images = pairing.images
     report = CheckReport(len(images), len(pairing.pairs), pairing.problems, pairing.warnings)
@@ -139,7 +139,7 @@ def check_dataset(settings: CheckSettings) -> CheckReport:
         what = f"{len(rotated)} photo(s) carry an EXIF orientation: training turns them upright, as viewers show them"
         fix = "check their masks were drawn on the upright photos (a quarter turn shows as a size mismatch)"
         report.warnings.append(Finding("EXIF rotation", what, tuple(rotated), fix))
-    _report_duplicates(report, facts, sorted(images), settings.split)
+    _report_duplicates(report, facts, sorted(images), split)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -180,7 +180,7 @@ def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[
         verb = "is an exact copy of another" if copies == 1 else "are exact copies of others"
         what = f"{count(copies, 'photo')} {verb} ({count(len(duplicates), 'group')} of identical photos)"
         fix = "delete the copies: they weigh twice in training"
-        report.warnings.append(Finding("duplicates", what, tuple(map(_copies, duplicates)), fix))
+        report.warnings.append(Finding("duplicates", what, _copies(duplicates), fix))
     if rule is None or not duplicates:
         return
     position = {image_id: index for index, image_id in enumerate(ids)}
@@ -192,7 +192,7 @@ def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[
                 "duplicates across the split",
                 f"{len(crossing)} group(s) of identical photos are both in training and in validation under "
                 f"--split-by {rule.by}",
-                tuple(map(_copies, crossing)),
+                _copies(crossing),
                 # Under --split-by prefix these copies have different prefixes: only a pattern can group them.
                 "delete the copies, or group them with "
                 + ("a --group-pattern" if rule.by == SPLIT_BY_PREFIX else "--split-by prefix / --group-pattern"),
@@ -200,10 +200,9 @@ def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[
         )
 
 
-def _copies(names: list[str], shown: int = 3) -> str:
-    """``a = b = c`` for a group of identical photos, the rest counted: a group can hold thousands."""
-    text = " = ".join(names[:shown])
-    return text if len(names) <= shown else f"{text} (+{len(names) - shown} more)"
+def _copies(groups: list[list[str]]) -> tuple[str, ...]:
+    """``a = b = c`` for each group of identical photos, the rest counted: a group can hold thousands."""
+    return tuple(format_examples(names, 3, " = ") for names in groups)
 
 
 def format_report(report: CheckReport, settings: CheckSettings) -> list[str]:
@@ -233,7 +232,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         settings = parse_flags(parser, CheckSettings, argv)
-        settings.validate()
         report = check_dataset(settings)
     except UserError as error:
         # The same one line as utils.cli.print_error, which would import torch (through utils.hardware) for nothing.

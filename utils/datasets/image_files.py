@@ -305,10 +305,10 @@ def count_named(image_ids: Iterable[str], mask_stems: Iterable[str], suffix: str
     return sum(1 for name in image_ids if name + suffix in stems)
 
 
-def format_examples(items: Sequence[object], limit: int = MAX_NAMED_FILES) -> str:
+def format_examples(items: Sequence[object], limit: int = MAX_NAMED_FILES, separator: str = ", ") -> str:
     """Join the first ``limit`` items of a list (names, mask values) for a message, counting the rest."""
-    shown = ", ".join(map(str, items[:limit]))
-    return shown if len(items) <= limit else f"{shown}, ... ({len(items) - limit} more)"
+    shown = separator.join(map(str, items[:limit]))
+    return shown if len(items) <= limit else f"{shown}{separator}... ({len(items) - limit} more)"
 
 
 def pool_context() -> multiprocessing.context.BaseContext:
