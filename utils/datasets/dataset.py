@@ -175,9 +175,7 @@ class BasicDataset(Dataset):
         index = operator.index(index)
         if index < 0:
             index += len(self.ids)
-        image_info, mask_info = self._files[self.ids[index]]
-        pixels = self._image_pixels(image_info)
-        raw_mask = self._mask_pixels(mask_info)
+        image_info, mask_info, pixels, raw_mask = self._pixels(index)
         if pixels.shape[1:] != raw_mask.shape[:2]:
             raise DatasetError(
                 f"{mask_info.path} and {image_info.path} differ in size ({raw_mask.shape[1]}x{raw_mask.shape[0]} vs "
@@ -194,20 +192,18 @@ class BasicDataset(Dataset):
 
     def fill_pixel_cache(self, index: int) -> None:
         """Make sure item ``index``'s pixels are in the pixel cache (``build-cache`` runs this for every item)."""
+        self._pixels(index)
+
+    def _pixels(self, index: int) -> tuple[FileInfo, FileInfo, torch.Tensor, np.ndarray]:
+        """Item ``index``'s image and mask files, through the pixel cache: the resized image, [C, H, W] (uint8, or
+        float32 in [0, 1] for 16-bit and float images), and the resized mask's raw values (``mask_array`` sampled to
+        the network's size, before the class mapping)."""
         image_info, mask_info = self._files[self.ids[index]]
-        self._image_pixels(image_info)
-        self._mask_pixels(mask_info)
-
-    def _image_pixels(self, info: FileInfo) -> torch.Tensor:
-        """The resized image, [C, H, W]: uint8, or float32 in [0, 1] for 16-bit and float images."""
         resize = functools.partial(resized_image, scale=self.scale, channels=self.channels)
-        return cached_image(self.pixel_cache, info, lambda: _decode(info.path, resize))
-
-    def _mask_pixels(self, info: FileInfo) -> np.ndarray:
-        """The resized mask's raw values (``mask_array`` sampled to the network's size), before the class mapping."""
-        return cached(
-            self.pixel_cache, info, MASK, lambda: _decode(info.path, lambda img: resized_mask(img, self.scale))
-        )
+        pixels = cached_image(self.pixel_cache, image_info, lambda: _decode(image_info.path, resize))
+        resize_mask = functools.partial(resized_mask, scale=self.scale)
+        raw_mask = cached(self.pixel_cache, mask_info, MASK, lambda: _decode(mask_info.path, resize_mask))
+        return image_info, mask_info, pixels, raw_mask
 
     @staticmethod
     def preprocess(mask_values: MaskValues, pil_img: Image.Image, scale: float, is_mask: bool) -> np.ndarray:

@@ -232,7 +232,13 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
             f"no images in {images_dir} (looked for {_EXTENSION_LIST}; hidden files and sub-folders are ignored); "
             "put the images there"
         )
-    _check_two_folders(images_dir, mask_dir)
+    # In one folder every image would be paired with itself as its mask. Compared as files (samefile), so a link or
+    # a second spelling of one folder is caught.
+    if mask_dir.is_dir() and os.path.samefile(images_dir, mask_dir):
+        raise ConfigError(
+            f"the images ({images_dir}, --imgs) and the masks ({mask_dir}, --masks) are one folder; "
+            "give the masks their own folder"
+        )
     masks = index_folder(mask_dir, "mask")
     if not masks:
         raise DatasetError(f"no masks in {mask_dir} (looked for {_EXTENSION_LIST}); put one mask per image there")
@@ -263,16 +269,6 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
         what = f"{len(empty)} file(s) are empty (0 bytes), e.g. from an interrupted copy"
         problems.append(Finding("empty files", what, tuple(empty), "copy them again or delete them"))
     return Pairing(images, pairs, mask_suffix, problems, warnings)
-
-
-def _check_two_folders(images_dir: Path, mask_dir: Path) -> None:
-    """Images and masks must live in two folders: in one, every image would be paired with itself as its mask.
-    Compared as files (``os.path.samefile``), so a link or a second spelling of one folder is caught."""
-    if images_dir.is_dir() and mask_dir.is_dir() and os.path.samefile(images_dir, mask_dir):
-        raise ConfigError(
-            f"the images ({images_dir}, --imgs) and the masks ({mask_dir}, --masks) are one folder; "
-            "give the masks their own folder"
-        )
 
 
 def _suffix_hint(image_ids: Iterable[str], mask_stems: Iterable[str], mask_suffix: str) -> str:
