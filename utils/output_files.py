@@ -189,18 +189,20 @@ def _future_key(path: Path) -> object:
 
 
 @contextlib.contextmanager
-def replacing(path: Path, role: str | None = None, *, durable: bool = True) -> Iterator[Path]:
+def replacing(path: Path, role: str | None = None, *, durable: bool = True, keep_suffix: bool = True) -> Iterator[Path]:
     """A temporary path next to ``path`` to write into; on leaving the block it is flushed and renamed onto ``path``
     (without ``durable``, renamed only: no fsync of the file or its folder, for a cache whose lost entry costs a
     re-decode).
 
     If the block raises, the temporary file is removed and ``path`` is left as it was. The temporary name keeps the
-    suffix (PIL and exporters choose the format by it) and starts with a dot (folder inputs skip hidden files).
+    suffix (PIL and exporters choose the format by it) and starts with a dot (folder inputs skip hidden files);
+    without ``keep_suffix`` it ends in ``.tmp`` instead (``.last.pth.<random>.tmp``: a checkpoint's, which nothing
+    that takes ``*.pth`` files may mistake for one; ``utils.checkpoint.format.PARTIAL_FILE_PATTERN``).
     The folder is created if missing (``--json``, ``--export`` may name a new one). OS errors become ``OutputError``
-    naming ``role`` (or the path) and the fix.
+    naming ``role`` (or the path) and the fix, raised from the ``OSError``.
     """
-    path = Path(path)
-    temporary = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp{path.suffix}")
+    path, token = Path(path), secrets.token_hex(4)
+    temporary = path.with_name(f".{path.stem}.{token}.tmp{path.suffix}" if keep_suffix else f".{path.name}.{token}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # O_EXCL: never reuse a name; mode 0o666 lets the umask give the file the permissions of any new file.

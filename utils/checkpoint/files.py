@@ -1,9 +1,10 @@
 """Checkpoint files on disk: atomic writes and the one safe read every other read goes through.
 
-Writes go to a temporary file in the same folder, are fsynced and then renamed over the final name, so a file under a
-final name is always complete, whatever moment a crash happens. A state saved under several names is serialised once
-and its bytes copied (``copy_checkpoint_atomic``): every name is a file of its own, so writing into one name in place
-never changes another. Files get the mode any file the user creates gets (0666 minus the umask).
+Writes go to a temporary file in the same folder, are fsynced and then renamed over the final name (the one atomic
+writer of outputs, ``utils.output_files.replacing``), so a file under a final name is always complete, whatever
+moment a crash happens. A state saved under several names is serialised once and its bytes copied
+(``copy_checkpoint_atomic``): every name is a file of its own, so writing into one name in place never changes
+another. Files get the mode any file the user creates gets (0666 minus the umask).
 
 Reads always use ``weights_only=True``: a checkpoint can hold tensors, numbers, strings and containers, never objects
 whose unpickling runs code (``utils.checkpoint.pickle_scan`` names the code a refused file would import). Every read
@@ -15,11 +16,10 @@ from __future__ import annotations
 import errno
 import os
 import pickle
-import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -34,7 +34,7 @@ from utils.checkpoint.format import (
 )
 from utils.checkpoint.pickle_scan import code_refusal, pickled_code, without_unsafe_advice
 from utils.errors import CheckpointError
-from utils.output_files import fsync_folder
+from utils.output_files import OutputError, replacing
 
 # copy_file_range refusals after which plain reads and writes do the copy.
 _NO_COPY_RANGE_ERRNOS = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
@@ -60,7 +60,7 @@ def copy_checkpoint_atomic(source: str | Path, target: str | Path) -> None:
     """
     source = Path(source)
 
-    def copy(handle: Any) -> None:
+    def copy(handle: BinaryIO) -> None:
         with open(source, "rb") as original:
             _copy_bytes(original.fileno(), handle.fileno(), os.fstat(original.fileno()).st_size)
 
@@ -75,28 +75,14 @@ def write_failure_message(path: str | Path, error: OSError) -> str:
     )
 
 
-def _write_atomic(path: Path, write: Any) -> None:
+def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    # A temporary name that ends in .tmp: format.PARTIAL_FILE_PATTERN, which a run folder's start-up clears.
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as error:
-        raise CheckpointError(write_failure_message(path, error)) from error
-    try:
-        # mkstemp creates 0600; a checkpoint is an ordinary file of the user's, readable as the umask allows.
-        os.fchmod(fd, 0o666 & ~_current_umask())
-        with os.fdopen(fd, "wb") as handle:
+        with replacing(path, keep_suffix=False) as temporary, open(temporary, "wb") as handle:
             write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-        fsync_folder(path.parent)
-    except OSError as error:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise CheckpointError(write_failure_message(path, error)) from error
-    except BaseException:
-        # KeyboardInterrupt or a crash mid-write: never leave the temporary file behind under any name.
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    except OutputError as error:
+        # Raised from the OSError; a run folder's write failure names --checkpoint-dir as its fix.
+        raise CheckpointError(write_failure_message(path, error.__cause__)) from error.__cause__
 
 
 def _copy_bytes(source_fd: int, target_fd: int, size: int) -> None:
@@ -118,12 +104,6 @@ def _copy_bytes(source_fd: int, target_fd: int, size: int) -> None:
         return
     if copied != size:
         raise OSError(errno.EIO, f"copied {copied} of {size} bytes")
-
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 class _WriteErrorRecorder:
