@@ -36,7 +36,7 @@ from utils.checkpoint.format import (
     InferenceRecord,
 )
 from utils.checkpoint.model import load_model
-from utils.checkpoint.state import TrainingState, load_resume_checkpoint
+from utils.checkpoint.state import TrainingState, TrainPosition, load_resume_checkpoint
 from utils.errors import CheckpointError
 
 
@@ -344,6 +344,8 @@ def test_a_newer_format_is_refused_by_every_read(tmp_path: Path) -> None:
 def test_a_training_state_survives_its_own_write_and_read(tmp_path: Path) -> None:
     state = TrainingState.of(load_checkpoint_file(FIXTURES / "v1_train.pth"), "v1_train.pth")
     state.weights.inference = InferenceRecord(scale=0.5, ignore_values=(), channels=1)
+    # No field at its default, so a field written under another name than position_of reads would show.
+    state.position = TrainPosition(3, 30, 2, 0.75, [[0.75, 20], [0.5, 10]], 2, 1)
     save_checkpoint_atomic(state.to_payload(), tmp_path / "again.pth")
     again = TrainingState.of(load_checkpoint_file(tmp_path / "again.pth"), "again.pth")
     assert again.weights.inference == state.weights.inference and again.position == state.position

@@ -31,15 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
-from utils.checkpoint.format import LoadedWeights, all_finite
+from utils.checkpoint.format import KEY_ARGS, KEY_MODEL_ARGS, InferenceRecord, LoadedWeights, all_finite
 from utils.checkpoint.run_folder import RunFolder
-from utils.checkpoint.state import (
-    TrainingState,
-    dataset_record,
-    inference_of_run,
-    restore_rng_state,
-    weights_only_payload,
-)
+from utils.checkpoint.state import WEIGHTS_ONLY_KEYS, TrainingState, dataset_record, restore_rng_state
 from utils.errors import UserError, count
 from utils.launch.process_group import DistributedContext, agree_on_errors, raised_on_every_rank
 
@@ -125,7 +119,11 @@ class Checkpointer:
         self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
         # What every file records of the run besides its state: fixed when the run starts.
         data = parts.data
-        self._inference = inference_of_run(parts.run_args, data.n_channels)
+        # How images were prepared (--scale, --ignore-value, channels) and --class-names, read from the flags once, by
+        # the reader of files that predate the record: a reader of the file never depends on what a flag is called.
+        self._inference = InferenceRecord.of(
+            {KEY_ARGS: parts.run_args, KEY_MODEL_ARGS: {"n_channels": data.n_channels}}
+        )
         self._dataset = dataset_record(data.train_dataset.ids)
         self._split_digest = data.split.digest if data.split is not None else None
 
@@ -229,7 +227,7 @@ class Checkpointer:
         with self._phase("checkpoint"):
             payload = self.payload()
             _write_copies(payload, full)
-            _write_copies(weights_only_payload(payload), shared)
+            _write_copies({key: payload[key] for key in WEIGHTS_ONLY_KEYS}, shared)
         logger.info(
             "Saved %s at step %d (%s and %s done)",
             ", ".join(path.name for path in [*full, *shared]),

@@ -41,7 +41,6 @@ from utils.checkpoint.format import (
     KEY_STEP_IN_EPOCH,
     KEY_VALIDATIONS_WITHOUT_IMPROVEMENT,
     KEY_WORLD_SIZE,
-    InferenceRecord,
     LoadedWeights,
     weights_of,
 )
@@ -65,7 +64,11 @@ RESUME_KEYS = (KEY_MODEL, KEY_OPTIMIZER, KEY_SCHEDULER, KEY_EPOCH, KEY_GLOBAL_ST
 
 @dataclass
 class TrainPosition:
-    """Where training stands: ``epoch`` epochs fully done, plus ``step_in_epoch`` batches of the next one."""
+    """Where training stands: ``epoch`` epochs fully done, plus ``step_in_epoch`` batches of the next one.
+
+    Each field is saved under its own name (``KEY_EPOCH`` is ``"epoch"``, ...): ``TrainingState.to_payload`` writes the
+    fields as they are, ``position_of`` reads them back with the defaults of files that predate some.
+    """
 
     epoch: int = 0
     global_step: int = 0
@@ -115,18 +118,13 @@ class TrainingState:
             KEY_OPTIMIZER: self.optimizer,
             KEY_SCHEDULER: self.scheduler,
             KEY_SCALER: self.scaler,
-            KEY_EPOCH: self.position.epoch,
-            KEY_GLOBAL_STEP: self.position.global_step,
-            KEY_STEP_IN_EPOCH: self.position.step_in_epoch,
             KEY_RNG: capture_rng_state() if self.rng is None else self.rng,
             KEY_ARGS: dict(self.run_args),
-            KEY_BEST_DICE: self.position.best_dice,
-            KEY_BEST_RANKING: [list(entry) for entry in self.position.best_ranking],
             KEY_WORLD_SIZE: self.world_size,
             KEY_DATASET: self.dataset,
             KEY_SPLIT_DIGEST: weights.split_digest,
-            KEY_BEST_EPOCH: self.position.best_epoch,
-            KEY_VALIDATIONS_WITHOUT_IMPROVEMENT: self.position.validations_without_improvement,
+            # The position's field names are its keys (KEY_EPOCH, ..., KEY_BEST_RANKING): position_of reads them.
+            **dataclasses.asdict(self.position),
             **({} if self.ema is None else {KEY_LIVE_MODEL: weights.state_dict}),
         }
 
@@ -156,21 +154,6 @@ class TrainingState:
             rng=payload.get(KEY_RNG),
             ema=ema,
         )
-
-
-def weights_only_payload(payload: dict[str, Any]) -> dict[str, Any]:
-    """The part of a full checkpoint ``payload`` that a file for sharing and inference keeps (``WEIGHTS_ONLY_KEYS``)."""
-    return {key: payload[key] for key in WEIGHTS_ONLY_KEYS if key in payload}
-
-
-def inference_of_run(run_args: dict[str, Any], n_channels: int) -> InferenceRecord:
-    """What a run's checkpoints record for inference: how its images were prepared (--scale, --ignore-value, channels)
-    and what its classes are called (--class-names).
-
-    Read from the flags here, at save time, once (by the reader of files that predate the record, with these flags):
-    readers of the file never depend on what a flag is called.
-    """
-    return InferenceRecord.of({KEY_ARGS: run_args, KEY_MODEL_ARGS: {"n_channels": n_channels}})
 
 
 def dataset_record(image_ids: Sequence[str]) -> dict[str, Any]:
