@@ -75,6 +75,12 @@ class SaveTimer:
         self._requested = False
 
 
+def is_due(every: int, count: int) -> bool:
+    """Whether step or epoch number ``count`` is one of every ``every`` (``--save-every-steps``, ``--save_every``;
+    0: never)."""
+    return every > 0 and count % every == 0
+
+
 def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, keep: int) -> int | None:
     """Insert a validation Dice into the ``keep`` best (best first; a tie ranks below the older state).
 
@@ -131,8 +137,7 @@ class Checkpointer:
 
     def save_if_due(self) -> None:
         """At an optimizer-step boundary: ``last.pth`` every ``--save-every-steps`` steps."""
-        every = self.config.save_every_steps
-        if every and self.position.global_step % every == 0:
+        if is_due(self.config.save_every_steps, self.position.global_step):
             self._save([self.folder.last])
 
     def timed_save_due(self) -> bool:
@@ -141,15 +146,13 @@ class Checkpointer:
 
     def save_timed(self) -> None:
         """The save every rank agreed on at this boundary (``timed_save_due`` of some rank), unless already done."""
-        if self._last_saved_at == (self.position.global_step, self.position.epoch):
-            return
-        if not self._save([self.folder.last]):
+        if not self._save_last():
             self.timer.saved()  # a skipped step postponed it: count the next interval from now
 
     def save_epoch(self, epoch_number: int, dice: float | None, *, improved: bool) -> None:
         """At the end of epoch ``epoch_number`` (``dice``: its validation score, None when it did not validate)."""
         targets = [self.folder.last]
-        if self.config.save_every and epoch_number % self.config.save_every == 0:
+        if is_due(self.config.save_every, epoch_number):
             targets.append(self.folder.epoch_checkpoint(epoch_number))
         # best.pth and best-K.pth are for sharing and inference: the weights only (utils.checkpoint.run_folder).
         shared = [self.folder.best] if improved else []
@@ -170,10 +173,12 @@ class Checkpointer:
         """The final state of a stopped run: ``"interrupted"`` (INTERRUPTED.pth) or ``"last"`` (--max-steps, not
         written again when last.pth holds this step); the file, None when it could not be saved."""
         if reason == "last":
-            last = self.folder.last
-            done = self._last_saved_at == (self.position.global_step, self.position.epoch)
-            return last if done or self._save([last]) else None
+            return self.folder.last if self._save_last() else None
         return self.folder.interrupted if self._save([self.folder.interrupted]) else None
+
+    def _save_last(self) -> bool:
+        """``last.pth``, unless it holds this very step already; False when the state is not saved."""
+        return self._last_saved_at == (self.position.global_step, self.position.epoch) or self._save([self.folder.last])
 
     # ------------------------------------------------------------------------------------------------ which
 
@@ -328,9 +333,7 @@ def checkpoint_budget(
 
 def epoch_files_written(config: CheckpointSection, epochs: range) -> int:
     """checkpoint_epoch{N}.pth files a run that trains ``epochs`` writes (every --save_every), after --keep-last."""
-    if not config.save_every:
-        return 0
-    written = sum(1 for number in epochs if number % config.save_every == 0)
+    written = sum(1 for number in epochs if is_due(config.save_every, number))
     return min(written, config.keep_last) if config.keep_last else written
 
 
