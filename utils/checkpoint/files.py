@@ -138,8 +138,8 @@ def _save_to(payload: Mapping[str, Any], handle: Any) -> None:
         raise recorder.error from error
 
 
-def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint safely; every way a file can be unusable becomes a CheckpointError naming it."""
+def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint safely, to the CPU; every way a file can be unusable becomes a CheckpointError naming it."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; check the path given to --load/--model/--resume")
@@ -148,7 +148,7 @@ def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "c
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes), probably from an interrupted copy; use another")
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         # Only a GLOBAL reference (a class or function to import) can run code; other refusals are just bad bytes.
         code = pickled_code(path)
@@ -170,6 +170,6 @@ def load_checkpoint_file(path: str | Path, map_location: str | torch.device = "c
     return obj
 
 
-def read_model_weights(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedWeights:
+def read_model_weights(path: str | Path) -> LoadedWeights:
     """Model weights from our checkpoints, milesial/Pytorch-UNet files or the documented DDP script's files."""
-    return weights_of(load_checkpoint_file(path, map_location), path)
+    return weights_of(load_checkpoint_file(path), path)

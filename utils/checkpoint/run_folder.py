@@ -43,6 +43,7 @@ locked folder. Leftover temporary files are removed only under the lock.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -171,13 +172,6 @@ class RunFolder:
         finally:
             os.close(fd)
         return False
-
-    def lock_taken_ns(self) -> int | None:
-        """When a process last took this folder's lock (``try_lock`` writes its PID then), None if none ever did."""
-        try:
-            return self.lock_file.stat().st_mtime_ns
-        except OSError:
-            return None
 
     def holds_a_run(self) -> bool:
         """Whether an earlier or live run owns this folder: checkpoints, metrics, or its lock held."""
@@ -358,9 +352,11 @@ class RunSeries:
         A torchrun restart finds the folder its first attempt took this way: that attempt's rank 0 took the lock
         moments before it failed, after any earlier run took the lock of any folder of the series.
         """
-        taken = [(folder.lock_taken_ns(), folder) for folder in candidates]
-        taken = [(when, folder) for when, folder in taken if when is not None]
-        return max(taken, key=lambda entry: entry[0])[1] if taken else None
+        taken = {}  # when a process last took each folder's lock (try_lock writes its PID then)
+        for folder in candidates:
+            with contextlib.suppress(OSError):  # no lock file: never taken
+                taken[folder] = folder.lock_file.stat().st_mtime_ns
+        return max(taken, key=taken.__getitem__, default=None)
 
     def continue_newest(self) -> RunFolder:
         """The newest folder, locked by this process; refused when a live run holds it."""
