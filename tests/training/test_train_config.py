@@ -252,6 +252,19 @@ def test_a_resume_applies_every_flags_rule(caplog: pytest.LogCaptureFixture) -> 
             assert rule == NEW_PLAN and said == [], f"{flag}: resume={rule!r}, said {said}"
 
 
+def test_reliability_md_lists_the_must_match_flags_of_the_table() -> None:
+    import re
+
+    from tests.conftest import REPO_ROOT
+    from utils.flags import flag_fields
+    from utils.training.config import MUST_MATCH
+
+    text = (REPO_ROOT / "docs" / "RELIABILITY.md").read_text()
+    bullet = text[text.index("- **must match**") : text.index("- **may change**")]
+    listed = set(re.findall(r"`(--[a-z_-]+)", bullet)) - {"--load"}  # --load FILE: the way out, named in the bullet
+    assert listed == {item.flag.name for item in flag_fields(TrainConfig) if item.flag.resume == MUST_MATCH}
+
+
 def test_the_resume_rules_of_the_objective_averages_and_plan() -> None:
     from utils.flags import flag_fields
     from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN
