@@ -16,8 +16,9 @@ Two promises, kept here and nowhere else:
   temporary file behind.
 
 ``metrics.jsonl`` is appended to, not replaced, and never through a link: ``open_for_append`` drops a torn last line
-(a crash mid-write) with one warning. A side output's folder (``side_output_folder``: TensorBoard's) is never a link or a file in the way, and a
-side output that cannot be written is one warning (``side_output_failed``): the run goes on without it.
+(a crash mid-write) with one warning. A side output's folder (``side_output_folder``: TensorBoard's) is never a link
+or a file in the way, and a side output that cannot be written is one warning (its caller's): the run goes on
+without it.
 
 The small text files a user hands back (``--config``'s YAML, ``--split``'s JSON) are read here too, bounded in size
 and as UTF-8, each failure one line (``read_text``).
