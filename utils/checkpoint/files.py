@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import shutil
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -58,11 +59,10 @@ def copy_checkpoint_atomic(source: str | Path, target: str | Path) -> None:
     Copying the written bytes costs far less than serialising the payload again (no pickling, no tensor copies), and
     ``os.copy_file_range`` lets the filesystem share or copy the blocks itself.
     """
-    source = Path(source)
 
     def copy(handle: BinaryIO) -> None:
         with open(source, "rb") as original:
-            _copy_bytes(original.fileno(), handle.fileno(), os.fstat(original.fileno()).st_size)
+            _copy_bytes(original, handle)
 
     _write_atomic(Path(target), copy)
 
@@ -85,22 +85,18 @@ def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
         raise CheckpointError(write_failure_message(path, error.__cause__)) from error.__cause__
 
 
-def _copy_bytes(source_fd: int, target_fd: int, size: int) -> None:
-    copied = 0
+def _copy_bytes(source: BinaryIO, target: BinaryIO) -> None:
+    size, copied = os.fstat(source.fileno()).st_size, 0
     try:
-        while copied < size:
-            chunk = os.copy_file_range(source_fd, target_fd, size - copied)
-            if chunk == 0:
-                break
+        while copied < size and (chunk := os.copy_file_range(source.fileno(), target.fileno(), size - copied)):
             copied += chunk
     except (AttributeError, OSError) as error:
         # No copy_file_range (not Linux, old kernel, across filesystems): plain reads and writes from where it stopped.
         if isinstance(error, OSError) and error.errno not in _NO_COPY_RANGE_ERRNOS:
             raise
-        os.lseek(source_fd, copied, os.SEEK_SET)
-        os.lseek(target_fd, copied, os.SEEK_SET)
-        while chunk := os.read(source_fd, 1 << 20):
-            os.write(target_fd, chunk)
+        source.seek(copied)
+        target.seek(copied)
+        shutil.copyfileobj(source, target)
         return
     if copied != size:
         raise OSError(errno.EIO, f"copied {copied} of {size} bytes")
