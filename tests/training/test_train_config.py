@@ -208,15 +208,22 @@ def test_the_step_freezes_the_encoder_for_the_epochs_counted_from_start_from() -
     import torch
 
     from unet import UNet
+    from utils.training.objective import Optimization
     from utils.training.step import TrainStep
 
     model = UNet(3, 2, base_channels=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(argv: list[str]) -> TrainStep:
-        options = {"model": model, "raw_model": model, "optimizer": optimizer, "scheduler": None, "scaler": None}
+        optimization = Optimization(optimizer, scheduler=None, scaler=None)
         return TrainStep(
-            parse_config(argv), precision="bf16", class_weights=None, device=torch.device("cpu"), **options
+            parse_config(argv),
+            optimization,
+            precision="bf16",
+            class_weights=None,
+            model=model,
+            raw_model=model,
+            device=torch.device("cpu"),
         )
 
     resnet = ["--encoder", "resnet18"]
@@ -252,6 +259,7 @@ def test_a_resume_keeps_the_checkpoints_epoch_plan_for_every_component(caplog: p
     import torch
 
     from unet import UNet
+    from utils.training.objective import Optimization
     from utils.training.setup import planned_config
     from utils.training.step import TrainStep
 
@@ -266,6 +274,7 @@ def test_a_resume_keeps_the_checkpoints_epoch_plan_for_every_component(caplog: p
     # The frozen epochs count from the plan's --start_from, not from the one this command gave (and which it ignores).
     model = UNet(3, 2, base_channels=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    options = {"model": model, "raw_model": model, "optimizer": optimizer, "scheduler": None, "scaler": None}
-    step = TrainStep(planned, precision="fp32", class_weights=None, device=torch.device("cpu"), **options)
+    options = {"model": model, "raw_model": model, "device": torch.device("cpu")}
+    optimization = Optimization(optimizer, scheduler=None, scaler=None)
+    step = TrainStep(planned, optimization, precision="fp32", class_weights=None, **options)
     assert step.freeze_encoder_before_epoch == 4 - 1 + 2

@@ -152,13 +152,12 @@ def make_run(
             train_dataset=dataset,  # type: ignore[arg-type]
             mask_values=[0, 1],
             n_channels=1,
-            item_seconds=0.0,
-            item_pixels=1,
         ),
         loaders=Loaders(
             sampler=sampler,
             train=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
             val=None,
+            val_sharded=False,
             num_workers=0,
         ),
         batch_plan=BatchPlan(n_train=n_train, batch_size=batch_size, world_size=1, grad_accum=grad_accum),
@@ -170,7 +169,6 @@ def make_run(
     interrupts = InterruptFlag()  # never installed: the tests set its signal as the handler would
     run_log = RunLog(parts.config, CPU, folder, parts.batch_plan, resumed_step=None)
     trainer = Trainer(
-        parts.config,
         CPU,
         parts,
         run_folder=folder,
@@ -357,7 +355,9 @@ def test_a_signal_before_the_first_validation_batch_is_a_stop_not_an_empty_valid
     run_log = RunLog(config, CPU, RunFolder(tmp_path / "run"), plan, resumed_step=None)
     model = nn.Conv2d(1, 2, kernel_size=1)
     loader = DataLoader(ImagesOfOnes(), batch_size=1)
-    validator = Validator(config, CPU, model, loader, precision="fp32", interrupts=interrupts, run_log=run_log)
+    validator = Validator(
+        CPU, model, loader, sharded=False, n_classes=2, precision="fp32", interrupts=interrupts, run_log=run_log
+    )
     if not signalled:
         # The control: the same validation without a signal scores both images.
         assert 0.0 <= validator.validate(1, global_step=1) <= 1.0

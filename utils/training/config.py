@@ -305,6 +305,20 @@ class TrainConfig:
         """The config of a flat dict (``as_dict``, config.yaml); a flag missing from it takes its default."""
         return build_config(cls, values)
 
+    def settings_block(self) -> str:
+        """The flags whose value is not the flag's default, one per line in field order under each flag's first name
+        (``--ema 0.9``; ``python train.py --help`` has the rest): what the run changed, said at its start and in
+        config.yaml."""
+        values = self.as_dict()
+        changed = [
+            describe_flag(item.flag.names[0], values[item.dest])
+            for item in flag_fields(type(self))
+            if values[item.dest] != item.default
+        ]
+        if not changed:
+            return "Settings: all flags at their defaults"
+        return "Settings that differ from the defaults:" + "".join(f"\n  {line}" for line in changed)
+
     def epoch_range(self) -> tuple[int, int]:
         """(first, last) epoch numbers: ``--epochs E --start_from S`` trains S..S+E-1, as the DDP script."""
         first = self.checkpoint.start_from
@@ -420,16 +434,6 @@ def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
-
-
-def non_default_settings(run_args: Mapping[str, Any]) -> dict[str, Any]:
-    """``{flag: value}`` of the flags in ``run_args`` (``as_dict``) whose value is not the flag's default, in field
-    order, each under its first name (``--ema``): what a run's start block and config.yaml say it changed."""
-    return {
-        item.flag.names[0]: run_args[item.dest]
-        for item in flag_fields(TrainConfig)
-        if item.dest in run_args and run_args[item.dest] != item.default
-    }
 
 
 def describe_flag(flag: str, value: Any) -> str:

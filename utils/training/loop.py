@@ -88,12 +88,11 @@ class TrainOutcome:
 
 
 class Trainer:
-    """The loop over epochs and optimizer steps, reading its flags from ``config``, the run's (a resumed run's epoch
-    plan is its checkpoint's: ``setup.planned_config``)."""
+    """The loop over epochs and optimizer steps, reading its flags from ``parts.config``, the run's (a resumed run's
+    epoch plan is its checkpoint's: ``setup.planned_config``)."""
 
     def __init__(
         self,
-        config: TrainConfig,
         ctx: DistributedContext,
         parts: TrainParts,
         *,
@@ -102,7 +101,7 @@ class Trainer:
         validator: Validator,
         interrupts: InterruptFlag,
     ) -> None:
-        self.config = config
+        self.config = config = parts.config
         self.ctx = ctx
         self.parts = parts
         self.step = parts.step

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from utils.hardware import autocast
 from utils.training.config import TrainConfig
 from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
-from utils.training.objective import steps_every_update, supervised_loss
+from utils.training.objective import Optimization, steps_every_update, supervised_loss
 
 
 class TrainStep:
@@ -28,20 +27,18 @@ class TrainStep:
     def __init__(
         self,
         config: TrainConfig,
+        optimization: Optimization,
         *,
         precision: str,
         class_weights: tuple[float, ...] | None,
         model: nn.Module,
         raw_model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any | None,
-        scaler: torch.amp.GradScaler | None,
         device: torch.device,
     ) -> None:
-        """``precision``: the autocast precision resolved from --precision/--amp and the device; ``class_weights``:
-        --class-weights resolved (None = unweighted). ``model`` is what the forward pass calls (``raw_model`` wrapped
-        in DDP and/or compiled); ``scheduler`` is stepped after every update (None when something else steps it, e.g.
-        ReduceLROnPlateau on validation Dice)."""
+        """``optimization``: the optimizer, its schedule (stepped after every update unless only the validation
+        steps it: ReduceLROnPlateau on validation Dice) and the fp16 scaler; ``precision``: the autocast precision
+        resolved from --precision/--amp and the device; ``class_weights``: --class-weights resolved (None =
+        unweighted). ``model`` is what the forward pass calls (``raw_model`` wrapped in DDP and/or compiled)."""
         self.config = config
         self.precision = precision
         # The encoder is not updated in the epochs (0-based) before this one: --freeze-encoder-epochs counted from
@@ -50,17 +47,17 @@ class TrainStep:
         self.freeze_encoder_before_epoch = config.checkpoint.start_from - 1 + freeze if freeze else 0
         self.model = model
         self.raw_model = raw_model
-        self.optimizer = optimizer
+        self.optimizer = optimization.optimizer
         # ReduceLROnPlateau steps on validation Dice, in the loop; only its warmup (if any) steps after every update.
-        self.scheduler = scheduler if steps_every_update(config.optimisation) else None
-        self.scaler = scaler
+        self.scheduler = optimization.scheduler if steps_every_update(config.optimisation) else None
+        self.scaler = optimization.scaler
         self.device = device
         # The DDP wrapper, if any (--compile compiles the blocks inside it: utils.training.compiled).
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._memory_format = torch.channels_last if config.performance.channels_last else torch.contiguous_format
         self._class_weights = None if class_weights is None else torch.tensor(class_weights, device=device)
         # fp16 runs leave skipping to GradScaler (see utils.training.nonfinite).
-        self.guard = NonFiniteStepGuard(raw_model, optimizer, device) if scaler is None else None
+        self.guard = NonFiniteStepGuard(raw_model, self.optimizer, device) if self.scaler is None else None
         # Sum and count of the finite losses since the last read (a skipped step's NaN would hide the others').
         self._loss_sum = torch.zeros((), device=device)
         self._loss_count = torch.zeros((), device=device)
