@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tests.helpers import CPU_CONTEXT
 from utils.checkpoint import checkpointer
 from utils.checkpoint.run_folder import RunFolder
 from utils.checkpoint.state import TrainPosition
-from utils.launch.process_group import DistributedContext
 from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
 from utils.training.data import Loaders, TrainData
@@ -31,8 +31,6 @@ from utils.training.loop import Trainer, TrainParts
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 from utils.training.validation import ValidationStopped, Validator
-
-CPU = DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
 
 
 class RecordingStep:
@@ -167,9 +165,9 @@ def make_run(
         resume_images_in_epoch=resume_images,
     )
     interrupts = InterruptFlag()  # never installed: the tests set its signal as the handler would
-    run_log = RunLog(parts.config, CPU, folder, parts.batch_plan, resumed_step=None)
+    run_log = RunLog(parts.config, CPU_CONTEXT, folder, parts.batch_plan, resumed_step=None)
     trainer = Trainer(
-        CPU,
+        CPU_CONTEXT,
         parts,
         run_folder=folder,
         run_log=run_log,
@@ -352,11 +350,11 @@ def test_a_signal_before_the_first_validation_batch_is_a_stop_not_an_empty_valid
     config = parse_config(["--epochs", "1"])
     interrupts = InterruptFlag()  # never installed: the test sets its signal as the handler would
     plan = BatchPlan(n_train=2, batch_size=1, world_size=1, grad_accum=1)
-    run_log = RunLog(config, CPU, RunFolder(tmp_path / "run"), plan, resumed_step=None)
+    run_log = RunLog(config, CPU_CONTEXT, RunFolder(tmp_path / "run"), plan, resumed_step=None)
     model = nn.Conv2d(1, 2, kernel_size=1)
     loader = DataLoader(ImagesOfOnes(), batch_size=1)
     validator = Validator(
-        CPU, model, loader, sharded=False, n_classes=2, precision="fp32", interrupts=interrupts, run_log=run_log
+        CPU_CONTEXT, model, loader, sharded=False, n_classes=2, precision="fp32", interrupts=interrupts, run_log=run_log
     )
     if not signalled:
         # The control: the same validation without a signal scores both images.

@@ -352,7 +352,12 @@ def validate_config(config: TrainConfig) -> None:
     """Reject impossible values before anything is built; every message names the flag to change."""
     check_ranges(config)  # each flag's own range, declared with its field
     data, model, launch = config.data, config.model, config.launch
-    check_machine_bounds(config)
+    # The bounds this machine sets (utils.hardware), checked before a run folder or a model exists.
+    check_threads(config.performance.threads)
+    if config.performance.num_workers is not None:
+        check_workers(config.performance.num_workers, "--num-workers")
+    # The photos' channels are not known yet: 3 (the first layer's share of the weights is negligible).
+    check_model_fits(3, model.classes, bilinear=model.bilinear, base_channels=model.base_channels)
     check_split_flags(data.split_by, data.group_pattern, data.folds, data.fold)
     if config.optimisation.class_weights is not None:
         parse_class_weights(config.optimisation.class_weights, model.classes)
@@ -400,16 +405,6 @@ def validate_config(config: TrainConfig) -> None:
         launch.dist_url is None or launch.dist_url.startswith(("tcp://", "file://", "env://")),
         f"--dist-url must look like tcp://HOST:PORT, got {launch.dist_url!r}",
     )
-
-
-def check_machine_bounds(config: TrainConfig) -> None:
-    """The bounds this machine sets (``utils.hardware``), checked before a run folder or a model exists."""
-    check_threads(config.performance.threads)
-    if config.performance.num_workers is not None:
-        check_workers(config.performance.num_workers, "--num-workers")
-    # The photos' channels are not known yet: 3 (the first layer's share of the weights is negligible).
-    model = config.model
-    check_model_fits(3, model.classes, bilinear=model.bilinear, base_channels=model.base_channels)
 
 
 def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:

@@ -131,7 +131,7 @@ class RunLog:
         self._started = self._last_train_line = time.perf_counter()
         self._start_step = global_step
         self._images_seen = self._images_at_last_line = global_step * self._plan.images_per_step
-        self.mark("loop_start")  # the benchmark's epoch section: start-up ends here
+        self._write_phase("loop_start", 0.0)  # a moment, not a span: the benchmark's epoch section ends start-up here
         return logging_redirect_tqdm()
 
     @contextlib.contextmanager
@@ -266,10 +266,6 @@ class RunLog:
             yield
         finally:
             self._write_phase(name, time.perf_counter() - started)
-
-    def mark(self, name: str) -> None:
-        """A 0 s phase record: a moment of the run (``loop_start``: the training loop begins)."""
-        self._write_phase(name, 0.0)
 
     def _write_phase(self, name: str, seconds: float) -> None:
         self._write({"event": "phase", "phase": name, "seconds": seconds, "time": time.time()})

@@ -25,7 +25,7 @@ from utils.checkpoint.checkpointer import restore
 from utils.checkpoint.files import load_checkpoint_file
 from utils.checkpoint.run_folder import RunFolder, RunSeries, agree_on_run, series_name
 from utils.checkpoint.state import TrainingState, TrainPosition
-from utils.datasets.splits import check_same_split, write_split_file
+from utils.datasets.splits import write_split_file
 from utils.errors import ConfigError, count
 from utils.flags import flag_fields
 from utils.hardware import resolve_precision, reuse_large_buffers, warn_if_emulated
@@ -38,7 +38,7 @@ from utils.training.config_file import write_config_file
 from utils.training.data import build_data, build_loaders
 from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
-from utils.training.model import check_resume, starting_model, wrap_for_training
+from utils.training.model import check_resume, starting_model
 from utils.training.objective import build_optimization, class_weights_of
 from utils.training.run_log import RunLog, start_phrase
 from utils.training.sampler import BatchPlan
@@ -186,9 +186,6 @@ def build_parts(
     if state is not None:
         check_resume(config, data, state, resume_path)
     model, model_args = starting_model(config, ctx, data, resuming=state is not None)
-    # After the model's checks, whose check of the dataset's files names the likelier cause of a changed split.
-    if state is not None:
-        check_same_split(state.weights.split_digest, data.split, resume_path)
     if ctx.is_main:
         write_split_file(run_folder.split, data.split)
     optimization = build_optimization(
@@ -198,15 +195,8 @@ def build_parts(
         precision=precision,
         resumed=state is not None,
     )
-    step = TrainStep(
-        config,
-        optimization,
-        precision=precision,
-        class_weights=class_weights_of(config, data.train_class_pixels),
-        model=wrap_for_training(model, ctx, compile_model=config.performance.compile),
-        raw_model=model,
-        device=ctx.device,
-    )
+    class_weights = class_weights_of(config, data.train_class_pixels)
+    step = TrainStep(config, optimization, model, ctx, precision=precision, class_weights=class_weights)
     # After DDP's wrapping, which broadcasts rank 0's weights: every rank's average starts from the same ones.
     ema = (
         WeightAverage(model, config.optimisation.ema, optimization.optimizer)
