@@ -205,8 +205,7 @@ def build_parts(
     )
     position, resume_images = TrainPosition(epoch=config.checkpoint.start_from - 1), 0
     if state is not None:
-        parts = {"model": model, "position": position, "ema": ema, **vars(optimization)}
-        restore(state, parts)
+        restore(state, {"model": model, "position": position, "ema": ema, **vars(optimization)})
         resume_images = _resumed_images_in_epoch(plan, state)
     parts = TrainParts(
         raw_model=model,
