@@ -15,9 +15,10 @@ Two promises, kept here and nowhere else:
   replaced, never written through, and a write that fails (a full disk) leaves the previous file whole and no
   temporary file behind.
 
-``metrics.jsonl`` is appended to, not replaced: ``open_for_append`` drops a torn last line (a crash mid-write) with
-one warning. A side output's folder (``side_output_folder``: TensorBoard's) is never a link or a file in the way, and a
-side output that cannot be written is one warning (``side_output_failed``): the run goes on without it.
+``metrics.jsonl`` is appended to, not replaced, and never through a link: ``open_for_append`` drops a torn last line
+(a crash mid-write) with one warning. A side output's folder (``side_output_folder``: TensorBoard's) is never a link
+or a file in the way, and a side output that cannot be written is one warning (its caller's): the run goes on
+without it.
 
 The small text files a user hands back (``--config``'s YAML, ``--split``'s JSON) are read here too, bounded in size
 and as UTF-8, each failure one line (``read_text``).
@@ -189,8 +190,10 @@ def _future_key(path: Path) -> object:
 
 
 @contextlib.contextmanager
-def replacing(path: Path, role: str | None = None) -> Iterator[Path]:
-    """A temporary path next to ``path`` to write into; on leaving the block it is flushed and renamed onto ``path``.
+def replacing(path: Path, role: str | None = None, *, durable: bool = True) -> Iterator[Path]:
+    """A temporary path next to ``path`` to write into; on leaving the block it is flushed and renamed onto ``path``
+    (without ``durable``, renamed only: no fsync of the file or its folder, for a cache whose lost entry costs a
+    re-decode).
 
     If the block raises, the temporary file is removed and ``path`` is left as it was. The temporary name keeps the
     suffix (PIL and exporters choose the format by it) and starts with a dot (folder inputs skip hidden files).
@@ -207,8 +210,9 @@ def replacing(path: Path, role: str | None = None) -> Iterator[Path]:
         raise _output_error(path, role, error) from error
     try:
         yield temporary
-        with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())
+        if durable:
+            with open(temporary, "rb") as handle:
+                os.fsync(handle.fileno())
         os.replace(temporary, path)
     except OSError as error:
         temporary.unlink(missing_ok=True)
@@ -216,7 +220,8 @@ def replacing(path: Path, role: str | None = None) -> Iterator[Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    fsync_folder(path.parent)
+    if durable:
+        fsync_folder(path.parent)
 
 
 def write_file(path: Path, write: Callable[[Path], object], role: str | None = None) -> None:
@@ -252,7 +257,9 @@ def read_text(path: Path, where: str, max_bytes: int, too_large: str) -> str:
 
 def open_for_append(path: Path) -> IO[str]:
     """``path`` opened to append lines. A torn last line (a crash mid-write) is repaired first, with one warning: a
-    whole JSON object that lost only its newline gets it back, anything else is cut off, so readers never meet it."""
+    whole JSON object that lost only its newline gets it back, anything else is cut off, so readers never meet it.
+    A link at ``path`` is refused (``OutputError``): its target, an input say, would get the records."""
+    _refuse_link(path, "the run's metrics.jsonl")
     with open(path, "a+b") as raw:
         size = raw.seek(0, os.SEEK_END)
         start = _last_line_start(raw, size)
@@ -300,12 +307,7 @@ def side_output_folder(folder: Path, role: str) -> Path:
     wherever it points, an input folder say), as is a file in the way. A probe file proves the folder writable, so
     an unwritable one is found here, not by a writer thread later.
     """
-    if folder.is_symlink():
-        raise OutputError(
-            f"{role}: {folder} is a link to {os.path.realpath(folder)}; a run writes only inside its own folder: "
-            "remove the link",
-            location_failure=False,
-        )
+    _refuse_link(folder, role)
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"{role}: {folder} is a file, not a folder; move it away", location_failure=False)
     try:
@@ -316,6 +318,15 @@ def side_output_folder(folder: Path, role: str) -> Path:
     except OSError as error:
         raise _output_error(folder, role, error) from error
     return folder
+
+
+def _refuse_link(path: Path, role: str) -> None:
+    if path.is_symlink():
+        raise OutputError(
+            f"{role}: {path} is a link to {os.path.realpath(path)}; a run writes only inside its own folder: "
+            "remove the link",
+            location_failure=False,
+        )
 
 
 def _output_error(path: Path, role: str | None, error: OSError) -> OutputError:

@@ -54,7 +54,7 @@ def test_augmentation_is_off_by_default(data_root: Path) -> None:
 
 
 def test_augmented_items_keep_shape_dtype_range_and_classes(data_root: Path) -> None:
-    plain, augmented = dataset(data_root), dataset(data_root, augment=True)
+    plain, augmented = dataset(data_root), dataset(data_root).with_augmentation(0)
     changed = 0
     for index in range(N_IMAGES):
         item, reference = augmented[index], plain[index]
@@ -67,9 +67,9 @@ def test_augmented_items_keep_shape_dtype_range_and_classes(data_root: Path) -> 
 
 
 def test_same_seed_epoch_index_gives_the_same_sample(data_root: Path) -> None:
-    first = dataset(data_root, augment=True, seed=7)
-    second = dataset(data_root, augment=True, seed=7)
-    other_seed = dataset(data_root, augment=True, seed=8)
+    first = dataset(data_root).with_augmentation(7)
+    second = dataset(data_root).with_augmentation(7)
+    other_seed = dataset(data_root).with_augmentation(8)
     a, b = first[3], second[3]
     assert torch.equal(a["image"], b["image"]) and torch.equal(a["mask"], b["mask"])
     assert not torch.equal(a["image"], other_seed[3]["image"])
@@ -81,7 +81,7 @@ def test_same_seed_epoch_index_gives_the_same_sample(data_root: Path) -> None:
 
 
 def test_samples_do_not_depend_on_workers_order_or_subset(data_root: Path) -> None:
-    augmented = dataset(data_root, augment=True, seed=3)
+    augmented = dataset(data_root).with_augmentation(3)
     augmented.set_epoch(2)
     images, masks = all_items(DataLoader(augmented, batch_size=4, num_workers=0))
     images_2w, masks_2w = all_items(DataLoader(augmented, batch_size=4, num_workers=2))
@@ -96,7 +96,7 @@ def test_samples_do_not_depend_on_workers_order_or_subset(data_root: Path) -> No
 
 
 def test_augmentation_leaves_the_callers_random_state_alone(data_root: Path) -> None:
-    augmented = dataset(data_root, augment=True)
+    augmented = dataset(data_root).with_augmentation(0)
     torch.manual_seed(1234)
     state = torch.get_rng_state()
     augmented[0]

@@ -52,7 +52,7 @@ def test_clean_data_passes_and_the_second_check_reads_the_mask_cache(
     report = check_dataset(
         CheckSettings(root / "imgs", root / "masks", classes=1, workers=1, cache_dir=tmp_path / "cache")
     )
-    assert report.trainable and report.mask_values == [0, 1]
+    assert report.passes(strict=True) and report.mask_values == [0, 1]
     assert sum(share for _, share in report.class_shares) == pytest.approx(1.0)
     assert 0 < report.class_shares[1][1] < 0.6
 
@@ -87,9 +87,36 @@ def test_too_many_mask_values_for_classes(tmp_path: Path, capsys: pytest.Capture
     mask.save(root / "masks" / f"{ids[0]}_mask.gif")
     code, lines = run_check(root, tmp_path, "--classes", "1", capsys=capsys)
     assert code == 1
-    assert any(line.startswith("problem: mask values: 3 distinct mask values but --classes 1") for line in lines)
+    # The dataset's own message (utils.datasets.mask_values.class_value_findings): training would stop on it.
+    assert any(
+        line.startswith("problem: mask values: the masks in ")
+        and "contain 3 distinct values (0, 1, 2) but n_classes=1 allows at most 2" in line
+        for line in lines
+    ), lines
     code, lines = run_check(root, tmp_path, "--classes", "1", "--ignore-value", "2", capsys=capsys)
     assert code == 0 and any(line.startswith("void (--ignore-value): ") for line in lines)
+
+
+def test_void_values_on_colour_masks_and_jpeg_masks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As the dataset: --ignore-value needs single-channel masks (the check used to say OK), JPEG masks warn."""
+    root = tmp_path / "data"
+    ids = make_cars(root, cars=2, views=2)
+    for image_id in ids:
+        mask = root / "masks" / f"{image_id}_mask.gif"
+        Image.open(mask).convert("RGB").save(mask.with_suffix(".png"))
+        mask.unlink()
+    code, lines = run_check(root, tmp_path, "--ignore-value", "255", capsys=capsys)
+    assert code == 1 and not any(line.startswith("OK") for line in lines)
+    assert any(
+        line.startswith("problem: mask values: --ignore-value 255 needs single-channel masks") for line in lines
+    ), lines
+    assert run_check(root, tmp_path, capsys=capsys)[0] == 0
+    for image_id in ids:
+        mask = root / "masks" / f"{image_id}_mask.png"
+        Image.open(mask).convert("L").save(mask.with_suffix(".jpg"), quality=100)
+        mask.unlink()
+    code, lines = run_check(root, tmp_path, "--strict", capsys=capsys)
+    assert code == 1 and any(line.startswith("problem: JPEG masks: 4 mask(s) in ") for line in lines), lines
 
 
 def test_duplicates_and_the_ones_that_cross_the_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

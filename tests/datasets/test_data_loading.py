@@ -361,6 +361,16 @@ def test_mixed_colour_and_grey_masks(tmp_path: Path, cache_dir: Path) -> None:
         build(images_dir, masks_dir, cache_dir)
 
 
+def test_void_values_need_single_channel_masks(tmp_path: Path, cache_dir: Path) -> None:
+    colour = np.stack([index_mask(0, [0, 255])] * 3, axis=-1)
+    images_dir, masks_dir = write_dataset(tmp_path, {"a": colour})
+    with pytest.raises(
+        DatasetError, match=r"--ignore-value 255 needs single-channel masks, but the masks in .* colour"
+    ):
+        build(images_dir, masks_dir, cache_dir, ignore_values=[255])
+    assert build(images_dir, masks_dir, cache_dir).mask_values == [[0, 0, 0], [255, 255, 255]]
+
+
 @pytest.mark.parametrize(("n_classes", "allowed"), [(1, 2), (2, 2), (3, 3)])
 def test_more_mask_values_than_classes(tmp_path: Path, cache_dir: Path, n_classes: int, allowed: int) -> None:
     values = list(range(0, 40 * (allowed + 1), 40))
@@ -379,8 +389,7 @@ def test_fewer_values_than_classes_warns_that_classes_shift(tmp_path: Path, cach
     caplog.set_level(logging.WARNING)
     assert build(images_dir, masks_dir, cache_dir, n_classes=4).mask_values == [0, 3]
     assert (
-        "contain 2 distinct values ([0, 3]) but n_classes=4" in caplog.text
-        and "classes 2..3 never occur" in caplog.text
+        "contain 2 distinct values (0, 3) but n_classes=4" in caplog.text and "classes 2..3 never occur" in caplog.text
     )
 
 

@@ -224,12 +224,45 @@ def test_the_step_freezes_the_encoder_for_the_epochs_counted_from_start_from() -
     assert step([]).freeze_encoder_before_epoch == 0 and step([]).precision == "bf16"
 
 
-def test_every_flag_has_one_of_the_three_resume_rules() -> None:
+def test_a_resume_applies_every_flags_rule(caplog: pytest.LogCaptureFixture) -> None:
+    """The table walked: each flag in turn recorded with another value than this command's, through the resume's check
+    (must match: refused naming the flag and --load; may change: said in one line, old -> new; new plan: silent)."""
+    import types
+
     from utils.flags import flag_fields
     from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN
+    from utils.training.setup import check_resume_flags
 
-    rules = {item.flag.resume for item in flag_fields(TrainConfig)}
-    assert rules == {MUST_MATCH, MAY_CHANGE, NEW_PLAN}, "a flag's resume= is none of the three rules"
+    config = parse_config([])
+    for item in flag_fields(TrainConfig):
+        flag, rule = item.flag.name, item.flag.resume
+        state = types.SimpleNamespace(run_args={**config.as_dict(), item.dest: "recorded"})
+        caplog.clear()
+        if rule == MUST_MATCH:
+            with pytest.raises(ConfigError, match=rf"with {flag} recorded but this run asks for .*--load last\.pth"):
+                check_resume_flags(config, state, "last.pth")  # type: ignore[arg-type]
+            continue
+        with caplog.at_level("INFO", logger="utils.training.setup"):
+            check_resume_flags(config, state, "last.pth")  # type: ignore[arg-type]
+        said = [r.getMessage() for r in caplog.records if "The resumed run changes" in r.getMessage()]
+        if rule == MAY_CHANGE:
+            line = f"The resumed run changes 1 flag: {flag} recorded -> "
+            assert len(said) == 1 and said[0].startswith(line), (flag, said)
+        else:
+            assert rule == NEW_PLAN and said == [], f"{flag}: resume={rule!r}, said {said}"
+
+
+def test_reliability_md_lists_the_must_match_flags_of_the_table() -> None:
+    import re
+
+    from tests.conftest import REPO_ROOT
+    from utils.flags import flag_fields
+    from utils.training.config import MUST_MATCH
+
+    text = (REPO_ROOT / "docs" / "RELIABILITY.md").read_text()
+    bullet = text[text.index("- **must match**") : text.index("- **may change**")]
+    listed = set(re.findall(r"`(--[a-z_-]+)", bullet)) - {"--load"}  # --load FILE: the way out, named in the bullet
+    assert listed == {item.flag.name for item in flag_fields(TrainConfig) if item.flag.resume == MUST_MATCH}
 
 
 def test_the_resume_rules_of_the_objective_averages_and_plan() -> None:

@@ -26,18 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from PIL import Image
-
 from utils.datasets.image_files import (
     ARRAY_EXTENSIONS,
     UNREADABLE_FILE_ERRORS,
     Finding,
     MaskPair,
     exif_orientation,
+    format_examples,
+    open_pil,
     pair_folders,
     pool_map,
 )
-from utils.datasets.mask_values import class_totals, scan_masks
+from utils.datasets.mask_values import class_totals, class_value_findings, scan_masks
 from utils.datasets.splits import (
     SPLIT_BY_PREFIX,
     SPLIT_RULES,
@@ -85,35 +85,32 @@ class CheckSettings:
     strict: bool = flag(False, "--strict")
     """count warnings (duplicates, EXIF) as problems"""
 
-    @property
     def split(self) -> SplitRule | None:
-        """With --split-by: the split whose train/validation line duplicates must not cross."""
-        return None if self.split_by is None else SplitRule.of_flags(self)
-
-    def validate(self) -> None:
-        """The rules between flags (each value's range is its flag's, checked by ``parse_flags``; ``check_dataset``
-        trusts its settings)."""
-        if self.split_by is not None:
-            check_split_flags(self.split_by, self.group_pattern, self.folds, self.fold)
+        """With --split-by: the split whose train/validation line duplicates must not cross, its flags checked
+        together (each value's range is its flag's, checked by ``parse_flags``)."""
+        if self.split_by is None:
+            return None
+        check_split_flags(self.split_by, self.group_pattern, self.folds, self.fold)
+        return SplitRule.of_flags(self)
 
 
 @dataclass
 class CheckReport:
     """Everything the check found; ``problems`` stop training, ``warnings`` do not."""
 
-    n_images: int = 0
-    n_pairs: int = 0
-    problems: list[Finding] = field(default_factory=list)
-    warnings: list[Finding] = field(default_factory=list)
+    n_images: int
+    n_pairs: int
+    problems: list[Finding]
+    warnings: list[Finding]
     mask_values: list = field(default_factory=list)
     class_shares: list[tuple[object, float]] = field(default_factory=list)
     """``(mask value, share of the non-void pixels)`` per class, in class order."""
     void_share: float = 0.0
     seconds: float = 0.0
 
-    @property
-    def trainable(self) -> bool:
-        return not self.problems
+    def passes(self, strict: bool) -> bool:
+        """Whether training would start on this data (and, ``strict``, nothing was found even to warn about)."""
+        return not self.problems and not (strict and self.warnings)
 
 
 class _PhotoFacts(NamedTuple):
@@ -125,15 +122,14 @@ class _PhotoFacts(NamedTuple):
 
 
 def check_dataset(settings: CheckSettings) -> CheckReport:
-    """Read the folders once and report every problem found; a DatasetError or ConfigError only when a folder cannot
-    be listed, holds no images or masks, or is both (``image_files.pair_folders``, the dataset's own pairing)."""
+    """Read the folders once and report every problem found; a DatasetError or ConfigError only when the split flags
+    are impossible together, or a folder cannot be listed, holds no images or masks, or is both
+    (``image_files.pair_folders``, the dataset's own pairing)."""
     started = time.perf_counter()
-    report = CheckReport()
+    split = settings.split()  # before any file is read
     pairing = pair_folders(settings.imgs, settings.masks, None)
     images = pairing.images
-    report.n_images, report.n_pairs = len(images), len(pairing.pairs)
-    report.problems += pairing.problems
-    report.warnings += pairing.warnings
+    report = CheckReport(len(images), len(pairing.pairs), pairing.problems, pairing.warnings)
     pairs = [pair for pair in pairing.pairs if pair.image.size and pair.mask.size]
     if pairs:  # the values of the usable pairs, whatever else is wrong: one run reports every kind of problem
         _report_mask_values(report, pairs, settings)
@@ -143,7 +139,7 @@ def check_dataset(settings: CheckSettings) -> CheckReport:
         what = f"{len(rotated)} photo(s) carry an EXIF orientation: training turns them upright, as viewers show them"
         fix = "check their masks were drawn on the upright photos (a quarter turn shows as a size mismatch)"
         report.warnings.append(Finding("EXIF rotation", what, tuple(rotated), fix))
-    _report_duplicates(report, facts, sorted(images), settings.split)
+    _report_duplicates(report, facts, sorted(images), split)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -154,35 +150,23 @@ def _inspect_photo(pair: MaskPair) -> _PhotoFacts:
         digest = hashlib.sha256(Path(pair.image.path).read_bytes()).hexdigest()
         if pair.image.ext in ARRAY_EXTENSIONS:
             return _PhotoFacts(pair.name, digest, None)
-        with Image.open(pair.image.path) as img:  # the bytes are in the page cache now
+        with open_pil(pair.image.path, any_size=True) as img:  # the bytes are in the page cache now; a header only
             return _PhotoFacts(pair.name, digest, exif_orientation(img))
     except UNREADABLE_FILE_ERRORS:
         return _PhotoFacts(pair.name, None, None)
 
 
 def _report_mask_values(report: CheckReport, pairs: list[MaskPair], settings: CheckSettings) -> None:
-    scan = scan_masks(pairs, cache_dir=settings.cache_dir, workers=settings.workers, keep_problems=True)
+    scan = scan_masks(pairs, cache_dir=settings.cache_dir, workers=settings.workers)
     report.problems += scan.problems
     report.mask_values = list(scan.mask_values)
     values, per_image, void = scan.classes(settings.ignore_values)
     totals = class_totals(per_image.values(), len(values))
     report.class_shares = [(value, pixels / max(sum(totals), 1)) for value, pixels in zip(values, totals, strict=True)]
     report.void_share = void / max(sum(totals) + void, 1)
-    if settings.classes is not None:
-        allowed = 2 if settings.classes == 1 else settings.classes
-        if len(values) > allowed:
-            report.problems.append(
-                Finding(
-                    "mask values",
-                    f"{len(values)} distinct mask values but --classes {settings.classes} allows {allowed}",
-                    tuple(map(str, values)),
-                    f"train with --classes {len(values)} if each value is a class, or pass "
-                    "the void values with --ignore-value",
-                )
-            )
-    if len(values) == 1:
-        what, fix = "1 distinct mask value in every mask", "there is nothing to learn: check --masks"
-        report.warnings.append(Finding("mask values", what, (str(values[0]),), fix))
+    problems, warnings = class_value_findings(values, pairs, settings.masks, settings.classes, settings.ignore_values)
+    report.problems += problems
+    report.warnings += warnings
 
 
 def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[str], rule: SplitRule | None) -> None:
@@ -196,7 +180,7 @@ def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[
         verb = "is an exact copy of another" if copies == 1 else "are exact copies of others"
         what = f"{count(copies, 'photo')} {verb} ({count(len(duplicates), 'group')} of identical photos)"
         fix = "delete the copies: they weigh twice in training"
-        report.warnings.append(Finding("duplicates", what, tuple(map(_copies, duplicates)), fix))
+        report.warnings.append(Finding("duplicates", what, _copies(duplicates), fix))
     if rule is None or not duplicates:
         return
     position = {image_id: index for index, image_id in enumerate(ids)}
@@ -208,7 +192,7 @@ def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[
                 "duplicates across the split",
                 f"{len(crossing)} group(s) of identical photos are both in training and in validation under "
                 f"--split-by {rule.by}",
-                tuple(map(_copies, crossing)),
+                _copies(crossing),
                 # Under --split-by prefix these copies have different prefixes: only a pattern can group them.
                 "delete the copies, or group them with "
                 + ("a --group-pattern" if rule.by == SPLIT_BY_PREFIX else "--split-by prefix / --group-pattern"),
@@ -216,13 +200,12 @@ def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[
         )
 
 
-def _copies(names: list[str], shown: int = 3) -> str:
-    """``a = b = c`` for a group of identical photos, the rest counted: a group can hold thousands."""
-    text = " = ".join(names[:shown])
-    return text if len(names) <= shown else f"{text} (+{len(names) - shown} more)"
+def _copies(groups: list[list[str]]) -> tuple[str, ...]:
+    """``a = b = c`` for each group of identical photos, the rest counted: a group can hold thousands."""
+    return tuple(format_examples(names, 3, " = ") for names in groups)
 
 
-def format_report(report: CheckReport, settings: CheckSettings, *, strict: bool = False) -> list[str]:
+def format_report(report: CheckReport, settings: CheckSettings) -> list[str]:
     """The lines the command prints: a summary, the classes' shares, then one line per warning and problem."""
     lines = [
         f"{report.n_images} images in {settings.imgs}, {report.n_pairs} with a mask in {settings.masks} "
@@ -233,9 +216,9 @@ def format_report(report: CheckReport, settings: CheckSettings, *, strict: bool 
         lines.append(f"mask values {report.mask_values}; pixels per class: {shares}")
         if settings.ignore_values:
             lines.append(f"void (--ignore-value): {100 * report.void_share:.2f}% of the pixels")
-    lines += [f"{'problem' if strict else 'warning'}: {f.kind}: {f.sentence()}" for f in report.warnings]
+    lines += [f"{'problem' if settings.strict else 'warning'}: {f.kind}: {f.sentence()}" for f in report.warnings]
     lines += [f"problem: {f.kind}: {f.sentence()}" for f in report.problems]
-    if report.trainable and not (strict and report.warnings):
+    if report.passes(settings.strict):
         lines.append("OK: training would start on this data")
     return lines
 
@@ -249,15 +232,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         settings = parse_flags(parser, CheckSettings, argv)
-        settings.validate()
         report = check_dataset(settings)
     except UserError as error:
         # The same one line as utils.cli.print_error, which would import torch (through utils.hardware) for nothing.
         print(f"Error: {user_message(error)}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    print("\n".join(format_report(report, settings, strict=settings.strict)))
-    failed = not report.trainable or (settings.strict and report.warnings)
-    return PROBLEMS_EXIT_CODE if failed else 0
+    print("\n".join(format_report(report, settings)))
+    return 0 if report.passes(settings.strict) else PROBLEMS_EXIT_CODE
 
 
 if __name__ == "__main__":

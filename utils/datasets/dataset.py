@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import logging
 import operator
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -31,18 +32,25 @@ from utils.datasets.image_files import (
     CARVANA_MASK_SUFFIX,
     UNREADABLE_FILE_ERRORS,
     FileInfo,
+    Finding,
     format_examples,
     load_image,
     mode_channels,
     pair_folders,
 )
-from utils.datasets.mask_values import MaskValues, class_totals, mask_array, scan_masks, values_to_classes
+from utils.datasets.mask_values import (
+    MaskValues,
+    class_totals,
+    class_value_findings,
+    mask_array,
+    scan_masks,
+    values_to_classes,
+)
 from utils.datasets.pixel_cache import IMAGE, MASK, PixelCache, cached
 from utils.errors import ConfigError, DatasetError
 
 logger = logging.getLogger(__name__)
 
-JPEG_EXTENSIONS = (".jpg", ".jpeg")
 _T = TypeVar("_T")
 
 
@@ -59,8 +67,6 @@ class BasicDataset(Dataset):
             detects it from the file names (as ``detect_mask_suffix``, without indexing the folders twice).
         n_classes: if given, more distinct mask values than the model can predict is an error (``1`` means binary
             with one logit, which allows two values).
-        augment: apply ``JointAugmentation``; off by default.
-        seed: augmentation seed; with ``set_epoch`` and the sample index it fixes each sample's augmentation.
         cache_dir: where the mask-value cache lives (default ``utils.datasets.mask_values.default_cache_dir()``).
         scan_workers: processes for the first mask scan (default ``min(cpu count, 8)``).
         channels: the model's input channels, 1 or 3; photos of the other kind are converted (grey to RGB or RGB to
@@ -79,8 +85,6 @@ class BasicDataset(Dataset):
         mask_suffix: str | None = "",
         *,
         n_classes: int | None = None,
-        augment: bool = False,
-        seed: int = 0,
         cache_dir: str | Path | None = None,
         scan_workers: int | None = None,
         channels: int | None = None,
@@ -104,39 +108,22 @@ class BasicDataset(Dataset):
         with _gc_paused():
             pairing = pair_folders(self.images_dir, self.mask_dir, mask_suffix)
             self.mask_suffix = pairing.mask_suffix
-            for warning in pairing.warnings:
-                logger.warning("%s", warning.sentence())
-            if pairing.problems:
-                raise DatasetError("; ".join(problem.sentence() for problem in pairing.problems))
+            _raise_problems(pairing.problems, pairing.warnings)
             images, pairs = pairing.images, pairing.pairs
-            jpeg_masks = [pair.mask.name for pair in pairs if pair.mask.ext in JPEG_EXTENSIONS]
-            if jpeg_masks:
-                logger.warning(
-                    "%d mask(s) in %s are JPEG files (e.g. %s): JPEG compression noise creates extra mask values along "
-                    "edges; save masks as PNG or GIF",
-                    len(jpeg_masks),
-                    self.mask_dir,
-                    format_examples(jpeg_masks),
-                )
-
             scan = scan_masks(pairs, cache_dir=cache_dir, workers=scan_workers)
+            _raise_problems(scan.problems, [], f"bad data in {self.mask_dir} / {self.images_dir}: ")
             self.ignore_values: list[int] = sorted(set(ignore_values))
-            if self.ignore_values and scan.mask_values and not isinstance(scan.mask_values[0], int):
-                raise ConfigError(
-                    f"--ignore-value {self.ignore_values[0]} needs single-channel masks, but the masks in "
-                    f"{self.mask_dir} are colour images; save void pixels as a grey value or drop --ignore-value"
-                )
             # Per image, pixels of each class; void pixels counted apart.
-            scan_values, self._class_counts, self.void_pixels = scan.classes(self.ignore_values)
-            _check_value_count(scan_values, n_classes, self.mask_dir, jpeg=bool(jpeg_masks))
+            self.mask_values, self._class_counts, self.void_pixels = scan.classes(self.ignore_values)
+            _raise_problems(
+                *class_value_findings(self.mask_values, pairs, self.mask_dir, n_classes, self.ignore_values)
+            )
             _check_scaled_sizes(scan.image_sizes, scale, images)
 
             self.ids: list[str] = sorted(images)
-            self.mask_values: MaskValues = scan_values
             self.channels: int = _choose_channels(scan.image_channels, channels, images, self.images_dir)
             self._files = {pair.name: (pair.image, pair.mask) for pair in pairs}
-            self._augmentation = JointAugmentation(seed) if augment else None
-            self._seed = seed
+            self._augmentation: JointAugmentation | None = None
             self._epoch = 0
             self.pixel_cache: PixelCache | None = None
             if pixel_cache_dir is not None:
@@ -166,10 +153,11 @@ class BasicDataset(Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def with_augmentation(self, seed: int | None = None) -> BasicDataset:
-        """The same files with ``JointAugmentation`` on (seed: this dataset's by default), without a second scan."""
+    def with_augmentation(self, seed: int) -> BasicDataset:
+        """The same files with ``JointAugmentation`` on, without a second scan (this dataset stays unaugmented);
+        ``seed`` with ``set_epoch`` and the sample index fixes each sample's augmentation."""
         twin = copy.copy(self)
-        twin._augmentation = JointAugmentation(self._seed if seed is None else seed)
+        twin._augmentation = JointAugmentation(seed)
         return twin
 
     def set_epoch(self, epoch: int) -> None:
@@ -187,9 +175,7 @@ class BasicDataset(Dataset):
         index = operator.index(index)
         if index < 0:
             index += len(self.ids)
-        image_info, mask_info = self._files[self.ids[index]]
-        pixels = self._image_pixels(image_info)
-        raw_mask = self._mask_pixels(mask_info)
+        image_info, mask_info, pixels, raw_mask = self._pixels(index)
         if pixels.shape[1:] != raw_mask.shape[:2]:
             raise DatasetError(
                 f"{mask_info.path} and {image_info.path} differ in size ({raw_mask.shape[1]}x{raw_mask.shape[0]} vs "
@@ -206,22 +192,18 @@ class BasicDataset(Dataset):
 
     def fill_pixel_cache(self, index: int) -> None:
         """Make sure item ``index``'s pixels are in the pixel cache (``build-cache`` runs this for every item)."""
+        self._pixels(index)
+
+    def _pixels(self, index: int) -> tuple[FileInfo, FileInfo, torch.Tensor, np.ndarray]:
+        """Item ``index``'s image and mask files, through the pixel cache: the resized image, [C, H, W] (uint8, or
+        float32 in [0, 1] for 16-bit and float images), and the resized mask's raw values (``mask_array`` sampled to
+        the network's size, before the class mapping)."""
         image_info, mask_info = self._files[self.ids[index]]
-        self._image_pixels(image_info)
-        self._mask_pixels(mask_info)
-
-    def _image_pixels(self, info: FileInfo) -> torch.Tensor:
-        """The resized image, [C, H, W]: uint8, or float32 in [0, 1] for 16-bit and float images."""
-        return cached_image(self.pixel_cache, info, lambda: _decode(info.path, self._resized_image))
-
-    def _resized_image(self, img: Image.Image) -> torch.Tensor:
-        return resized_image(img, self.scale, self.channels)
-
-    def _mask_pixels(self, info: FileInfo) -> np.ndarray:
-        """The resized mask's raw values (``mask_array`` sampled to the network's size), before the class mapping."""
-        return cached(
-            self.pixel_cache, info, MASK, lambda: _decode(info.path, lambda img: resized_mask(img, self.scale))
-        )
+        resize = functools.partial(resized_image, scale=self.scale, channels=self.channels)
+        pixels = cached_image(self.pixel_cache, image_info, lambda: _decode(image_info.path, resize))
+        resize_mask = functools.partial(resized_mask, scale=self.scale)
+        raw_mask = cached(self.pixel_cache, mask_info, MASK, lambda: _decode(mask_info.path, resize_mask))
+        return image_info, mask_info, pixels, raw_mask
 
     @staticmethod
     def preprocess(mask_values: MaskValues, pil_img: Image.Image, scale: float, is_mask: bool) -> np.ndarray:
@@ -284,47 +266,20 @@ def _choose_channels(
     return channels
 
 
-def _check_value_count(mask_values: MaskValues, n_classes: int | None, mask_dir: Path, *, jpeg: bool) -> None:
-    if len(mask_values) == 1:
-        logger.warning("Every mask in %s has the single value %s: there is nothing to learn", mask_dir, mask_values[0])
-    if n_classes is None:
-        return
-    allowed = 2 if n_classes == 1 else n_classes
-    if n_classes >= 2 and len(mask_values) < n_classes:
-        logger.warning(
-            "The masks in %s contain %d distinct values (%s) but n_classes=%d: value mask_values[k] becomes class k, "
-            "so classes %d..%d never occur in these masks",
-            mask_dir,
-            len(mask_values),
-            mask_values,
-            n_classes,
-            len(mask_values),
-            n_classes - 1,
-        )
-    if len(mask_values) <= allowed:
-        return
-    shown = ", ".join(str(v) for v in mask_values[:10]) + (", ..." if len(mask_values) > 10 else "")
-    message = (
-        f"the masks in {mask_dir} contain {len(mask_values)} distinct values ({shown}) but n_classes={n_classes} "
-        f"allows at most {allowed}; if each value is a class, the model needs --classes {len(mask_values)}"
-    )
-    if jpeg:
-        message += ", or re-save the JPEG masks as PNG/GIF (JPEG compression noise creates the extra values)"
-    raise DatasetError(message)
+def _raise_problems(problems: Sequence[Finding], warnings: Sequence[Finding], where: str = "") -> None:
+    """Log each warning; raise the problems as one DatasetError (after ``where``)."""
+    for warning in warnings:
+        logger.warning("%s", warning.sentence())
+    if problems:
+        raise DatasetError(where + "; ".join(problem.sentence() for problem in problems))
 
 
 def _check_scaled_sizes(sizes: dict[str, tuple[int, int]], scale: float, images: dict[str, FileInfo]) -> None:
-    if (
-        sizes
-        and int(scale * min(w for w, _ in sizes.values())) > 0
-        and int(scale * min(h for _, h in sizes.values())) > 0
-    ):
-        return
-    too_small = [
+    too_small = sorted(
         f"{images[name].name} ({width}x{height})"
-        for name, (width, height) in sorted(sizes.items())
+        for name, (width, height) in sizes.items()
         if int(scale * width) <= 0 or int(scale * height) <= 0
-    ]
+    )
     if too_small:
         raise DatasetError(
             f"scale {scale} shrinks {len(too_small)} image(s) to zero pixels: {format_examples(too_small)}; "

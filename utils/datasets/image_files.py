@@ -115,7 +115,7 @@ class Finding:
     fix: str
 
     def sentence(self) -> str:
-        examples = f": {format_examples(list(self.examples))}" if self.examples else ""
+        examples = f": {format_examples(self.examples)}" if self.examples else ""
         return f"{self.what}{examples}; {self.fix}"
 
 
@@ -214,7 +214,7 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
             f"{format_examples(sorted(broken_links))}; fix or remove the link(s)"
         )
     if duplicates:
-        examples = "; ".join(" and ".join(sorted(names)) for _, names in sorted(duplicates.items())[:5])
+        examples = format_examples([" and ".join(sorted(names)) for _, names in sorted(duplicates.items())])
         raise DatasetError(
             f"{len(duplicates)} {role} name(s) in {folder} exist with several extensions ({examples}); "
             "keep one file per name (delete or rename the others)"
@@ -232,7 +232,13 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
             f"no images in {images_dir} (looked for {_EXTENSION_LIST}; hidden files and sub-folders are ignored); "
             "put the images there"
         )
-    _check_two_folders(images_dir, mask_dir)
+    # In one folder every image would be paired with itself as its mask. Compared as files (samefile), so a link or
+    # a second spelling of one folder is caught.
+    if mask_dir.is_dir() and os.path.samefile(images_dir, mask_dir):
+        raise ConfigError(
+            f"the images ({images_dir}, --imgs) and the masks ({mask_dir}, --masks) are one folder; "
+            "give the masks their own folder"
+        )
     masks = index_folder(mask_dir, "mask")
     if not masks:
         raise DatasetError(f"no masks in {mask_dir} (looked for {_EXTENSION_LIST}); put one mask per image there")
@@ -265,16 +271,6 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
     return Pairing(images, pairs, mask_suffix, problems, warnings)
 
 
-def _check_two_folders(images_dir: Path, mask_dir: Path) -> None:
-    """Images and masks must live in two folders: in one, every image would be paired with itself as its mask.
-    Compared as files (``os.path.samefile``), so a link or a second spelling of one folder is caught."""
-    if images_dir.is_dir() and mask_dir.is_dir() and os.path.samefile(images_dir, mask_dir):
-        raise ConfigError(
-            f"the images ({images_dir}, --imgs) and the masks ({mask_dir}, --masks) are one folder; "
-            "give the masks their own folder"
-        )
-
-
 def _suffix_hint(image_ids: Iterable[str], mask_stems: Iterable[str], mask_suffix: str) -> str:
     """Suggest the other mask naming when it would match more images than the one in use."""
     other = "" if mask_suffix == CARVANA_MASK_SUFFIX else CARVANA_MASK_SUFFIX
@@ -305,10 +301,10 @@ def count_named(image_ids: Iterable[str], mask_stems: Iterable[str], suffix: str
     return sum(1 for name in image_ids if name + suffix in stems)
 
 
-def format_examples(items: list[str]) -> str:
-    """Join the first few names of a list for a message, counting the rest."""
-    shown = ", ".join(items[:MAX_NAMED_FILES])
-    return shown if len(items) <= MAX_NAMED_FILES else f"{shown}, ... ({len(items) - MAX_NAMED_FILES} more)"
+def format_examples(items: Sequence[object], limit: int = MAX_NAMED_FILES, separator: str = ", ") -> str:
+    """Join the first ``limit`` items of a list (names, mask values) for a message, counting the rest."""
+    shown = separator.join(map(str, items[:limit]))
+    return shown if len(items) <= limit else f"{shown}{separator}... ({len(items) - limit} more)"
 
 
 def pool_context() -> multiprocessing.context.BaseContext:
@@ -374,7 +370,7 @@ def load_image(path: str | Path, *, any_size: bool = False) -> Image.Image:
     return image
 
 
-def open_pil(path: Path, *, any_size: bool = False) -> Image.Image:
+def open_pil(path: str | Path, *, any_size: bool = False) -> Image.Image:
     """``Image.open`` with PIL's pixel limit checked here: PIL only warns between its limit and twice the limit and
     raises above; here anything above the limit is one ``DatasetError`` that names the file, the limit and the fix."""
     with _pil_limit_lock:
@@ -469,25 +465,16 @@ def _load_pt(path: Path) -> np.ndarray:
     return loaded.detach().numpy()
 
 
-def _layout(shape: tuple[int, ...], path: str | Path) -> str:
-    """Name the axis order of an array shape: ``"hw"``, ``"hwc"`` or ``"chw"`` (channels last wins a tie)."""
-    if len(shape) == 2:
-        return "hw"
-    if len(shape) == 3:
-        if shape[2] in _CHANNEL_COUNTS:
-            return "hwc"
-        if shape[0] in _CHANNEL_COUNTS:
-            return "chw"
-    raise DatasetError(
-        f"{path} holds an array of shape {tuple(shape)}; save images as HxW or HxWxC arrays with C in 1, 3 or 4"
-    )
-
-
 def _to_hwc(array: np.ndarray, path: str | Path) -> np.ndarray:
-    """Return the array as HxW or HxWxC (C in 3, 4), moving a leading channel axis to the end."""
-    layout = _layout(array.shape, path)
-    if layout == "chw":
+    """Return the array as HxW or HxWxC (C in 3, 4), moving a leading channel axis to the end (channels last wins
+    when both ends could be channels)."""
+    shape = array.shape
+    if len(shape) == 3 and shape[2] not in _CHANNEL_COUNTS and shape[0] in _CHANNEL_COUNTS:
         array = np.moveaxis(array, 0, -1)
+    elif len(shape) != 2 and not (len(shape) == 3 and shape[2] in _CHANNEL_COUNTS):
+        raise DatasetError(
+            f"{path} holds an array of shape {tuple(shape)}; save images as HxW or HxWxC arrays with C in 1, 3 or 4"
+        )
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[:, :, 0]
     return array

@@ -45,6 +45,7 @@ CACHE_FORMAT_VERSION = 5  # 5: EXIF orientation applied; inode and ctime in the 
 IGNORE_INDEX = -100
 
 MaskValues = list[int] | list[list[int]]
+JPEG_EXTENSIONS = (".jpg", ".jpeg")
 
 # A file that raises one of these cannot be used; DatasetError comes from our own checks of arrays and modes.
 UNUSABLE_FILE_ERRORS = (*UNREADABLE_FILE_ERRORS, DatasetError)
@@ -61,8 +62,8 @@ class MaskScan:
     value_counts: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     """Per image, ``(k, pixels)`` for each value ``mask_values[k]`` it contains (full-size masks, before scaling)."""
     problems: tuple[Finding, ...] = ()
-    """Unreadable files, size mismatches, mixed mask kinds (``scan_masks(keep_problems=True)`` only); the values
-    and sizes above are then those of the usable pairs."""
+    """Unreadable files, size mismatches, mixed mask kinds; the values and sizes above are then those of the usable
+    pairs (and nothing is cached)."""
 
     def classes(self, ignore_values: Sequence[int]) -> tuple[MaskValues, dict[str, dict[int, int]], int]:
         """The class values (``mask_values`` less the void ``ignore_values``; class k is the k-th), per image the
@@ -84,6 +85,40 @@ def class_totals(per_image: Iterable[dict[int, int]], n_classes: int) -> list[in
         for k, pixels in counts.items():
             totals[k] += pixels
     return totals
+
+
+def class_value_findings(
+    values: MaskValues, pairs: Sequence[MaskPair], mask_dir: Path, n_classes: int | None, ignore_values: Sequence[int]
+) -> tuple[list[Finding], list[Finding]]:
+    """The rules on a dataset's class values (``MaskScan.classes``) as ``(problems, warnings)``, which the dataset
+    raises and logs and the dataset check prints: more values than ``n_classes`` allows (1 means binary: two), void
+    values on colour masks; one value, fewer values than classes, JPEG masks (whose noise makes extra values)."""
+    problems, warnings = [], []
+    jpeg = sorted(pair.mask.name for pair in pairs if pair.mask.ext in JPEG_EXTENSIONS)
+    if jpeg:
+        fix = "JPEG compression noise creates extra mask values along edges: save masks as PNG or GIF"
+        warnings.append(Finding("JPEG masks", f"{len(jpeg)} mask(s) in {mask_dir} are JPEG files", tuple(jpeg), fix))
+    if ignore_values and values and not isinstance(values[0], int):
+        what = f"--ignore-value {ignore_values[0]} needs single-channel masks, but the masks in {mask_dir} are colour"
+        problems.append(Finding("mask values", what, (), "save void pixels as a grey value or drop --ignore-value"))
+    if len(values) == 1:
+        what = f"every mask in {mask_dir} has the single value {values[0]}"
+        warnings.append(Finding("mask values", what, (), "there is nothing to learn: check --masks"))
+    if n_classes is None:
+        return problems, warnings
+    found = f"the masks in {mask_dir} contain {len(values)} distinct values ({format_examples(values, 10)})"
+    allowed = 2 if n_classes == 1 else n_classes
+    if len(values) > allowed:
+        fix = (
+            f"if each value is a class, the model needs --classes {len(values)}, or pass void values as --ignore-value"
+        )
+        if jpeg:
+            fix += ", or re-save the JPEG masks as PNG/GIF (JPEG compression noise creates the extra values)"
+        problems.append(Finding("mask values", f"{found} but n_classes={n_classes} allows at most {allowed}", (), fix))
+    elif n_classes >= 2 and len(values) < n_classes:
+        fix = f"mask_values[k] becomes class k, so classes {len(values)}..{n_classes - 1} never occur in these masks"
+        warnings.append(Finding("mask values", f"{found} but n_classes={n_classes}", (), fix))
+    return problems, warnings
 
 
 @dataclass(frozen=True)
@@ -159,12 +194,14 @@ def values_to_classes(
         raise DatasetError("mask_values is empty; it must list the mask value of every class")
     if mask.ndim == 3:
         if not all(isinstance(v, (list, tuple)) and len(v) == 3 for v in mask_values):
-            raise DatasetError(f"a colour mask needs [r, g, b] mask values, got {_preview(mask_values)}")
+            raise DatasetError(f"a colour mask needs [r, g, b] mask values, got [{format_examples(mask_values, 10)}]")
         keys = _pack_rgb(np.asarray(mask_values, dtype=np.uint8)[None])[0].astype(np.int64)
         pixels = _pack_rgb(mask)
     else:
         if not all(isinstance(v, int | np.integer) for v in mask_values):
-            raise DatasetError(f"a single-channel mask needs integer mask values, got {_preview(mask_values)}")
+            raise DatasetError(
+                f"a single-channel mask needs integer mask values, got [{format_examples(mask_values, 10)}]"
+            )
         keys = np.asarray(mask_values, dtype=np.int64)
         pixels = mask
     # Void values join the keys with the class IGNORE_INDEX; a value both listed and ignored is a class.
@@ -190,16 +227,11 @@ def values_to_classes(
         flat = mask.reshape(-1, 3) if mask.ndim == 3 else mask.reshape(-1)
         unknown = np.unique(flat[~known.reshape(-1)], axis=0)
         raise DatasetError(
-            f"{source or 'a mask'} holds mask value(s) {_preview(unknown.tolist())} that are not among the dataset's "
-            f"mask values {_preview(list(mask_values))}: the file changed after the masks were scanned; fix it (or "
-            f"restore it) and start again"
+            f"{source or 'a mask'} holds mask value(s) [{format_examples(unknown.tolist(), 10)}] that are not among "
+            f"the dataset's mask values [{format_examples(mask_values, 10)}]: the file changed after the masks were "
+            "scanned; fix it (or restore it) and start again"
         )
     return classes
-
-
-def _preview(values: Sequence, limit: int = 10) -> str:
-    shown = ", ".join(str(v) for v in values[:limit])
-    return f"[{shown}, ... ({len(values)} in all)]" if len(values) > limit else f"[{shown}]"
 
 
 def scan_masks(
@@ -207,13 +239,12 @@ def scan_masks(
     *,
     cache_dir: str | Path | None = None,
     workers: int | None = None,
-    keep_problems: bool = False,
 ) -> MaskScan:
     """Return the masks' distinct values and the images' sizes, from the cache when the files have not changed.
 
-    Raises one ``DatasetError`` naming every unreadable file, every mask whose size differs from its image, and
-    masks that mix single-channel and colour files; with ``keep_problems`` they come back in ``problems`` instead
-    (the dataset check reports each kind on its own line). ``workers``: processes (``image_files.pool_map``).
+    Every unreadable file, every mask whose size differs from its image, and masks that mix single-channel and
+    colour files come back in ``problems`` (the dataset raises them, the check prints each kind on its own line).
+    ``workers``: processes (``image_files.pool_map``).
     """
     if not pairs:
         raise ValueError("scan_masks needs at least one image/mask pair")
@@ -226,10 +257,7 @@ def scan_masks(
     announce = "Scanning %d masks with %d processes (cached for the next start)"
     scan = _summarise(pool_map(_scan_pair, pairs, workers, announce), pairs)
     if scan.problems:
-        if keep_problems:
-            return scan
-        mask_dir, image_dir = os.path.dirname(pairs[0].mask.path), os.path.dirname(pairs[0].image.path)
-        raise DatasetError(f"bad data in {mask_dir} / {image_dir}: " + "; ".join(p.sentence() for p in scan.problems))
+        return scan
     logger.info(
         "Scanned %d masks in %.1f s; %d distinct values",
         len(pairs),

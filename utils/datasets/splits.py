@@ -24,6 +24,7 @@ import hashlib
 import json
 import random
 import re
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +71,8 @@ class SplitRecord:
 
     rule: str
     seed: int
-    validation_percent: float | None
-    """--validation; None with folds (each fold validates about 1/N of the images)."""
+    validation_percent: int | float | None
+    """--validation (a JSON number); None with folds (each fold validates about 1/N of the images)."""
     group_pattern: str | None
     folds: int
     fold: int | None
@@ -92,9 +93,8 @@ class SplitRecord:
 
 
 def check_split_flags(by: str, group_pattern: str | None, folds: int, fold: int) -> None:
-    """Reject impossible split flags up front; every message names the flag to change."""
-    if by not in SPLIT_RULES:
-        raise ConfigError(f"--split-by {by!r}: use one of {', '.join(SPLIT_RULES)}")
+    """Reject impossible split flags up front (``by`` is one of ``SPLIT_RULES``: the flag's choices); every message
+    names the flag to change."""
     if group_pattern is not None:
         if by != SPLIT_BY_PREFIX:
             raise ConfigError("--group-pattern names the groups of --split-by prefix; add --split-by prefix")
@@ -303,14 +303,12 @@ def write_split_file(path: Path, record: SplitRecord) -> None:
 
 # A split file lists ids (tens of bytes each): 64 MiB is millions of images, and bounds what a wrong path can cost.
 MAX_SPLIT_FILE_BYTES = 64 << 20
-# The fields of a split file and their types (what ``SplitRecord`` holds; None where the rule leaves one unset).
+# The fields of a split file besides its id lists and their types: ``SplitRecord``'s (None where the rule leaves one
+# unset).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "rule": (str,),
-    "seed": (int,),
-    "validation_percent": (int, float, type(None)),
-    "group_pattern": (str, type(None)),
-    "folds": (int,),
-    "fold": (int, type(None)),
+    name: typing.get_args(hint) or (hint,)
+    for name, hint in typing.get_type_hints(SplitRecord).items()
+    if name not in ("train", "validation")
 }
 
 

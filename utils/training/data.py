@@ -95,7 +95,6 @@ def build_data(config: TrainConfig) -> TrainData:
         data.scale,
         None,
         n_classes=config.model.classes,
-        seed=data.seed,
         pixel_cache_dir=config.performance.pixel_cache,
         ignore_values=tuple(data.ignore_values),
     )

@@ -164,7 +164,7 @@ def build_parts(
     if resume_path is not None:
         state = TrainingState.of(payload if payload is not None else load_checkpoint_file(resume_path), resume_path)
         logger.info("Resuming from %s", resume_path)
-        _check_resume_flags(config, state, resume_path)
+        check_resume_flags(config, state, resume_path)
     config = planned_config(config, state)
     data = build_data(config)
     plan = BatchPlan(
@@ -224,7 +224,7 @@ def build_parts(
     return parts
 
 
-def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
+def check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
     """Apply the resume rules (each flag's ``resume=``, ``utils.training.config``) to this command's flags.
 
     A ``must match`` flag that differs from the run's, set or unset alike, is refused: the optimizer restores its own
@@ -232,7 +232,7 @@ def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) ->
     flags decide which images are trained and which validate (a larger --validation would move trained images into
     the validation set), the objective's flags decide what the loss measures, --ema's decay made the average the
     checkpoint holds, and the model's arguments made its weights. A ``may change`` flag takes its new value, said in
-    one line; a ``new plan`` flag is the run's (``planned_config``). docs/RELIABILITY.md, "Resume and stop".
+    one line; a ``new plan`` flag is the run's (``planned_config``). docs/RELIABILITY.md, "What a resume takes".
 
     A flag missing from the checkpoint's record (saved before the flag existed) counts as its default, the behaviour
     that run had; a checkpoint recording no flags at all is not checked.

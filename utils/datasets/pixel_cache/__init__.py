@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import numpy as np
 
 from utils.datasets.image_files import FileInfo
 from utils.errors import ConfigError
+from utils.output_files import OutputError, replacing
 
 logger = logging.getLogger(__name__)
 
@@ -92,25 +92,14 @@ class PixelCache:
         if os.path.exists(self._marker()):
             self._writing = False  # a sibling worker already failed and warned
             return
-        tmp_name = None
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=".tmp")
-            # No fsync: a killed process cannot leave a half entry (the rename is atomic), and an entry damaged by a
-            # power cut only costs a re-decode (see read). Syncing every entry would slow the first epoch.
-            with os.fdopen(fd, "wb") as handle:
-                np.save(handle, np.ascontiguousarray(array), allow_pickle=False)
-            os.replace(tmp_name, self.entry_path(info, kind))
-            tmp_name = None
-        except OSError as err:
+            # Not durable: a killed process cannot leave a half entry (the rename is atomic), and an entry damaged by
+            # a power cut only costs a re-decode (see read). Syncing every entry would slow the first epoch.
+            with replacing(Path(self.entry_path(info, kind)), durable=False) as temporary:
+                np.save(temporary, np.ascontiguousarray(array), allow_pickle=False)  # its name ends in .npy
+        except OutputError as err:
             self._writing = False
-            self._warn_once(err)
-        finally:
-            if tmp_name is not None:
-                try:
-                    os.unlink(tmp_name)
-                except OSError:
-                    pass
+            self._warn_once(err.__cause__)
 
     def _marker(self) -> str:
         return os.path.join(self.directory, _FULL_MARKER.format(pid=self._owner_pid))
