@@ -101,7 +101,7 @@ def build_data(config: TrainConfig) -> TrainData:
     # The split is defined on the unaugmented dataset; the training subset reads the same files through an augmenting
     # twin that shares its index and scan.
     augmented = plain.with_augmentation(data.seed) if data.augment else plain
-    train_positions, val_positions = split_data(plain.ids, data)
+    train_positions, val_positions, split = split_data(plain.ids, data)
     train_set = Subset(augmented, train_positions)
     return TrainData(
         train_set=train_set,
@@ -111,12 +111,13 @@ def build_data(config: TrainConfig) -> TrainData:
         n_channels=plain.channels,
         train_class_pixels=plain.class_pixel_counts(train_set.indices),
         train_foreground=[position for position, index in enumerate(train_set.indices) if plain.has_foreground(index)],
-        split=make_record(plain.ids, SplitRule.of_flags(data), train_positions, val_positions),
+        split=split,
     )
 
 
-def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int]]:
-    """(train, validation) positions of the dataset's ids under the split flags; a ConfigError when a side is empty."""
+def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int], SplitRecord]:
+    """(train, validation) positions of the dataset's ids under the split flags, and their record (``split.json``);
+    a ConfigError when a side is empty."""
     rule = SplitRule.of_flags(config)
     train, validation = split_positions(ids, rule)
     # More folds than images (or groups) leave a fold empty, whichever --fold this run is.
@@ -145,7 +146,7 @@ def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int
                 n_groups,
                 spanning,
             )
-    return train, validation
+    return train, validation, make_record(ids, rule, train, validation)
 
 
 def default_num_workers(
