@@ -207,17 +207,17 @@ def test_help_texts_are_the_field_docstrings() -> None:
 def test_the_step_freezes_the_encoder_for_the_epochs_counted_from_start_from() -> None:
     import torch
 
+    from tests.helpers import CPU_CONTEXT
     from unet import UNet
+    from utils.training.objective import Optimization
     from utils.training.step import TrainStep
 
     model = UNet(3, 2, base_channels=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(argv: list[str]) -> TrainStep:
-        options = {"model": model, "raw_model": model, "optimizer": optimizer, "scheduler": None, "scaler": None}
-        return TrainStep(
-            parse_config(argv), precision="bf16", class_weights=None, device=torch.device("cpu"), **options
-        )
+        optimization = Optimization(optimizer, scheduler=None, scaler=None)
+        return TrainStep(parse_config(argv), optimization, model, CPU_CONTEXT, precision="bf16", class_weights=None)
 
     resnet = ["--encoder", "resnet18"]
     assert step([*resnet, "--freeze-encoder-epochs", "2", "--start_from", "4"]).freeze_encoder_before_epoch == 4 - 1 + 2
@@ -284,7 +284,9 @@ def test_a_resume_keeps_the_checkpoints_epoch_plan_for_every_component(caplog: p
 
     import torch
 
+    from tests.helpers import CPU_CONTEXT
     from unet import UNet
+    from utils.training.objective import Optimization
     from utils.training.setup import planned_config
     from utils.training.step import TrainStep
 
@@ -299,6 +301,6 @@ def test_a_resume_keeps_the_checkpoints_epoch_plan_for_every_component(caplog: p
     # The frozen epochs count from the plan's --start_from, not from the one this command gave (and which it ignores).
     model = UNet(3, 2, base_channels=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    options = {"model": model, "raw_model": model, "optimizer": optimizer, "scheduler": None, "scaler": None}
-    step = TrainStep(planned, precision="fp32", class_weights=None, device=torch.device("cpu"), **options)
+    optimization = Optimization(optimizer, scheduler=None, scaler=None)
+    step = TrainStep(planned, optimization, model, CPU_CONTEXT, precision="fp32", class_weights=None)
     assert step.freeze_encoder_before_epoch == 4 - 1 + 2
