@@ -198,7 +198,7 @@ def main(argv: list[str]) -> None:
 
     with built_trainer(argv) as trainer:
         ctx, parts = trainer.ctx, trainer.parts
-        sharded = trainer.validator.sharded
+        sharded = parts.loaders.val_sharded
         loader = parts.loaders.val
         model = parts.raw_model
         _warm_up(model, loader, ctx.device, parts.step.precision)

@@ -8,6 +8,7 @@ value below follows from the rules by hand (7 batches with --grad-accum 3 make s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import signal
@@ -35,6 +36,8 @@ from utils.training.validation import ValidationStopped, Validator
 
 class RecordingStep:
     """Stands in for ``TrainStep``: records every call; ``on_batch`` runs for each micro-batch (to send a signal)."""
+
+    precision = "fp32"
 
     def __init__(self, model: nn.Module) -> None:
         self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -102,12 +105,13 @@ class FakeDataset:
 
 @dataclass
 class ScriptedValidator:
-    """Stands in for ``Validator``: the validation after epoch k scores ``dice[k - 1]``."""
+    """Stands in for ``Validator``: the validation after epoch k (of the run's ``position``) scores ``dice[k - 1]``."""
 
     dice: tuple[float, ...]
+    position: TrainPosition
 
-    def validate(self, epoch_number: int, global_step: int) -> float:
-        return self.dice[epoch_number - 1]
+    def validate(self) -> float:
+        return self.dice[self.position.epoch - 1]
 
 
 @dataclass
@@ -161,17 +165,17 @@ def make_run(
         batch_plan=BatchPlan(n_train=n_train, batch_size=batch_size, world_size=1, grad_accum=grad_accum),
         model_args={},
         config=parse_config(["--epochs", str(epochs), "--log-every", "1000", *flags]),
+        run_folder=folder,
         position=position or TrainPosition(),
         resume_images_in_epoch=resume_images,
     )
     interrupts = InterruptFlag()  # never installed: the tests set its signal as the handler would
-    run_log = RunLog(parts.config, CPU_CONTEXT, folder, parts.batch_plan, resumed_step=None)
+    run_log = RunLog(CPU_CONTEXT, parts)
     trainer = Trainer(
         CPU_CONTEXT,
         parts,
-        run_folder=folder,
         run_log=run_log,
-        validator=ScriptedValidator(dice),  # type: ignore[arg-type]
+        validator=ScriptedValidator(dice, parts.position),  # type: ignore[arg-type]
         interrupts=interrupts,
     )
     return Run(trainer, step, interrupts, record_saves(), folder)
@@ -347,20 +351,16 @@ class ImagesOfOnes:
 def test_a_signal_before_the_first_validation_batch_is_a_stop_not_an_empty_validation_set(
     tmp_path: Path, signalled: bool
 ) -> None:
-    config = parse_config(["--epochs", "1"])
-    interrupts = InterruptFlag()  # never installed: the test sets its signal as the handler would
-    plan = BatchPlan(n_train=2, batch_size=1, world_size=1, grad_accum=1)
-    run_log = RunLog(config, CPU_CONTEXT, RunFolder(tmp_path / "run"), plan, resumed_step=None)
+    run = make_run(tmp_path, n_train=2)  # its interrupt flag is never installed: the test sets its signal
     model = nn.Conv2d(1, 2, kernel_size=1)
-    loader = DataLoader(ImagesOfOnes(), batch_size=1)
-    validator = Validator(
-        CPU_CONTEXT, model, loader, sharded=False, n_classes=2, precision="fp32", interrupts=interrupts, run_log=run_log
-    )
+    loaders = dataclasses.replace(run.trainer.parts.loaders, val=DataLoader(ImagesOfOnes(), batch_size=1))
+    parts = dataclasses.replace(run.trainer.parts, raw_model=model, loaders=loaders)
+    validator = Validator(CPU_CONTEXT, parts, interrupts=run.interrupts, run_log=RunLog(CPU_CONTEXT, parts))
     if not signalled:
         # The control: the same validation without a signal scores both images.
-        assert 0.0 <= validator.validate(1, global_step=1) <= 1.0
+        assert 0.0 <= validator.validate() <= 1.0
         return
-    interrupts.signum = signal.SIGTERM  # as the handler records it, before validation's first batch
+    run.interrupts.signum = signal.SIGTERM  # as the handler records it, before validation's first batch
     with pytest.raises(ValidationStopped) as stopped:
-        validator.validate(1, global_step=1)
+        validator.validate()
     assert stopped.value.signum == signal.SIGTERM

@@ -32,7 +32,6 @@ import torch
 
 from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
 from utils.checkpoint.format import KEY_ARGS, KEY_MODEL_ARGS, InferenceRecord, LoadedWeights, all_finite
-from utils.checkpoint.run_folder import RunFolder
 from utils.checkpoint.state import WEIGHTS_ONLY_KEYS, TrainingState, dataset_record, restore_rng_state
 from utils.errors import UserError, count
 from utils.launch.process_group import DistributedContext, agree_on_errors, raised_on_every_rank
@@ -97,7 +96,7 @@ def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, 
 class Checkpointer:
     """When and which checkpoint files a run writes (see the module docstring), from the checkpoint flags.
 
-    ``config`` is the checkpoint section of the flags, handed whole; ``parts`` what a save reads of the run (the
+    ``parts`` is what a save reads of the run (the checkpoint section of its flags, its folder and position, the
     unwrapped model and its arguments, the optimizer step, the scheduler, the average, the data and the flags);
     ``skipped_steps`` reports the run of skipped optimizer steps up to now (0: the latest was applied), ``phase``
     times a write (``RunLog.phase``).
@@ -105,17 +104,15 @@ class Checkpointer:
 
     def __init__(
         self,
-        config: CheckpointSection,
         ctx: DistributedContext,
-        folder: RunFolder,
         parts: TrainParts,
         *,
         skipped_steps: Callable[[], int],
         phase: Callable[[str], AbstractContextManager[None]],
     ) -> None:
-        self.config = config
+        self.config = config = parts.config.checkpoint
         self.ctx = ctx
-        self.folder = folder
+        self.folder = parts.run_folder
         self.parts = parts
         self.position = parts.position
         self._skipped_steps = skipped_steps
@@ -243,7 +240,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------------ size
 
-    def log_budget(self, last_epoch: int) -> None:
+    def log_budget(self) -> None:
         """One line before training: how much disk the files of this run take at most, so a full disk is foreseen.
 
         Full-state files (last.pth, INTERRUPTED.pth, the kept epoch files) hold the weights plus the optimizer's
@@ -252,7 +249,7 @@ class Checkpointer:
         """
         if not self.ctx.is_main:
             return
-        epochs = range(self.position.epoch + 1, last_epoch + 1)  # the epochs this run trains
+        epochs = range(self.position.epoch + 1, self.parts.config.epoch_range()[1] + 1)  # the epochs this run trains
         budget = checkpoint_budget(self.parts.raw_model, self.parts.step.optimizer, self.config, epochs)
         logger.info(
             "Checkpoints: a full-state file (last.pth, INTERRUPTED.pth, checkpoint_epoch{N}.pth) is about %s, best.pth "

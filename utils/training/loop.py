@@ -57,11 +57,16 @@ class TrainParts:
     model_args: dict[str, Any]
     config: TrainConfig
     """The run's flags (a resumed run's with its checkpoint's epoch plan)."""
+    run_folder: RunFolder
+    """Where the run's files go (locked on global rank 0, which chose it)."""
     position: TrainPosition
+    """Where the run stands: the loop moves it on; the log, the validation and the checkpoints read it."""
     resume_images_in_epoch: int
     """Global images of epoch ``position.epoch`` already trained by the run this one resumes."""
     ema: WeightAverage | None = None
     """--ema: the average of the weights, updated after every applied step; it validates and is saved as the model."""
+    resumed: bool = False
+    """Whether ``position`` is a resumed checkpoint's (TensorBoard's step axis goes on from it)."""
 
     @property
     def run_args(self) -> dict[str, Any]:
@@ -96,7 +101,6 @@ class Trainer:
         ctx: DistributedContext,
         parts: TrainParts,
         *,
-        run_folder: RunFolder,
         run_log: RunLog,
         validator: Validator,
         interrupts: InterruptFlag,
@@ -106,22 +110,20 @@ class Trainer:
         self.parts = parts
         self.step = parts.step
         self.last_epoch = config.epoch_range()[1]
-        self.run_folder = run_folder
+        self.run_folder = parts.run_folder
         self.run_log = run_log
         self.validator = validator
         self.position = parts.position
         self._stop = StopAgreement(ctx, interrupts)
-        self.checkpointer = Checkpointer(
-            config.checkpoint, ctx, run_folder, parts, skipped_steps=self._check_skipped_steps, phase=run_log.phase
-        )
+        self.checkpointer = Checkpointer(ctx, parts, skipped_steps=self._check_skipped_steps, phase=run_log.phase)
 
     # ---------------------------------------------------------------------------------------------------- public
 
     def train(self) -> TrainOutcome:
         outcome = None
         self.parts.raw_model.train()
-        with self.run_log.start(self.position.global_step):
-            self.checkpointer.log_budget(self.last_epoch)
+        with self.run_log.start():
+            self.checkpointer.log_budget()
             try:
                 while outcome is None and self.position.epoch < self.last_epoch:
                     if self._max_steps_reached():
@@ -178,7 +180,7 @@ class Trainer:
                     self.parts.ema.update()
                 self.position.global_step += 1
                 self.position.step_in_epoch = index + 1
-                outcome = self._after_step(epoch)
+                outcome = self._after_step()
                 if outcome is not None:
                     return outcome
         return None
@@ -209,7 +211,7 @@ class Trainer:
         self.run_log.add_losses(self.step.take_losses())
         if self._should_validate(epoch_number):
             try:
-                dice = self.validator.validate(epoch_number, self.position.global_step)
+                dice = self.validator.validate()
             except ValidationStopped as stop:
                 # Saved as "every batch trained, not validated": the resumed run repeats the validation.
                 self.position.epoch, self.position.step_in_epoch = epoch, trained_steps
@@ -222,7 +224,7 @@ class Trainer:
             improved = dice > self.position.best_dice
             if improved:
                 self.position.best_dice, self.position.best_epoch = dice, epoch_number
-        self.run_log.epoch_line(epoch_number=epoch_number, global_step=self.position.global_step)
+        self.run_log.epoch_line()
         self.checkpointer.save_epoch(epoch_number, dice, improved=improved)
         stale = self.position.validations_without_improvement
         if early_stop.should_stop(self.config.optimisation, stale) and epoch_number < self.last_epoch:
@@ -235,14 +237,13 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------- steps
 
-    def _after_step(self, epoch: int) -> TrainOutcome | None:
+    def _after_step(self) -> TrainOutcome | None:
         """Logging, step checkpoints, and the stop decisions due at this optimizer-step boundary."""
-        step = self.position.global_step
-        if step % self.config.logging.log_every == 0:
+        if self.position.global_step % self.config.logging.log_every == 0:
             # The only host synchronisation of the loop: one small all-reduce and read every --log-every steps.
             self.run_log.add_losses(self.step.take_losses())
             self._check_skipped_steps()
-            self.run_log.log_train(epoch=epoch, position=self.position, lr=self.step.optimizer.param_groups[0]["lr"])
+            self.run_log.log_train()
         self.checkpointer.save_if_due()
         signum = self._stop.poll(save_due=self.checkpointer.timed_save_due())
         if self._stop.save_agreed and not signum:

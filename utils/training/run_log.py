@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from tqdm import tqdm
@@ -42,7 +42,9 @@ from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
 from utils.training.config import TrainConfig
 from utils.training.curves import write_curves_if_possible
-from utils.training.sampler import BatchPlan
+
+if TYPE_CHECKING:
+    from utils.training.loop import TrainParts
 
 logger = logging.getLogger(__name__)
 
@@ -81,29 +83,19 @@ def start_phrase(epochs: tuple[int, int], resumed: TrainPosition | None) -> str:
 
 
 class RunLog:
-    """The run's progress, metrics and curves (``config``: the logging flags, read whole).
+    """The run's progress, metrics and curves, of ``parts``: its flags (the logging section, and the epoch plan: a
+    resumed run's is its checkpoint's), folder, batch plan, and position, which every record reports."""
 
-    ``config`` holds the run's epoch plan (a resumed run's is its checkpoint's); ``resumed_step``: the global step a
-    resumed run continues from (None for a new run), where TensorBoard's step axis goes on.
-    """
-
-    def __init__(
-        self,
-        config: TrainConfig,
-        ctx: DistributedContext,
-        run_folder: RunFolder,
-        plan: BatchPlan,
-        *,
-        resumed_step: int | None,
-    ) -> None:
+    def __init__(self, ctx: DistributedContext, parts: TrainParts) -> None:
+        config = parts.config
         self.ctx = ctx
+        self.parts = parts
         self.enabled = ctx.is_main
-        self.run_folder = run_folder
+        self.run_folder = run_folder = parts.run_folder
         self.bars = bars_wanted(is_main=ctx.is_main, no_progress=config.logging.no_progress)
         self._log_lines = ctx.is_main and not self.bars
-        self._plan = plan
+        self._plan = parts.batch_plan
         self._last_epoch = config.epoch_range()[1]
-        self._max_steps = config.optimisation.max_steps
         # Losses summed over ranks as [sum, count]: since the last train line (a window may span an epoch's end), and
         # of this epoch (for the epoch line's mean).
         self._window, self._epoch = [0.0, 0.0], [0.0, 0.0]
@@ -119,18 +111,18 @@ class RunLog:
         # A torn last line (a crash mid-write) is dropped first, so it cannot swallow the next record.
         self._metrics_file = open_for_append(run_folder.metrics)
         if config.logging.tensorboard:
-            self._tensorboard = _start_tensorboard(run_folder, resumed_step)
+            self._tensorboard = _start_tensorboard(run_folder, parts.position.global_step if parts.resumed else None)
         if config.logging.wandb != "disabled":
             self._wandb_run = _start_wandb(run_folder, config)
 
     # ------------------------------------------------------------------------------------------------ training
 
-    def start(self, global_step: int) -> contextlib.AbstractContextManager:
+    def start(self) -> contextlib.AbstractContextManager:
         """Begin the loop's clocks (the ETA counts this process's steps only: a resume's start-up is not one); the
         context writes log lines above the progress bars instead of gluing them onto them."""
         self._started = self._last_train_line = time.perf_counter()
-        self._start_step = global_step
-        self._images_seen = self._images_at_last_line = global_step * self._plan.images_per_step
+        self._start_step = step = self.parts.position.global_step
+        self._images_seen = self._images_at_last_line = step * self._plan.images_per_step
         self._write_phase("loop_start", 0.0)  # a moment, not a span: the benchmark's epoch section ends start-up here
         return logging_redirect_tqdm()
 
@@ -164,11 +156,13 @@ class RunLog:
         self._window = [total + value for total, value in zip(self._window, window, strict=True)]
         self._epoch = [total + value for total, value in zip(self._epoch, window, strict=True)]
 
-    def log_train(self, *, epoch: int, position: TrainPosition, lr: float) -> None:
+    def log_train(self) -> None:
         """The train line of the window since the previous one (bar, log line, metrics.jsonl, TensorBoard, wandb)."""
         (loss_sum, count), self._window = self._window, [0.0, 0.0]
         loss = loss_sum / count if count else float("nan")
-        now, step = time.perf_counter(), position.global_step
+        lr = self.parts.step.optimizer.param_groups[0]["lr"]
+        position = self.parts.position
+        now, step, epoch = time.perf_counter(), position.global_step, position.epoch
         images_per_s = (self._images_seen - self._images_at_last_line) / max(now - self._last_train_line, 1e-9)
         self._last_train_line, self._images_at_last_line = now, self._images_seen
         self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
@@ -206,11 +200,11 @@ class RunLog:
         seconds_per_step = (time.perf_counter() - self._started) / (global_step - self._start_step)
         steps_per_epoch = self._plan.steps_per_epoch
         remaining = (self._last_epoch - epoch - 1) * steps_per_epoch + steps_per_epoch - step_in_epoch
-        if self._max_steps:
-            remaining = min(remaining, self._max_steps - global_step)
+        if max_steps := self.parts.config.optimisation.max_steps:
+            remaining = min(remaining, max_steps - global_step)
         return format_duration(max(remaining, 0) * seconds_per_step)
 
-    def epoch_line(self, *, epoch_number: int, global_step: int) -> None:
+    def epoch_line(self) -> None:
         """Log the epoch's mean training loss and its validation (Dice, IoU) if it validated; resets both."""
         (total, count), self._epoch = self._epoch, [0.0, 0.0]
         validation, self._last_validation = self._last_validation, None
@@ -218,9 +212,10 @@ class RunLog:
             return
         mean = f"{total / count:.4f}" if count else "n/a"
         scores = f"; validation Dice {validation[0]:.4f}, IoU {validation[1]:.4f}" if validation else ""
+        position = self.parts.position
         logger.info(
-            "epoch %d/%d done (step %d): mean training loss %s%s", epoch_number, self._last_epoch, global_step, mean,
-            scores,
+            "epoch %d/%d done (step %d): mean training loss %s%s", position.epoch, self._last_epoch,
+            position.global_step, mean, scores,
         )  # fmt: skip
 
     # ---------------------------------------------------------------------------------------------- validation
@@ -228,8 +223,10 @@ class RunLog:
     def wants_samples(self) -> bool:
         return self._wandb_run is not None or self._tensorboard is not None
 
-    def log_val(self, *, epoch: int, global_step: int, result: EvalResult, samples: dict[str, Any] | None) -> None:
-        """``samples``: optional ``image``/``true``/``pred`` tensors (+ ``histograms`` for wandb) of a few images."""
+    def log_val(self, result: EvalResult, samples: dict[str, Any] | None) -> None:
+        """The validation at the position's epoch end; ``samples``: optional ``image``/``true``/``pred`` tensors (+
+        ``histograms`` for wandb) of a few images."""
+        epoch, global_step = self.parts.position.epoch, self.parts.position.global_step
         self._last_validation = (result.dice, result.iou)
         if result.dice == 0 and not self._scored_any_foreground:
             self._scored_any_foreground = True  # said once: the next zeros need no repeat

@@ -23,7 +23,7 @@ import torch
 
 from utils.checkpoint.checkpointer import restore
 from utils.checkpoint.files import load_checkpoint_file
-from utils.checkpoint.run_folder import RunFolder, RunSeries, agree_on_run, series_name
+from utils.checkpoint.run_folder import RunChoice, RunSeries, agree_on_run, series_name
 from utils.checkpoint.state import TrainingState, TrainPosition
 from utils.datasets.splits import write_split_file
 from utils.errors import ConfigError, count
@@ -61,27 +61,15 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
     folder, data = config.checkpoint, config.data
     series = RunSeries(folder.checkpoint_dir, series_name(folder.exp_name, data.fold if data.folds else None))
     choice = agree_on_run(ctx, folder.resume, series)
-    run_folder = choice.folder
     try:
         configure_reproducibility(data.seed, deterministic=config.optimisation.deterministic)
-        parts = agree_on_errors(
-            ctx, lambda: build_parts(config, ctx, choice.resume_path, choice.payload, run_folder=run_folder)
-        )
-        run_log = agree_on_errors(ctx, lambda: _open_run_log(ctx, run_folder, parts, choice.resume_path))
+        parts = agree_on_errors(ctx, lambda: build_parts(config, ctx, choice))
+        run_log = agree_on_errors(ctx, lambda: _open_run_log(ctx, parts))
     except BaseException:
-        run_folder.unlock()
+        choice.folder.unlock()
         raise
-    validator = Validator(
-        ctx,
-        parts.evaluated_model,
-        parts.loaders.val,
-        sharded=parts.loaders.val_sharded,
-        n_classes=parts.config.model.classes,
-        precision=parts.step.precision,
-        interrupts=interrupts,
-        run_log=run_log,
-    )
-    return Trainer(ctx, parts, run_folder=run_folder, run_log=run_log, validator=validator, interrupts=interrupts)
+    validator = Validator(ctx, parts, interrupts=interrupts, run_log=run_log)
+    return Trainer(ctx, parts, run_log=run_log, validator=validator, interrupts=interrupts)
 
 
 # ------------------------------------------------------------------------------------------------ epoch plan
@@ -117,19 +105,18 @@ def planned_config(config: TrainConfig, state: TrainingState | None) -> TrainCon
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def _open_run_log(ctx: DistributedContext, run_folder: RunFolder, parts: TrainParts, resume_path: str | None) -> RunLog:
+def _open_run_log(ctx: DistributedContext, parts: TrainParts) -> RunLog:
     """The run's log, after its changed settings are said and its resolved flags (those its checkpoints store, a
     resumed run's with its checkpoint's epoch plan) are written to config.yaml."""
     settings = parts.config.settings_block()
     logger.info("%s", settings)
     try:
         if ctx.is_main:
-            write_config_file(run_folder.config_file, parts.run_args, settings)
-        resumed_step = parts.position.global_step if resume_path is not None else None
-        return RunLog(parts.config, ctx, run_folder, parts.batch_plan, resumed_step=resumed_step)
+            write_config_file(parts.run_folder.config_file, parts.run_args, settings)
+        return RunLog(ctx, parts)
     except OSError as error:
         raise ConfigError(
-            f"cannot write to the run folder {run_folder}: {error.strerror or error}; choose a writable "
+            f"cannot write to the run folder {parts.run_folder}: {error.strerror or error}; choose a writable "
             f"--checkpoint-dir"
         ) from error
 
@@ -147,22 +134,17 @@ def configure_reproducibility(seed: int, *, deterministic: bool) -> None:
     torch.backends.cudnn.benchmark = not deterministic
 
 
-def build_parts(
-    config: TrainConfig,
-    ctx: DistributedContext,
-    resume_path: str | None,
-    payload: dict[str, Any] | None,
-    *,
-    run_folder: RunFolder,
-) -> TrainParts:
-    """Everything the loop needs, restored from ``resume_path``: wires the model, optimisation and loader builders.
+def build_parts(config: TrainConfig, ctx: DistributedContext, choice: RunChoice) -> TrainParts:
+    """Everything the loop needs, in the run folder ``choice`` names, restored from its checkpoint: wires the model,
+    optimisation and loader builders.
 
-    ``payload``: the contents of ``resume_path`` where this process has read them already (global rank 0, which
+    ``choice.payload``: the checkpoint's contents where this process has read them already (global rank 0, which
     chose it); the other ranks read the file here.
     """
-    state = None
+    state, resume_path, run_folder = None, choice.resume_path, choice.folder
     if resume_path is not None:
-        state = TrainingState.of(payload if payload is not None else load_checkpoint_file(resume_path), resume_path)
+        payload = choice.payload if choice.payload is not None else load_checkpoint_file(resume_path)
+        state = TrainingState.of(payload, resume_path)
         logger.info("Resuming from %s", resume_path)
         check_resume_flags(config, state, resume_path)
     config = planned_config(config, state)
@@ -216,11 +198,13 @@ def build_parts(
         batch_plan=plan,
         model_args=model_args,
         config=config,
+        run_folder=run_folder,
         position=position,
         resume_images_in_epoch=resume_images,
         ema=ema,
+        resumed=state is not None,
     )
-    _log_run_summary(parts, ctx, run_folder, resumed=state is not None)
+    _log_run_summary(parts, ctx)
     return parts
 
 
@@ -304,13 +288,13 @@ def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:
     return images
 
 
-def _log_run_summary(parts: TrainParts, ctx: DistributedContext, run_folder: RunFolder, *, resumed: bool) -> None:
+def _log_run_summary(parts: TrainParts, ctx: DistributedContext) -> None:
     config, plan = parts.config, parts.batch_plan
     logger.info(
         "%s, batch size %d per process x %s x %d accumulation = %d, "
         "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
         "%s and %s per process, run folder %s",
-        start_phrase(config.epoch_range(), parts.position if resumed else None),
+        start_phrase(config.epoch_range(), parts.position if parts.resumed else None),
         plan.batch_size,
         count(plan.world_size, "process", "processes"),
         plan.grad_accum,
@@ -323,5 +307,5 @@ def _log_run_summary(parts: TrainParts, ctx: DistributedContext, run_folder: Run
         ctx.device,
         count(torch.get_num_threads(), "CPU thread"),
         count(parts.loaders.num_workers, "loader worker"),
-        run_folder,
+        parts.run_folder,
     )

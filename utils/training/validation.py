@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from utils.launch.process_group import (
 )
 from utils.launch.signals import InterruptFlag
 from utils.training.run_log import SAMPLE_IMAGES, RunLog, weight_and_grad_histograms
+
+if TYPE_CHECKING:
+    from utils.training.loop import TrainParts
 
 logger = logging.getLogger(__name__)
 
@@ -67,52 +70,42 @@ class UntilStopped:
 
 
 class Validator:
-    """Scores ``model`` (unwrapped: no DDP collective; in eval mode: BatchNorm untouched) on ``loader``, this rank's
-    part of the validation set (all of it on rank 0 with --val-mode rank0, nothing on the others).
+    """Scores the run's evaluated model (``TrainParts.evaluated_model``, unwrapped: no DDP collective; in eval mode:
+    BatchNorm untouched) on ``parts.loaders.val``, this rank's part of the validation set (all of it on rank 0 with
+    --val-mode rank0, nothing on the others), in the step's precision; reported at ``parts.position``.
 
-    ``sharded``: every rank scores its own part and the sums are all-reduced (``Loaders.val_sharded``, which decided
-    the loaders)."""
+    ``Loaders.val_sharded`` (which decided the loaders): every rank scores its own part and the sums are
+    all-reduced."""
 
     def __init__(
-        self,
-        ctx: DistributedContext,
-        model: nn.Module,
-        loader: Iterable[dict[str, torch.Tensor]] | None,
-        *,
-        sharded: bool,
-        n_classes: int,
-        precision: str,
-        interrupts: InterruptFlag,
-        run_log: RunLog,
+        self, ctx: DistributedContext, parts: TrainParts, *, interrupts: InterruptFlag, run_log: RunLog
     ) -> None:
         self.ctx = ctx
-        self.model = model
-        self.loader = loader
-        self.sharded = sharded
-        self._n_classes = n_classes
-        self._precision = precision
+        self.parts = parts
+        self.model: nn.Module = parts.evaluated_model
+        self.loader: Iterable[dict[str, torch.Tensor]] | None = parts.loaders.val
         self._interrupts = interrupts
         self._run_log = run_log
 
-    def validate(self, epoch_number: int, global_step: int) -> float:
+    def validate(self) -> float:
         """The validation Dice, the same on every rank; raises ``ValidationStopped`` (a signal cut rank 0's short) or
         a ``DatasetError`` (a file failed to load) on every rank."""
         with self._run_log.phase("validation"):
-            if self.sharded:
+            if self.parts.loaders.val_sharded:
                 # Agreed before the all-reduce: a rank whose file failed would never reach it, and the others wait.
                 metrics = agree_on_errors(self.ctx, lambda: self._score(self.loader))
                 metrics.reduce(lambda sums: sum_across_ranks(self.ctx, sums.to(self.ctx.device)))
                 result = metrics.compute()
                 if self.ctx.is_main:
-                    self._report(epoch_number, global_step, result)
+                    self._report(result)
                 return result.dice
             # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
-            dice = broadcast_from_main(self.ctx, self._on_main(epoch_number, global_step) if self.ctx.is_main else None)
+            dice = broadcast_from_main(self.ctx, self._on_main() if self.ctx.is_main else None)
         if isinstance(dice, Exception):
             raise dice  # rank 0's, on every rank
         return float(dice)
 
-    def _on_main(self, epoch_number: int, global_step: int) -> float | DatasetError | ValidationStopped:
+    def _on_main(self) -> float | DatasetError | ValidationStopped:
         """Rank 0's part of a --val-mode rank0 validation: its Dice, or the error every rank raises (a file that
         failed to load, or the stop)."""
         batches = UntilStopped(self.loader, self._interrupts)
@@ -127,7 +120,7 @@ class Validator:
         if batches.stopped_by:
             return ValidationStopped(batches.stopped_by)  # a partial score is no score: not reported
         result = metrics.compute()
-        self._report(epoch_number, global_step, result)
+        self._report(result)
         return result.dice
 
     def _score(self, batches: Iterable[dict[str, torch.Tensor]]) -> SegmentationMetrics:
@@ -136,12 +129,12 @@ class Validator:
             self.model,
             batches,
             self.ctx.device,
-            n_classes=self._n_classes,
-            precision=self._precision,
+            n_classes=self.parts.config.model.classes,
+            precision=self.parts.step.precision,
             progress=self._run_log.bars,
         )
 
-    def _report(self, epoch_number: int, global_step: int, result: EvalResult) -> None:
+    def _report(self, result: EvalResult) -> None:
         per_class = ", ".join(
             f"{k}: Dice {d:.4f} IoU {i:.4f}"
             for k, (d, i) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True))
@@ -150,8 +143,8 @@ class Validator:
         logger.info(
             "Validation after epoch %d (step %d, %s): Dice %.4f, IoU %.4f [%s] (macro: per-image means; "
             "the means average classes 1+); micro (dataset-level) Dice %.4f, IoU %.4f",
-            epoch_number,
-            global_step,
+            self.parts.position.epoch,
+            self.parts.position.global_step,
             count(result.n_images, "image"),
             result.dice,
             result.iou,
@@ -160,7 +153,7 @@ class Validator:
             micro["iou"],
         )
         samples = self._samples() if self._run_log.wants_samples() else None
-        self._run_log.log_val(epoch=epoch_number, global_step=global_step, result=result, samples=samples)
+        self._run_log.log_val(result, samples)
 
     @torch.inference_mode()
     def _samples(self) -> dict[str, Any]:
