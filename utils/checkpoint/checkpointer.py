@@ -264,7 +264,7 @@ class Checkpointer:
 
 def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
     """Load a resumed ``state`` into every part that has it: ``model``, ``optimizer``, ``scheduler``, ``scaler`` and
-    ``ema`` (None where the run has none), the RNG, and ``position``.
+    ``ema`` (None where the run has none), and the RNG. The run goes on from ``state.position`` itself.
 
     ``state`` was checked against the model already (``utils.training.model.check_resume``). The optimizer is
     restored before the average, whose reference step count is the optimizer's.
@@ -286,9 +286,6 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
         ema.load_state_dict(state.ema if state.ema is not None else state.weights.state_dict)
     if state.rng is not None:
         restore_rng_state(state.rng)
-    position = parts["position"]
-    for name, value in vars(state.position).items():
-        setattr(position, name, value)
 
 
 def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:

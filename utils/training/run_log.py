@@ -34,10 +34,9 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from utils.checkpoint.run_folder import RunFolder
-from utils.checkpoint.state import TrainPosition
 from utils.cli import stderr_is_terminal
 from utils.errors import ConfigError
-from utils.evaluation import EvalResult
+from utils.evaluation import EvalResult, predict_classes
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
 from utils.training.config import TrainConfig
@@ -69,17 +68,6 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(max(int(round(seconds)), 0), 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-def start_phrase(epochs: tuple[int, int], resumed: TrainPosition | None) -> str:
-    """``Starting training: epochs 1..6``, or for a resumed run where in that plan it goes on."""
-    first, last = epochs
-    if resumed is None:
-        return f"Starting training: epochs {first}..{last}"
-    return (
-        f"Resuming at epoch {resumed.epoch + 1}, step {resumed.global_step} "
-        f"({resumed.step_in_epoch} batches of the epoch done) of epochs {first}..{last}"
-    )
 
 
 class RunLog:
@@ -220,12 +208,8 @@ class RunLog:
 
     # ---------------------------------------------------------------------------------------------- validation
 
-    def wants_samples(self) -> bool:
-        return self._wandb_run is not None or self._tensorboard is not None
-
-    def log_val(self, result: EvalResult, samples: dict[str, Any] | None) -> None:
-        """The validation at the position's epoch end; ``samples``: optional ``image``/``true``/``pred`` tensors (+
-        ``histograms`` for wandb) of a few images."""
+    def log_val(self, result: EvalResult) -> None:
+        """The validation at the position's epoch end; TensorBoard and wandb show a few of its images too."""
         epoch, global_step = self.parts.position.epoch, self.parts.position.global_step
         self._last_validation = (result.dice, result.iou)
         if result.dice == 0 and not self._scored_any_foreground:
@@ -241,8 +225,26 @@ class RunLog:
         for index, (dice, iou) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True)):
             scalars[f"validation Dice/class {index}"] = (f"val/dice/class_{index}", dice)
             scalars[f"validation IoU/class {index}"] = (f"val/iou/class_{index}", iou)
+        samples = self._samples() if self._wandb_run is not None or self._tensorboard is not None else None
         self._publish(global_step, scalars, samples, n_classes=len(result.per_class_dice))
         self.draw_curves()  # after every validation, so a long run's curves.png is always current
+
+    @torch.inference_mode()
+    def _samples(self) -> dict[str, Any]:
+        """A few validation images with their true and predicted masks, plus weight/gradient histograms."""
+        model = self.parts.evaluated_model
+        batch = next(iter(self.parts.loaders.val))
+        model.eval()
+        try:
+            logits = model(batch["image"][:SAMPLE_IMAGES].to(self.ctx.device))
+        finally:
+            model.train()
+        return {
+            "image": batch["image"][:SAMPLE_IMAGES],
+            "true": batch["mask"][:SAMPLE_IMAGES],
+            "pred": predict_classes(logits),
+            "histograms": weight_and_grad_histograms(model),
+        }
 
     # ------------------------------------------------------------------------------------------ files and runs
 

@@ -40,7 +40,7 @@ from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
 from utils.training.model import check_resume, starting_model
 from utils.training.objective import build_optimization, class_weights_of
-from utils.training.run_log import RunLog, start_phrase
+from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan
 from utils.training.step import TrainStep
 from utils.training.validation import Validator
@@ -187,8 +187,8 @@ def build_parts(config: TrainConfig, ctx: DistributedContext, choice: RunChoice)
     )
     position, resume_images = TrainPosition(epoch=config.checkpoint.start_from - 1), 0
     if state is not None:
-        restore(state, {"model": model, "position": position, "ema": ema, **vars(optimization)})
-        resume_images = _resumed_images_in_epoch(plan, state)
+        restore(state, {"model": model, "ema": ema, **vars(optimization)})
+        position, resume_images = state.position, _resumed_images_in_epoch(plan, state)
     parts = TrainParts(
         raw_model=model,
         step=step,
@@ -289,12 +289,20 @@ def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:
 
 
 def _log_run_summary(parts: TrainParts, ctx: DistributedContext) -> None:
-    config, plan = parts.config, parts.batch_plan
+    """``Starting training: epochs 1..6, ...``, or for a resumed run where in that plan it goes on."""
+    config, plan, position = parts.config, parts.batch_plan, parts.position
+    start = (
+        f"Resuming at epoch {position.epoch + 1}, step {position.global_step} "
+        f"({position.step_in_epoch} batches of the epoch done) of"
+        if parts.resumed
+        else "Starting training:"
+    )
     logger.info(
-        "%s, batch size %d per process x %s x %d accumulation = %d, "
+        "%s epochs %d..%d, batch size %d per process x %s x %d accumulation = %d, "
         "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
         "%s and %s per process, run folder %s",
-        start_phrase(config.epoch_range(), parts.position if parts.resumed else None),
+        start,
+        *config.epoch_range(),
         plan.batch_size,
         count(plan.world_size, "process", "processes"),
         plan.grad_accum,

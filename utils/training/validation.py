@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from utils.errors import DatasetError, count, user_message
-from utils.evaluation import EvalResult, SegmentationMetrics, predict_classes, score_batches
+from utils.evaluation import EvalResult, SegmentationMetrics, score_batches
 from utils.launch.process_group import (
     DistributedContext,
     agree_on_errors,
@@ -33,7 +33,7 @@ from utils.launch.process_group import (
     sum_across_ranks,
 )
 from utils.launch.signals import InterruptFlag
-from utils.training.run_log import SAMPLE_IMAGES, RunLog, weight_and_grad_histograms
+from utils.training.run_log import RunLog
 
 if TYPE_CHECKING:
     from utils.training.loop import TrainParts
@@ -152,21 +152,4 @@ class Validator:
             micro["dice"],
             micro["iou"],
         )
-        samples = self._samples() if self._run_log.wants_samples() else None
-        self._run_log.log_val(result, samples)
-
-    @torch.inference_mode()
-    def _samples(self) -> dict[str, Any]:
-        """A few validation images with their true and predicted masks, plus weight/gradient histograms."""
-        batch = next(iter(self.loader))
-        self.model.eval()
-        try:
-            logits = self.model(batch["image"][:SAMPLE_IMAGES].to(self.ctx.device))
-        finally:
-            self.model.train()
-        return {
-            "image": batch["image"][:SAMPLE_IMAGES],
-            "true": batch["mask"][:SAMPLE_IMAGES],
-            "pred": predict_classes(logits),
-            "histograms": weight_and_grad_histograms(self.model),
-        }
+        self._run_log.log_val(result)
