@@ -40,6 +40,7 @@ from utils.evaluation import EvalResult, predict_classes
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
 from utils.training.config import TrainConfig
+from utils.training.config_file import write_config_file
 from utils.training.curves import write_curves_if_possible
 
 if TYPE_CHECKING:
@@ -71,18 +72,19 @@ def format_duration(seconds: float) -> str:
 
 
 class RunLog:
-    """The run's progress, metrics and curves, of ``parts``: its flags (the logging section, and the epoch plan: a
-    resumed run's is its checkpoint's), folder, batch plan, and position, which every record reports."""
+    """The run's settings, progress, metrics and curves, of ``parts``: its flags (the logging section, and the epoch
+    plan: a resumed run's is its checkpoint's), folder, batch plan, and position, which every record reports.
+
+    Opening it says the changed settings and writes the run's resolved flags (those its checkpoints store) to
+    config.yaml; a run folder it cannot write to is a ConfigError."""
 
     def __init__(self, ctx: DistributedContext, parts: TrainParts) -> None:
         config = parts.config
         self.ctx = ctx
         self.parts = parts
-        self.enabled = ctx.is_main
         self.run_folder = run_folder = parts.run_folder
         self.bars = bars_wanted(is_main=ctx.is_main, no_progress=config.logging.no_progress)
         self._log_lines = ctx.is_main and not self.bars
-        self._plan = parts.batch_plan
         self._last_epoch = config.epoch_range()[1]
         # Losses summed over ranks as [sum, count]: since the last train line (a window may span an epoch's end), and
         # of this epoch (for the epoch line's mean).
@@ -92,12 +94,21 @@ class RunLog:
         self._bar: tqdm | None = None
         self._wandb_run = None
         self._tensorboard = None
-        if not self.enabled:
+        settings = config.settings_block()
+        logger.info("%s", settings)
+        if not ctx.is_main:
             return
-        run_folder.path.mkdir(parents=True, exist_ok=True)
-        # Appending keeps the history of a resumed run in the same file; the curves keep the last value per step.
-        # A torn last line (a crash mid-write) is dropped first, so it cannot swallow the next record.
-        self._metrics_file = open_for_append(run_folder.metrics)
+        try:
+            run_folder.path.mkdir(parents=True, exist_ok=True)
+            write_config_file(run_folder.config_file, parts.run_args, settings)
+            # Appending keeps the history of a resumed run in the same file; the curves keep the last value per step.
+            # A torn last line (a crash mid-write) is dropped first, so it cannot swallow the next record.
+            self._metrics_file = open_for_append(run_folder.metrics)
+        except OSError as error:
+            raise ConfigError(
+                f"cannot write to the run folder {run_folder}: {error.strerror or error}; choose a writable "
+                f"--checkpoint-dir"
+            ) from error
         if config.logging.tensorboard:
             self._tensorboard = _start_tensorboard(run_folder, parts.position.global_step if parts.resumed else None)
         if config.logging.wandb != "disabled":
@@ -110,7 +121,7 @@ class RunLog:
         context writes log lines above the progress bars instead of gluing them onto them."""
         self._started = self._last_train_line = time.perf_counter()
         self._start_step = step = self.parts.position.global_step
-        self._images_seen = self._images_at_last_line = step * self._plan.images_per_step
+        self._images_seen = self._images_at_last_line = step * self.parts.batch_plan.images_per_step
         self._write_phase("loop_start", 0.0)  # a moment, not a span: the benchmark's epoch section ends start-up here
         return logging_redirect_tqdm()
 
@@ -119,7 +130,7 @@ class RunLog:
         """The bar of ``epoch``, which counts global images (all ranks), the unit users reason in: exactly those the
         epoch trains (with several ranks the sampler pads the epoch to a multiple of the world size), so it ends at
         100%."""
-        plan = self._plan
+        plan = self.parts.batch_plan
         self._bar = tqdm(
             total=images_done + plan.images_per_rank(images_done) * plan.world_size,
             initial=images_done,
@@ -160,7 +171,7 @@ class RunLog:
                 epoch + 1,
                 self._last_epoch,
                 position.step_in_epoch,
-                self._plan.steps_per_epoch,
+                self.parts.batch_plan.steps_per_epoch,
                 step,
                 loss,
                 lr,
@@ -186,7 +197,7 @@ class RunLog:
         if global_step <= self._start_step:
             return "?"
         seconds_per_step = (time.perf_counter() - self._started) / (global_step - self._start_step)
-        steps_per_epoch = self._plan.steps_per_epoch
+        steps_per_epoch = self.parts.batch_plan.steps_per_epoch
         remaining = (self._last_epoch - epoch - 1) * steps_per_epoch + steps_per_epoch - step_in_epoch
         if max_steps := self.parts.config.optimisation.max_steps:
             remaining = min(remaining, max_steps - global_step)
@@ -251,7 +262,7 @@ class RunLog:
     def draw_curves(self) -> bool:
         """curves.png from metrics.jsonl (rank 0); False when there was nothing to draw or it could not be written."""
         with self.phase("curves"):
-            return self.enabled and write_curves_if_possible(self.run_folder.metrics, self.run_folder.curves)
+            return self.ctx.is_main and write_curves_if_possible(self.run_folder.metrics, self.run_folder.curves)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -270,7 +281,7 @@ class RunLog:
         self._write({"event": "phase", "phase": name, "seconds": seconds, "time": time.time()})
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.ctx.is_main:
             return
         self._metrics_file.close()
         if self._tensorboard is not None:
@@ -282,7 +293,7 @@ class RunLog:
             self._wandb_run = None
 
     def _write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
+        if not self.ctx.is_main:
             return
         # One complete line per event, flushed, so a reader polling the file (or a crash) never sees half a record.
         self._metrics_file.write(json.dumps(record) + "\n")

@@ -34,7 +34,6 @@ from utils.launch.process_group import DistributedContext, agree_on_errors, setu
 from utils.launch.signals import InterruptFlag
 from utils.training.compiled import use_compile_cache, warn_if_slower
 from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, describe_flag
-from utils.training.config_file import write_config_file
 from utils.training.data import build_data, build_loaders
 from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
@@ -64,7 +63,7 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
     try:
         configure_reproducibility(data.seed, deterministic=config.optimisation.deterministic)
         parts = agree_on_errors(ctx, lambda: build_parts(config, ctx, choice))
-        run_log = agree_on_errors(ctx, lambda: _open_run_log(ctx, parts))
+        run_log = agree_on_errors(ctx, lambda: RunLog(ctx, parts))
     except BaseException:
         choice.folder.unlock()
         raise
@@ -103,22 +102,6 @@ def planned_config(config: TrainConfig, state: TrainingState | None) -> TrainCon
 
 
 # ------------------------------------------------------------------------------------------------ the run
-
-
-def _open_run_log(ctx: DistributedContext, parts: TrainParts) -> RunLog:
-    """The run's log, after its changed settings are said and its resolved flags (those its checkpoints store, a
-    resumed run's with its checkpoint's epoch plan) are written to config.yaml."""
-    settings = parts.config.settings_block()
-    logger.info("%s", settings)
-    try:
-        if ctx.is_main:
-            write_config_file(parts.run_folder.config_file, parts.run_args, settings)
-        return RunLog(ctx, parts)
-    except OSError as error:
-        raise ConfigError(
-            f"cannot write to the run folder {parts.run_folder}: {error.strerror or error}; choose a writable "
-            f"--checkpoint-dir"
-        ) from error
 
 
 def configure_reproducibility(seed: int, *, deterministic: bool) -> None:

@@ -21,7 +21,6 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from utils.errors import DatasetError, count, user_message
 from utils.evaluation import EvalResult, SegmentationMetrics, score_batches
@@ -82,8 +81,6 @@ class Validator:
     ) -> None:
         self.ctx = ctx
         self.parts = parts
-        self.model: nn.Module = parts.evaluated_model
-        self.loader: Iterable[dict[str, torch.Tensor]] | None = parts.loaders.val
         self._interrupts = interrupts
         self._run_log = run_log
 
@@ -93,7 +90,7 @@ class Validator:
         with self._run_log.phase("validation"):
             if self.parts.loaders.val_sharded:
                 # Agreed before the all-reduce: a rank whose file failed would never reach it, and the others wait.
-                metrics = agree_on_errors(self.ctx, lambda: self._score(self.loader))
+                metrics = agree_on_errors(self.ctx, lambda: self._score(self.parts.loaders.val))
                 metrics.reduce(lambda sums: sum_across_ranks(self.ctx, sums.to(self.ctx.device)))
                 result = metrics.compute()
                 if self.ctx.is_main:
@@ -108,7 +105,7 @@ class Validator:
     def _on_main(self) -> float | DatasetError | ValidationStopped:
         """Rank 0's part of a --val-mode rank0 validation: its Dice, or the error every rank raises (a file that
         failed to load, or the stop)."""
-        batches = UntilStopped(self.loader, self._interrupts)
+        batches = UntilStopped(self.parts.loaders.val, self._interrupts)
         try:
             metrics = self._score(batches)
         except DatasetError as error:
@@ -126,7 +123,7 @@ class Validator:
     def _score(self, batches: Iterable[dict[str, torch.Tensor]]) -> SegmentationMetrics:
         """The validation sums over ``batches`` (one shard, or the whole set on rank 0), not yet scored."""
         return score_batches(
-            self.model,
+            self.parts.evaluated_model,
             batches,
             self.ctx.device,
             n_classes=self.parts.config.model.classes,
