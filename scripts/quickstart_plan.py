@@ -25,9 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.checkpoint.format import KEY_ARGS
 from utils.checkpoint.run_folder import RunFolder, RunSeries
-from utils.checkpoint.state import position_of
 from utils.datasets.image_files import split_name
 from utils.datasets.splits import read_split_file
 from utils.errors import count
@@ -66,7 +64,7 @@ def plan_quickstart(checkpoint_dir: Path, exp_name: str, imgs_dir: Path, epochs:
     fresh = ("--exp_name", exp_name, "--epochs", str(epochs))
     if found is None:
         return QuickstartPlan(newest, "", (*fresh, "--resume", "auto"))
-    path, payload = found
+    path, state = found
     next_folder = series.folder(series.newest_number() + 1)
     recorded = trained_ids(newest)
     if recorded is not None and recorded != image_ids(imgs_dir):
@@ -75,8 +73,8 @@ def plan_quickstart(checkpoint_dir: Path, exp_name: str, imgs_dir: Path, epochs:
             f"({newest} is kept)"
         )
         return QuickstartPlan(next_folder, message, fresh)
-    done = position_of(payload).epoch
-    _, last = TrainConfig.from_dict(payload[KEY_ARGS]).epoch_range()
+    done = state.position.epoch
+    _, last = TrainConfig.from_dict(state.run_args).epoch_range()
     if done < last:
         message = f"Continuing the stopped run in {newest} (epoch {done} of {last} done) with --resume auto"
         return QuickstartPlan(newest, message, (*fresh, "--resume", "auto"))

@@ -48,7 +48,7 @@ def test_auto_takes_the_furthest_step_whatever_the_mtimes_say(
     _touch(folder.best, 100)
     _touch(folder.last, -300)
     found = folder.find_resume_checkpoint()
-    assert found is not None and found[0] == folder.last and found[1]["global_step"] == 8
+    assert found is not None and found[0] == folder.last and found[1].position.global_step == 8
     before = folder.last.read_bytes()
     capsys.readouterr()
     assert runner.main("unet", *SHORT, "--max-steps", "9", "--resume", "auto") == 0
@@ -66,7 +66,7 @@ def test_a_corrupt_furthest_file_falls_back_to_the_next_step_not_to_the_newest_m
     folder.last.write_bytes(bytes(data[: len(data) // 2]))  # truncated: unreadable, ranked last
     _touch(folder.interrupted, 300)
     found = folder.find_resume_checkpoint()
-    assert found is not None and found[1]["global_step"] == 6 and found[0] != folder.interrupted
+    assert found is not None and found[1].position.global_step == 6 and found[0] != folder.interrupted
 
 
 def test_a_torn_last_metrics_line_is_cut_off_by_the_resume(runner: TrainRunner, caplog) -> None:

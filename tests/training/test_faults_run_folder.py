@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import TrainRunner, finish, load_checkpoint, wait_for_step
 from tests.helpers import one_error_line
 from utils.checkpoint.run_folder import RunFolder, RunSeries, choose_run
+from utils.checkpoint.state import load_resume_checkpoint
 from utils.errors import ConfigError
 
 LONG = ["-e", "30", "--log-every", "1"]
@@ -179,7 +180,7 @@ def test_resume_from_a_copy_of_the_newest_state_continues_its_folder(
     assert copy.stat().st_mtime_ns >= written
     os.utime(copy, ns=(written + 10**9, written + 10**9))
     assert folder.checkpoints()[0] == copy
-    assert folder.can_continue_from(folder.last, load_checkpoint(folder.last))
+    assert folder.can_continue_from(folder.last, load_resume_checkpoint(folder.last))
     capsys.readouterr()
     assert runner.main("unet", *SHORT, "-e", "1", "--resume", str(folder.last)) == 0
     out = capsys.readouterr().out

@@ -196,8 +196,8 @@ def test_resume_auto_skips_corrupt_and_incomplete_files(tmp_path: Path, caplog: 
     (tmp_path / "last.pth").write_bytes(b"PK\x03\x04 truncated")
     for age, name in enumerate(["last.pth", "best.pth", "checkpoint_epoch1.pth"]):
         os.utime(tmp_path / name, ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
-    path, payload = RunFolder(tmp_path).find_resume_checkpoint()
-    assert path.name == "checkpoint_epoch1.pth" and payload["global_step"] == 4
+    path, state = RunFolder(tmp_path).find_resume_checkpoint()
+    assert path.name == "checkpoint_epoch1.pth" and state.position.global_step == 4
     assert "skipping" in caplog.text and "checkpoint_epoch2.pth" in caplog.text
     assert RunFolder(tmp_path / "empty").find_resume_checkpoint() is None  # nothing yet: --resume auto starts a new run
     (tmp_path / "checkpoint_epoch1.pth").write_bytes(b"")

@@ -57,8 +57,8 @@ from typing import Any
 import torch
 
 from utils.checkpoint.files import write_failure_message
-from utils.checkpoint.format import KEY_TENSOR_DIGESTS, PARTIAL_FILE_PATTERN
-from utils.checkpoint.state import load_resume_checkpoint, position_of
+from utils.checkpoint.format import PARTIAL_FILE_PATTERN
+from utils.checkpoint.state import TrainingState, TrainPosition, load_resume_checkpoint, position_of
 from utils.errors import CheckpointError, ConfigError
 from utils.launch.process_group import DistributedContext, decide_on_main
 from utils.training.config import RESUME_AUTO
@@ -213,8 +213,8 @@ class RunFolder:
         ranked.sort(key=lambda entry: (entry[0] is None, entry[0] or (), entry[1]), reverse=True)
         return [path for _, _, path in ranked]
 
-    def find_resume_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
-        """The complete checkpoint of the furthest recorded position and its contents, None when there is none.
+    def find_resume_checkpoint(self) -> tuple[Path, TrainingState] | None:
+        """The complete checkpoint of the furthest recorded position and its state, None when there is none.
 
         Corrupt or incomplete files are skipped with a warning; if there are only such files, that is an error rather
         than a fresh start that would overwrite them.
@@ -232,8 +232,8 @@ class RunFolder:
             )
         return None
 
-    def can_continue_from(self, path: Path, payload: dict[str, Any]) -> bool:
-        """Whether a run resumed from ``path`` (a file in this folder, read as ``payload``) may write here.
+    def can_continue_from(self, path: Path, state: TrainingState) -> bool:
+        """Whether a run resumed from ``path`` (a file in this folder, read as ``state``) may write here.
 
         Only when nothing newer would be overwritten: the folder holds no run, or ``path`` holds its newest state. The
         newest state is the one ``--resume auto`` takes (``find_resume_checkpoint``: the most recently written
@@ -259,14 +259,13 @@ class RunFolder:
         newest_path, newest = found
         if newest_path.resolve() == path.resolve():
             return True
-        digests = payload.get(KEY_TENSOR_DIGESTS)
         return (
-            digests is not None
-            and digests == newest.get(KEY_TENSOR_DIGESTS)
-            and _position(payload) == _position(newest)
+            state.digests is not None
+            and state.digests == newest.digests
+            and _position(state.position) == _position(newest.position)
         )
 
-    def take_to_continue(self, path: Path, payload: dict[str, Any]) -> bool:
+    def take_to_continue(self, path: Path, state: TrainingState) -> bool:
         """Lock this folder when a run resumed from ``path`` may continue here (``can_continue_from``); else False.
 
         When it may not, the folder is left untouched (its lock file too). When it may, the folder is locked, and if
@@ -274,10 +273,10 @@ class RunFolder:
         again under the lock. A live run's folder is refused, naming its process. (It exists: it holds ``path``.)
         """
         listing = self._listing()
-        if not self.can_continue_from(path, payload):
+        if not self.can_continue_from(path, state):
             return False
         self.lock()
-        if self._listing() == listing or self.can_continue_from(path, payload):
+        if self._listing() == listing or self.can_continue_from(path, state):
             return True
         self.unlock()
         return False
@@ -393,9 +392,8 @@ class RunSeries:
         return folder
 
 
-def _position(payload: dict[str, Any]) -> tuple[int, int, int]:
-    """(global step, epoch, step in the epoch) as a resume reads them (``position_of``), the order of the ranking."""
-    position = position_of(payload)
+def _position(position: TrainPosition) -> tuple[int, int, int]:
+    """(global step, epoch, step in the epoch), the order of the ranking."""
     return position.global_step, position.epoch, position.step_in_epoch
 
 
@@ -406,7 +404,7 @@ def recorded_position(path: Path) -> tuple[int, int, int] | None:
     checkpoints. The full read (digests included) happens when the file is chosen.
     """
     try:
-        return _position(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        return _position(position_of(torch.load(path, map_location="cpu", weights_only=True, mmap=True)))
     except Exception:  # any unreadable file ranks last; its full read names what is wrong with it
         return None
 
@@ -424,9 +422,9 @@ class RunChoice:
 
     folder: RunFolder
     resume_path: str | None = None
-    payload: dict[str, Any] | None = None
-    """The resume checkpoint as rank 0 read it while choosing (kept to spare reading a large file twice); None on
-    other ranks, which read it themselves."""
+    state: TrainingState | None = None
+    """The resume checkpoint's state as rank 0 read and checked it while choosing (kept to spare reading a large file
+    twice); None on other ranks, which read it themselves."""
 
 
 def agree_on_run(ctx: DistributedContext, resume: str | None, series: RunSeries) -> RunChoice:
@@ -451,8 +449,8 @@ def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> Run
         if found is None:
             logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
             return RunChoice(folder)
-        path, payload = found
-        return RunChoice(folder, str(path), payload)
+        path, state = found
+        return RunChoice(folder, str(path), state)
     if restart_count > 0:
         return _restart_from_path(resume, series, restart_count)
     return _resume_from_path(resume, series)
@@ -460,14 +458,14 @@ def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> Run
 
 def _resume_from_path(resume: str, series: RunSeries) -> RunChoice:
     resume_path = Path(resume)
-    payload = _read_resume_file(resume)
+    state = _read_resume_file(resume)
     own = series.contains(resume_path)
     if own is None:  # a file from outside the series: nothing of the series to continue
-        return _took(series.start_new(), resume, payload)
-    if own.take_to_continue(resume_path, payload):
-        return _took(own, resume, payload)
+        return _took(series.start_new(), resume, state)
+    if own.take_to_continue(resume_path, state):
+        return _took(own, resume, state)
     reason = f"--resume {resume} is not the newest state of {own} (continuing there would overwrite newer checkpoints)"
-    return _took(series.start_new(reason), resume, payload)
+    return _took(series.start_new(reason), resume, state)
 
 
 def _restart_from_path(resume: str, series: RunSeries, restart_count: int) -> RunChoice:
@@ -482,26 +480,26 @@ def _restart_from_path(resume: str, series: RunSeries, restart_count: int) -> Ru
     if found is None:
         logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, first, resume)
         return RunChoice(first, resume, _read_resume_file(resume))
-    path, payload = found
+    path, state = found
     logger.info(
         "torchrun restart %d continues %s, the folder its first attempt took, from its newest checkpoint %s",
         restart_count,
         first,
         path,
     )
-    return RunChoice(first, str(path), payload)
+    return RunChoice(first, str(path), state)
 
 
-def _read_resume_file(resume: str) -> dict[str, Any]:
+def _read_resume_file(resume: str) -> TrainingState:
     path = Path(resume)
     if not path.is_file():
         raise CheckpointError(f"--resume {resume}: no such file; pass a checkpoint path or --resume auto")
     return load_resume_checkpoint(path)
 
 
-def _took(folder: RunFolder, resume_path: str | None = None, payload: dict[str, Any] | None = None) -> RunChoice:
+def _took(folder: RunFolder, resume_path: str | None = None, state: TrainingState | None = None) -> RunChoice:
     """The choice of ``folder`` (locked by this process), after clearing what killed writes left there."""
     # Under the lock nothing else writes to the folder: a temporary file there is what a killed write left behind.
     for path in folder.remove_partial_files():
         logger.info("Removed %s, left behind by a checkpoint write that was interrupted", path)
-    return RunChoice(folder, resume_path, payload)
+    return RunChoice(folder, resume_path, state)

@@ -39,6 +39,7 @@ from utils.checkpoint.format import (
     KEY_SCHEDULER,
     KEY_SPLIT_DIGEST,
     KEY_STEP_IN_EPOCH,
+    KEY_TENSOR_DIGESTS,
     KEY_VALIDATIONS_WITHOUT_IMPROVEMENT,
     KEY_WORLD_SIZE,
     LoadedWeights,
@@ -104,6 +105,9 @@ class TrainingState:
     rng: dict[str, Any] | None = None
     ema: dict[str, torch.Tensor] | None = None
     """--ema: the averaged weights (a state dict like ``weights.state_dict``); None when the run keeps no average."""
+    digests: dict[str, Any] | None = None
+    """The tensor digests the file was saved with (``utils.checkpoint.format``; None in older files): read, to tell
+    whether two files hold one state, never written from here (every save computes them)."""
 
     def to_payload(self) -> dict[str, Any]:
         """The checkpoint dictionary (DESIGN.md, format version 1), RNG state captured now when not set."""
@@ -153,6 +157,7 @@ class TrainingState:
             dataset=dataset if isinstance(dataset, dict) else None,
             rng=payload.get(KEY_RNG),
             ema=ema,
+            digests=payload.get(KEY_TENSOR_DIGESTS),
         )
 
 
@@ -217,11 +222,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(cuda_states)
 
 
-def load_resume_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint that holds everything needed to continue training, else a CheckpointError naming what is missing.
-
-    Returned as read (the run folder compares its digests and position); ``TrainingState.of`` is the typed view.
-    """
-    payload = load_checkpoint_file(path)
-    TrainingState.of(payload, path)
-    return payload
+def load_resume_checkpoint(path: str | Path) -> TrainingState:
+    """The state of a checkpoint that holds everything needed to continue training, else a CheckpointError naming
+    what is missing."""
+    return TrainingState.of(load_checkpoint_file(path), path)

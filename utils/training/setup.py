@@ -22,9 +22,8 @@ import numpy as np
 import torch
 
 from utils.checkpoint.checkpointer import restore
-from utils.checkpoint.files import load_checkpoint_file
 from utils.checkpoint.run_folder import RunChoice, RunSeries, agree_on_run, series_name
-from utils.checkpoint.state import TrainingState, TrainPosition
+from utils.checkpoint.state import TrainingState, TrainPosition, load_resume_checkpoint
 from utils.datasets.splits import write_split_file
 from utils.errors import ConfigError, count
 from utils.flags import flag_fields
@@ -121,13 +120,12 @@ def build_parts(config: TrainConfig, ctx: DistributedContext, choice: RunChoice)
     """Everything the loop needs, in the run folder ``choice`` names, restored from its checkpoint: wires the model,
     optimisation and loader builders.
 
-    ``choice.payload``: the checkpoint's contents where this process has read them already (global rank 0, which
-    chose it); the other ranks read the file here.
+    ``choice.state``: the checkpoint's state where this process has read it already (global rank 0, which chose it);
+    the other ranks read the file here.
     """
-    state, resume_path, run_folder = None, choice.resume_path, choice.folder
+    state, resume_path, run_folder = choice.state, choice.resume_path, choice.folder
     if resume_path is not None:
-        payload = choice.payload if choice.payload is not None else load_checkpoint_file(resume_path)
-        state = TrainingState.of(payload, resume_path)
+        state = state or load_resume_checkpoint(resume_path)
         logger.info("Resuming from %s", resume_path)
         check_resume_flags(config, state, resume_path)
     config = planned_config(config, state)
