@@ -110,7 +110,6 @@ class Trainer:
         self.parts = parts
         self.step = parts.step
         self.last_epoch = config.epoch_range()[1]
-        self.run_folder = parts.run_folder
         self.run_log = run_log
         self.validator = validator
         self.position = parts.position
@@ -140,7 +139,7 @@ class Trainer:
         self._check_skipped_steps()
         self._stop.finish()
         if self.run_log.draw_curves():
-            logger.info("Curves written to %s", self.run_folder.curves)
+            logger.info("Curves written to %s", self.parts.run_folder.curves)
         # Nobody leaves before rank 0 has written its files: a launcher may kill the others' siblings on exit.
         barrier(self.ctx)
         return outcome or TrainOutcome(self.position)
@@ -150,7 +149,7 @@ class Trainer:
         try:
             self.run_log.close()
         finally:
-            self.run_folder.unlock()
+            self.parts.run_folder.unlock()
 
     # --------------------------------------------------------------------------------------------------- epochs
 
@@ -229,7 +228,7 @@ class Trainer:
         stale = self.position.validations_without_improvement
         if early_stop.should_stop(self.config.optimisation, stale) and epoch_number < self.last_epoch:
             reason = early_stop.reason(self.config.optimisation, self.position.best_dice, self.position.best_epoch)
-            return TrainOutcome(self.position, checkpoint=self.run_folder.last, stopped_early=reason)
+            return TrainOutcome(self.position, checkpoint=self.parts.run_folder.last, stopped_early=reason)
         return None
 
     def _should_validate(self, epoch_number: int) -> bool:
@@ -272,7 +271,7 @@ class Trainer:
         kept = (
             f"saved {where} (step {self.position.global_step})"
             if where
-            else f"the newest checkpoint in {self.run_folder} holds the last saved state"
+            else f"the newest checkpoint in {self.parts.run_folder} holds the last saved state"
         )
         error = DatasetError(
             f"{message}; {kept}: continue with --resume auto once the file is fixed (a removed file changes the "
@@ -306,8 +305,8 @@ class Trainer:
         if limit and report.longest_run >= limit:
             diverged = UserError(
                 f"training diverged: {report.longest_run} optimizer steps in a row (up to step {step}) had NaN or inf "
-                f"loss or gradients and were skipped; the newest checkpoint in {self.run_folder} (if any) holds the "
-                f"last good state. Lower --learning-rate, keep --grad-clip on, check the data, or raise "
+                f"loss or gradients and were skipped; the newest checkpoint in {self.parts.run_folder} (if any) holds "
+                f"the last good state. Lower --learning-rate, keep --grad-clip on, check the data, or raise "
                 f"--max-nonfinite-steps (now {limit})"
             )
             raise raised_on_every_rank(diverged)  # every rank counts the same steps

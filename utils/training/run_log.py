@@ -242,7 +242,7 @@ class RunLog:
 
     @torch.inference_mode()
     def _samples(self) -> dict[str, Any]:
-        """A few validation images with their true and predicted masks, plus weight/gradient histograms."""
+        """A few validation images with their true and predicted masks, plus weight/gradient histograms (wandb's)."""
         model = self.parts.evaluated_model
         batch = next(iter(self.parts.loaders.val))
         model.eval()
@@ -250,11 +250,18 @@ class RunLog:
             logits = model(batch["image"][:SAMPLE_IMAGES].to(self.ctx.device))
         finally:
             model.train()
+        histograms: dict[str, torch.Tensor] = {}
+        for name, parameter in model.named_parameters():
+            tag = name.replace("/", ".")
+            if torch.isfinite(parameter).all():
+                histograms[f"Weights/{tag}"] = parameter.detach()
+            if parameter.grad is not None and torch.isfinite(parameter.grad).all():
+                histograms[f"Gradients/{tag}"] = parameter.grad.detach()
         return {
             "image": batch["image"][:SAMPLE_IMAGES],
             "true": batch["mask"][:SAMPLE_IMAGES],
             "pred": predict_classes(logits),
-            "histograms": weight_and_grad_histograms(model),
+            "histograms": histograms,
         }
 
     # ------------------------------------------------------------------------------------------ files and runs
@@ -409,15 +416,3 @@ def _start_wandb(run_folder: RunFolder, config: TrainConfig) -> Any:
     except Exception as error:  # wandb raises many kinds (network, auth); none should stop training
         logger.warning("wandb could not start (%s); continuing without it", error)
         return None
-
-
-def weight_and_grad_histograms(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Weights and gradients per parameter, for wandb histograms at validation time."""
-    histograms: dict[str, torch.Tensor] = {}
-    for name, parameter in model.named_parameters():
-        tag = name.replace("/", ".")
-        if torch.isfinite(parameter).all():
-            histograms[f"Weights/{tag}"] = parameter.detach()
-        if parameter.grad is not None and torch.isfinite(parameter.grad).all():
-            histograms[f"Gradients/{tag}"] = parameter.grad.detach()
-    return histograms
