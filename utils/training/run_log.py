@@ -35,7 +35,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from utils.checkpoint.run_folder import RunFolder
 from utils.cli import stderr_is_terminal
-from utils.errors import ConfigError
+from utils.errors import ConfigError, count
 from utils.evaluation import EvalResult, predict_classes
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
@@ -75,8 +75,8 @@ class RunLog:
     """The run's settings, progress, metrics and curves, of ``parts``: its flags (the logging section, and the epoch
     plan: a resumed run's is its checkpoint's), folder, batch plan, and position, which every record reports.
 
-    Opening it says the changed settings and writes the run's resolved flags (those its checkpoints store) to
-    config.yaml; a run folder it cannot write to is a ConfigError."""
+    Opening it says the run's summary line and changed settings and writes the run's resolved flags (those its
+    checkpoints store) to config.yaml; a run folder it cannot write to is a ConfigError."""
 
     def __init__(self, ctx: DistributedContext, parts: TrainParts) -> None:
         config = parts.config
@@ -94,6 +94,34 @@ class RunLog:
         self._bar: tqdm | None = None
         self._wandb_run = None
         self._tensorboard = None
+        # The run's summary: ``Starting training: epochs 1..6, ...``, or for a resumed run where in its plan it goes on
+        plan, position = parts.batch_plan, parts.position
+        start = (
+            f"Resuming at epoch {position.epoch + 1}, step {position.global_step} "
+            f"({position.step_in_epoch} batches of the epoch done) of"
+            if parts.resumed
+            else "Starting training:"
+        )
+        logger.info(
+            "%s epochs %d..%d, batch size %d per process x %s x %d accumulation = %d, "
+            "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
+            "%s and %s per process, run folder %s",
+            start,
+            *config.epoch_range(),
+            plan.batch_size,
+            count(plan.world_size, "process", "processes"),
+            plan.grad_accum,
+            plan.images_per_step,
+            config.optimisation.learning_rate,
+            len(parts.data.train_set),
+            len(parts.data.val_set),
+            config.data.scale,
+            parts.step.precision,
+            ctx.device,
+            count(torch.get_num_threads(), "CPU thread"),
+            count(parts.loaders.num_workers, "loader worker"),
+            parts.run_folder,
+        )
         settings = config.settings_block()
         logger.info("%s", settings)
         if not ctx.is_main:

@@ -185,7 +185,6 @@ def build_parts(config: TrainConfig, ctx: DistributedContext, choice: RunChoice)
         ema=ema,
         resumed=state is not None,
     )
-    _log_run_summary(parts, ctx)
     return parts
 
 
@@ -267,34 +266,3 @@ def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:
             images,
         )
     return images
-
-
-def _log_run_summary(parts: TrainParts, ctx: DistributedContext) -> None:
-    """``Starting training: epochs 1..6, ...``, or for a resumed run where in that plan it goes on."""
-    config, plan, position = parts.config, parts.batch_plan, parts.position
-    start = (
-        f"Resuming at epoch {position.epoch + 1}, step {position.global_step} "
-        f"({position.step_in_epoch} batches of the epoch done) of"
-        if parts.resumed
-        else "Starting training:"
-    )
-    logger.info(
-        "%s epochs %d..%d, batch size %d per process x %s x %d accumulation = %d, "
-        "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
-        "%s and %s per process, run folder %s",
-        start,
-        *config.epoch_range(),
-        plan.batch_size,
-        count(plan.world_size, "process", "processes"),
-        plan.grad_accum,
-        plan.images_per_step,
-        config.optimisation.learning_rate,
-        len(parts.data.train_set),
-        len(parts.data.val_set),
-        config.data.scale,
-        parts.step.precision,
-        ctx.device,
-        count(torch.get_num_threads(), "CPU thread"),
-        count(parts.loaders.num_workers, "loader worker"),
-        parts.run_folder,
-    )
