@@ -138,7 +138,7 @@ class RunLog:
                 f"--checkpoint-dir"
             ) from error
         if config.logging.tensorboard:
-            self._tensorboard = _start_tensorboard(run_folder, parts.position.global_step if parts.resumed else None)
+            self._tensorboard = _start_tensorboard(run_folder, position.global_step + 1 if parts.resumed else None)
         if config.logging.wandb != "disabled":
             self._wandb_run = _start_wandb(run_folder, config)
 
@@ -264,13 +264,14 @@ class RunLog:
         for index, (dice, iou) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True)):
             scalars[f"validation Dice/class {index}"] = (f"val/dice/class_{index}", dice)
             scalars[f"validation IoU/class {index}"] = (f"val/iou/class_{index}", iou)
-        samples = self._samples() if self._wandb_run is not None or self._tensorboard is not None else None
-        self._publish(global_step, scalars, samples, n_classes=len(result.per_class_dice))
+        wanted = self._wandb_run is not None or self._tensorboard is not None
+        self._publish(global_step, scalars, self._samples(len(result.per_class_dice)) if wanted else None)
         self.draw_curves()  # after every validation, so a long run's curves.png is always current
 
     @torch.inference_mode()
-    def _samples(self) -> dict[str, Any]:
-        """A few validation images with their true and predicted masks, plus weight/gradient histograms (wandb's)."""
+    def _samples(self, n_classes: int) -> dict[str, Any]:
+        """A few validation images with their true and predicted masks (as ``class_images``), plus weight/gradient
+        histograms (wandb's)."""
         model = self.parts.evaluated_model
         batch = next(iter(self.parts.loaders.val))
         model.eval()
@@ -287,8 +288,8 @@ class RunLog:
                 histograms[f"Gradients/{tag}"] = parameter.grad.detach()
         return {
             "image": batch["image"][:SAMPLE_IMAGES],
-            "true": batch["mask"][:SAMPLE_IMAGES],
-            "pred": predict_classes(logits),
+            "true": class_images(batch["mask"][:SAMPLE_IMAGES], n_classes),
+            "pred": class_images(predict_classes(logits), n_classes),
             "histograms": histograms,
         }
 
@@ -334,11 +335,11 @@ class RunLog:
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
 
-    def _publish(self, step: int, scalars: Scalars, samples: dict[str, Any] | None = None, n_classes: int = 2) -> None:
+    def _publish(self, step: int, scalars: Scalars, samples: dict[str, Any] | None = None) -> None:
         """``scalars`` and the validation ``samples`` to TensorBoard and wandb, those that are on."""
         if self._tensorboard is not None:
             try:  # a side output: a full or failing disk is one warning, and the run goes on without it
-                _write_events(self._tensorboard, step, scalars, samples, n_classes)
+                _write_events(self._tensorboard, step, scalars, samples)
             except OSError as error:
                 logger.warning(
                     "cannot write TensorBoard events to %s: %s; training continues without --tensorboard",
@@ -350,46 +351,43 @@ class RunLog:
                 self._tensorboard = None
         if self._wandb_run is not None:
             try:  # telemetry must never end a training run: on any wandb failure, warn once and continue without it
-                self._wandb_run.log(_wandb_record(scalars, samples, n_classes), step=step)
+                self._wandb_run.log(_wandb_record(scalars, samples), step=step)
             except Exception as error:
                 logger.warning("wandb logging failed (%s); continuing without wandb", error)
                 self._wandb_run = None
 
 
-def _write_events(writer: Any, step: int, scalars: Scalars, samples: dict[str, Any] | None, n_classes: int) -> None:
+def _write_events(writer: Any, step: int, scalars: Scalars, samples: dict[str, Any] | None) -> None:
     for tag, value in scalars.values():
         writer.add_scalar(tag, value, step)
     if samples is not None:
         writer.add_images("val/image", samples["image"].detach().float().cpu().clamp(0, 1), step)
-        writer.add_images("val/truth", class_images(samples["true"], n_classes), step)
-        writer.add_images("val/prediction", class_images(samples["pred"], n_classes), step)
+        writer.add_images("val/truth", samples["true"], step)
+        writer.add_images("val/prediction", samples["pred"], step)
     writer.flush()  # a write error of the writer's thread surfaces here
 
 
 def class_images(classes: torch.Tensor, n_classes: int) -> torch.Tensor:
-    """Class indices ``[N, H, W]`` (or one ``[H, W]``) as grey ``[N, 1, H, W]`` images in [0, 1], classes spread out
-    so that the masks are visible. Void pixels (negative indices) are black like class 0."""
+    """Class indices ``[N, H, W]`` as grey ``[N, 1, H, W]`` images in [0, 1], classes spread out so that the masks are
+    visible. Void pixels (negative indices) are black like class 0."""
     classes = classes.detach().cpu()
-    if classes.dim() == 2:
-        classes = classes.unsqueeze(0)
     return (classes.clamp(min=0).float() / (max(n_classes, 2) - 1)).clamp(max=1).unsqueeze(1)
 
 
-def _wandb_record(scalars: Scalars, samples: dict[str, Any] | None, n_classes: int) -> dict[str, Any]:
+def _wandb_record(scalars: Scalars, samples: dict[str, Any] | None) -> dict[str, Any]:
     import wandb
 
     record: dict[str, Any] = {name: value for name, (_, value) in scalars.items()}
     if samples is not None:
         # The first of the samples (TensorBoard shows them all).
         record["images"] = wandb.Image(samples["image"][0].float().cpu().permute(1, 2, 0).numpy())
-        masks = {name: class_images(samples[name][0], n_classes)[0, 0] for name in ("true", "pred")}
-        record["masks"] = {name: wandb.Image((mask * 255).byte().numpy()) for name, mask in masks.items()}
+        record["masks"] = {name: wandb.Image((samples[name][0, 0] * 255).byte().numpy()) for name in ("true", "pred")}
         for name, values in samples.get("histograms", {}).items():
             record[name] = wandb.Histogram(values.float().cpu())
     return record
 
 
-def _start_tensorboard(run_folder: RunFolder, resumed_step: int | None) -> Any:
+def _start_tensorboard(run_folder: RunFolder, purge_step: int | None) -> Any:
     if importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard, or drop --tensorboard")
     from torch.utils.tensorboard import SummaryWriter
@@ -400,7 +398,6 @@ def _start_tensorboard(run_folder: RunFolder, resumed_step: int | None) -> Any:
         logger.warning("%s; training continues without TensorBoard events", error)
         return None
     _quiet_event_writer_threads()
-    purge_step = None if resumed_step is None else resumed_step + 1
     try:
         return SummaryWriter(log_dir=str(folder), purge_step=purge_step)
     except OSError as error:
