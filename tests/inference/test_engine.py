@@ -12,7 +12,7 @@ from PIL import Image
 from tests.helpers import make_model, reference_classes, write_images
 from utils.errors import ConfigError
 from utils.hardware import pick_device
-from utils.inference.config import PredictConfig
+from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import (
     InputItem,
     PredictionInputs,
@@ -92,8 +92,9 @@ def test_unknown_or_absent_devices_are_config_errors():
     # predict.py and evaluate.py resolve --device with utils.hardware.pick_device.
     assert pick_device("cpu") == torch.device("cpu")
     assert pick_device("auto").type in ("cpu", "cuda", "mps")
-    with pytest.raises(ConfigError, match="--device 'warp9'"):
-        pick_device("warp9")
+    # A value that is no device is refused where --device is parsed (utils.cli.device_flag), before pick_device.
+    with pytest.raises(ConfigError, match="--device: 'warp9' is not a device"):
+        parse_inference_config(PredictConfig, "predict.py", ["-i", "a.png", "--device", "warp9"], "a\n\nb")
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="--device cuda .*no CUDA device"):
             pick_device("cuda")

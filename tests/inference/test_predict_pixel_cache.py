@@ -10,10 +10,11 @@ import torch
 
 from tests.datasets.test_pixel_cache import HEIGHT, WIDTH, write_photos
 from utils.datasets.dataset import BasicDataset
+from utils.datasets.image_files import FileInfo
 from utils.datasets.pixel_cache import IMAGE
 from utils.errors import ConfigError
 from utils.inference.config import PredictConfig, parse_inference_config
-from utils.inference.engine import PredictionInputs, _file_info
+from utils.inference.engine import PredictionInputs
 
 
 def entries(folder: Path) -> list[Path]:
@@ -39,7 +40,7 @@ def test_inputs_from_the_training_cache_equal_decoded_ones(tmp_path: Path) -> No
     assert entries(cache) == filled, "training's entries were found: nothing new was written"
 
     # The item really comes from the entry: a different array stored under its key is what predict sees.
-    cached.pixel_cache.write(_file_info(paths[0]), IMAGE, np.zeros((HEIGHT // 2, WIDTH // 2, 3), np.uint8))
+    cached.pixel_cache.write(FileInfo.of(paths[0]), IMAGE, np.zeros((HEIGHT // 2, WIDTH // 2, 3), np.uint8))
     assert not cached[0].image.any()
 
 

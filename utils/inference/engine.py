@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,46 +173,29 @@ class PredictionInputs(Dataset):
 
     def __getitem__(self, index: int) -> InputItem:
         path = self.paths[index]
+        header = original = None  # set when the file is decoded (not on a pixel-cache hit)
+
+        def decode() -> Tensor:
+            nonlocal header, original
+            with load_image(path, any_size=self.any_size) as pil_image:
+                header = pil_image.width, pil_image.height, mode_channels(pil_image.mode)
+                if self.keep_original:
+                    # Full size for --viz, converted like the model's input (palette, 16-bit, ... handled).
+                    original = image_tensor(pil_image, 1.0).mul_(255).round_().to(torch.uint8)
+                # The training pipeline's conversion and resize, so predictions see what the model was trained on.
+                return resized_image(pil_image, self.scale, self._convert_to)
+
         try:
-            read = self._cached if self.pixel_cache is not None else self._decoded
-            image, original_size, own_channels, original = read(path)
+            # --pixel-cache: the entry training stored under the file's record (FileInfo.of), else decoded and stored.
+            image = cached_image(self.pixel_cache, FileInfo.of(path), decode)
+            # On a cache hit the header gives the original size.
+            width, height, own_channels = header or image_header(path)
+            if image.shape[0] != self.n_channels:
+                raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
             return InputItem(index, path, error=f"cannot read image {path}: {str(error) or type(error).__name__}")
         converted_from = own_channels if own_channels != self.n_channels else None
-        return InputItem(index, path, image, original_size, original, converted_from=converted_from)
-
-    def _decoded(self, path: Path) -> tuple[Tensor, tuple[int, int], int, Tensor | None]:
-        with load_image(path, any_size=self.any_size) as pil_image:
-            # The training pipeline's conversion and resize, so predictions see what the model was trained on.
-            image = self._checked(image_tensor(pil_image, self.scale, self._convert_to))
-            # Full size for --viz, converted like the model's input (palette, 16-bit, ... handled).
-            original = image_tensor(pil_image, 1.0).mul_(255).round_().to(torch.uint8) if self.keep_original else None
-            return image, (pil_image.height, pil_image.width), mode_channels(pil_image.mode), original
-
-    def _cached(self, path: Path) -> tuple[Tensor, tuple[int, int], int, None]:
-        """From the pixel cache (the header gives the original size), decoded and stored on a miss."""
-        info = _file_info(path)
-        width, height, own_channels = image_header(path)
-
-        def decode() -> Tensor:
-            with load_image(path, any_size=self.any_size) as pil_image:
-                return resized_image(pil_image, self.scale, self._convert_to)
-
-        pixels = cached_image(self.pixel_cache, info, decode)
-        return unit_float(self._checked(pixels)), (height, width), own_channels, None
-
-    def _checked(self, image: Tensor) -> Tensor:
-        if image.shape[0] != self.n_channels:
-            raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
-        return image
-
-
-def _file_info(path: Path) -> FileInfo:
-    """The record ``index_folder`` makes for ``path`` (what keys the pixel cache), so training's entries are found."""
-    absolute = os.path.abspath(path)
-    stat = os.stat(absolute)
-    ext = os.path.splitext(absolute)[1].lower()
-    return FileInfo(absolute, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
+        return InputItem(index, path, unit_float(image), (height, width), original, converted_from=converted_from)
 
 
 def keep_as_list(items: list[Any]) -> list[Any]:
