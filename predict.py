@@ -75,7 +75,7 @@ def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConf
         pixel_cache=config.pixel_cache,
         any_size=config.tile is not None,
     )
-    writer = Writer(preprocessing, class_colours(preprocessing.mask_values, model.n_classes), config)
+    writer = Writer(preprocessing, class_colours(preprocessing.mask_values), config)
     predictions = predict_items(model, dataset, device, config)
     failures = write_predictions(predictions, writer, plans)
     if failures:

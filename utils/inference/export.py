@@ -302,19 +302,6 @@ def needs_external_data(model: nn.Module) -> bool:
     return size > PROTOBUF_LIMIT_BYTES - PROTOBUF_MARGIN_BYTES
 
 
-def read_preprocessing(path: str | Path) -> dict[str, object]:
-    """The preprocessing record of an exported ONNX file (``Preprocessing.metadata``), values decoded."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    record: dict[str, object] = {}
-    for prop in proto.metadata_props:
-        if prop.key.startswith(METADATA_PREFIX):
-            name = prop.key.removeprefix(METADATA_PREFIX)
-            record[name] = prop.value if name in ("input", "output") else json.loads(prop.value)
-    return record
-
-
 def _weights_file(path: Path) -> Path:
     """Where an ONNX model's weights go when they do not fit in it: ``<file>.data`` beside it (torch.onnx's name)."""
     return path.with_name(path.name + ".data")

@@ -52,12 +52,12 @@ TRUTH_SUFFIXES = ("", "_mask", "_masks", "-mask", "_label", "_labels", "_gt")
 MASK_FILE_SUFFIXES = (*MASK_FORMATS, *sorted(IMAGE_EXTENSIONS - set(MASK_FORMATS)))
 
 
-def class_colours(mask_values: Sequence, n_classes: int) -> list[tuple[int, int, int]]:
-    """One RGB colour per class (index 0, background, included for indexing but never drawn)."""
-    if mask_values and all(isinstance(value, Sequence) and len(value) >= 3 for value in mask_values):
+def class_colours(mask_values: Sequence) -> list[tuple[int, int, int]]:
+    """One RGB colour per class, as ``mask_values`` has one value per class (index 0, background, included for
+    indexing but never drawn): the masks' own colours, else the palette."""
+    if all(isinstance(value, Sequence) and len(value) >= 3 for value in mask_values):
         return [tuple(int(channel) for channel in value[:3]) for value in mask_values]
-    count = max(n_classes, 2)
-    return [(0, 0, 0)] + [PALETTE[(k - 1) % len(PALETTE)] for k in range(1, count)]
+    return [(0, 0, 0)] + [PALETTE[(k - 1) % len(PALETTE)] for k in range(1, len(mask_values))]
 
 
 def overlay(image: Tensor, classes: np.ndarray, colours: Sequence[tuple[int, int, int]]) -> Tensor:
