@@ -67,14 +67,7 @@ def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConf
     folders = {plan.mask.parent for plan in plans}
     check_writable(folders)
     model.to(device)
-    dataset = PredictionInputs(
-        inputs,
-        preprocessing.scale,
-        model.n_channels,
-        keep_original=config.viz,
-        pixel_cache=config.pixel_cache,
-        any_size=config.tile is not None,
-    )
+    dataset = PredictionInputs(inputs, preprocessing, config)
     writer = Writer(preprocessing, class_colours(preprocessing.mask_values), config)
     predictions = predict_items(model, dataset, device, config)
     failures = write_predictions(predictions, writer, plans)

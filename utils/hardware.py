@@ -332,9 +332,8 @@ def check_room(
     folder: Path = SHARED_MEMORY_FOLDER,
 ) -> None:
     """Raise ``ConfigError`` when ``workers`` loader workers (per process) would not fit their batches of
-    ``batch_size`` items like ``item`` into ``folder``. ``workers_fix``: the flag that turns workers off."""
-    if workers <= 0:
-        return
+    ``batch_size`` items like ``item`` into ``folder`` (no workers need none). ``workers_fix``: the flag that turns
+    workers off."""
     free = free_bytes(folder)
     needed = needed_bytes(tensor_bytes(item), batch_size, workers, processes)
     if free is None or needed <= free:

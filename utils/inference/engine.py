@@ -138,35 +138,26 @@ class PredictionInputs(Dataset):
     """Decodes and resizes input files; a file that cannot be used becomes an item with ``error`` set, not a crash.
 
     A grey photo for an RGB model is converted to RGB, a colour photo for a grey model to grey (PIL's luma), as
-    training does; ``predict_items`` warns once with the count of such files.
+    training does; ``predict_items`` warns once with the count of such files. Images are prepared as
+    ``preprocessing`` says (scale, channels); ``config`` adds --viz (the full-size pixels are kept), --tile (any size
+    is read: PIL's pixel limit is for whole images, --tile holds a window's activations at a time) and --pixel-cache.
     """
 
-    def __init__(
-        self,
-        paths: Sequence[Path],
-        scale: float,
-        n_channels: int,
-        keep_original: bool = False,
-        pixel_cache: str | Path | None = None,
-        any_size: bool = False,
-    ) -> None:
+    def __init__(self, paths: Sequence[Path], preprocessing: Preprocessing, config: PredictConfig) -> None:
         self.paths = list(paths)
-        # Past PIL's pixel limit: --tile holds a window's activations at a time, never a whole image's.
-        self.any_size = any_size
-        self.scale = scale
-        self.n_channels = n_channels
-        self.keep_original = keep_original
+        self.scale, self.n_channels = preprocessing.scale, preprocessing.channels
+        self.keep_original, self.any_size = config.viz, config.tile is not None
         # --pixel-cache: the training cache's entries (same scale and channels) are read instead of decoding, and
         # a decoded input is stored for the next run. Not with --viz, which needs the full-size pixels anyway.
         self.pixel_cache = (
-            PixelCache(pixel_cache, scale=scale, channels=n_channels)
-            if pixel_cache is not None and not keep_original and n_channels in (1, 3)
+            PixelCache(config.pixel_cache, scale=self.scale, channels=self.n_channels)
+            if config.pixel_cache is not None and not config.viz and self.n_channels in (1, 3)
             else None
         )
         if self.pixel_cache is not None:
             self.pixel_cache.check_outside(*{path.parent for path in self.paths})
         # The dataset's conversion (grey <-> RGB by PIL mode) exists for 1- and 3-channel models only.
-        self._convert_to = n_channels if n_channels in (1, 3) else None
+        self._convert_to = self.n_channels if self.n_channels in (1, 3) else None
 
     def __len__(self) -> int:
         return len(self.paths)

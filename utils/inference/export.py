@@ -147,14 +147,12 @@ def _quiet_loggers(*names: str) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def _reference(model: nn.Module, *inputs: Tensor) -> list[Tensor]:
-    return [model(x) for x in inputs]
-
-
-def _compare(path: Path, expected: list[Tensor], actual: list[Tensor]) -> float:
+def _compare(path: Path, model: nn.Module, inputs: Sequence[Tensor], actual: Sequence[Tensor]) -> float:
+    """The largest difference between the exported model's outputs ``actual`` and ``model``'s on ``inputs``; an
+    ``ExportError`` when one exceeds the tolerance."""
     worst = 0.0
-    for reference, exported in zip(expected, actual, strict=True):
-        exported = torch.as_tensor(exported)
+    for x, exported in zip(inputs, actual, strict=True):
+        reference, exported = model(x), torch.as_tensor(exported)
         if exported.shape != reference.shape:
             raise ExportError(
                 f"exported model {path} returns shape {tuple(exported.shape)}, PyTorch {tuple(reference.shape)}"
@@ -178,8 +176,7 @@ def _export_torchscript(model: nn.Module, path: Path, sample: Tensor, other: Ten
         reloaded = torch.jit.load(str(path), map_location="cpu")
         with torch.inference_mode():
             actual = [reloaded(sample), reloaded(other)]
-    worst = _compare(path, _reference(model, sample, other), actual)
-    return ExportReport(path, "torchscript", "torch.jit.load", worst)
+    return ExportReport(path, "torchscript", "torch.jit.load", _compare(path, model, (sample, other), actual))
 
 
 def _export_onnx(
@@ -292,8 +289,7 @@ def _check_onnx(model: nn.Module, path: Path, sample: Tensor, other: Tensor) -> 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     input_name = session.get_inputs()[0].name
     actual = [torch.from_numpy(session.run(None, {input_name: x.numpy()})[0]) for x in (sample, other)]
-    worst = _compare(path, _reference(model, sample, other), actual)
-    return ExportReport(path, "onnx", "onnxruntime", worst)
+    return ExportReport(path, "onnx", "onnxruntime", _compare(path, model, (sample, other), actual))
 
 
 def needs_external_data(model: nn.Module) -> bool:
