@@ -106,21 +106,20 @@ def export_model(
 ) -> ExportReport:
     """Write ``model`` in ``export_format`` to ``path`` for ``[N, C, H, W]`` float32 input and check it.
 
-    ``sample_size`` is ``(height, width)`` of the sample input used to trace the model; both must be multiples of 16.
-    ``preprocessing`` goes into an ONNX file's ``metadata_props``.
+    ``sample_size`` is ``(width, height)`` of the sample input used to trace the model (``--export-size WxH``); both
+    must be multiples of 16. ``preprocessing`` goes into an ONNX file's ``metadata_props``.
     """
+    width, height = sample_size
     if any(side < DOWNSAMPLING or side % DOWNSAMPLING for side in sample_size):
-        raise ExportError(f"--export-size {sample_size[1]}x{sample_size[0]}: use multiples of {DOWNSAMPLING}")
+        raise ExportError(f"--export-size {width}x{height}: use multiples of {DOWNSAMPLING}")
     path = Path(path)
     # Export a float32 CPU copy in eval mode so the caller's model (maybe on a GPU) is left as it was.
     model = copy.deepcopy(model).float().cpu().eval()
     n_channels = int(model.n_channels)  # a SegmentationNet (unet), as every model this project builds
     generator = torch.Generator().manual_seed(0)
-    sample = torch.rand(1, n_channels, *sample_size, generator=generator)
+    sample = torch.rand(1, n_channels, height, width, generator=generator)
     # A second input with another batch size and shape checks that the exported sizes are not frozen to the sample.
-    other = torch.rand(
-        2, n_channels, sample_size[0] + DOWNSAMPLING, sample_size[1] + 2 * DOWNSAMPLING, generator=generator
-    )
+    other = torch.rand(2, n_channels, height + DOWNSAMPLING, width + 2 * DOWNSAMPLING, generator=generator)
     # Written and checked under a temporary name, then renamed (utils.output_files, which also refuses a folder it
     # cannot write before anything is exported): a file that failed its check is never left to be mistaken for a
     # usable export, and an earlier export at ``path`` stays whole until then.

@@ -43,9 +43,10 @@ class Writer:
     """Which files to write (--no-save, --viz) and the true masks beside the overlays (--masks)."""
 
     def write(self, prediction: Prediction, plan: OutputPlan) -> str | None:
-        """Write one prediction's files; returns an error message instead of raising, except for an
-        ``OutputError`` of the output location (see the module docstring)."""
-        assert prediction.classes is not None
+        """Write one prediction's files; returns an error message instead of raising (the input's own when it could
+        not be read), except for an ``OutputError`` of the output location (see the module docstring)."""
+        if prediction.classes is None:
+            return prediction.item.error
         try:
             if not self.config.no_save:
                 mask = mask_to_image(prediction.classes, self.preprocessing.mask_values)
@@ -95,10 +96,6 @@ def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: 
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer")
     try:
         for prediction in predictions:
-            if prediction.item.error is not None:
-                logger.error("%s", prediction.item.error)
-                failures.append(prediction.item.error)
-                continue
             pending.append(pool.submit(writer.write, prediction, plans[prediction.item.index]))
             while len(pending) > MAX_PENDING_WRITES:
                 collect(pending.popleft())
