@@ -22,6 +22,7 @@ from torch import Tensor
 
 from utils.datasets.dataset import mask_classes
 from utils.datasets.image_files import IMAGE_EXTENSIONS, load_image
+from utils.inference.export import Preprocessing
 from utils.inference.file_plan import MASK_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -168,19 +169,16 @@ def load_truth_classes(mask_path: Path, mask_values: Sequence, size: tuple[int, 
 
 
 def render_visualization(
-    image: Tensor,
-    predicted: np.ndarray,
-    colours: Sequence[tuple[int, int, int]],
-    truth: np.ndarray | None = None,
-    mask_values: Sequence = (),
-    class_names: Sequence[str] = (),
+    image: Tensor, predicted: np.ndarray, preprocessing: Preprocessing, truth: np.ndarray | None = None
 ) -> Image.Image:
-    """The prediction overlay, or truth | prediction side by side when ``truth`` is given, captioned, with a legend.
+    """The prediction overlay, or truth | prediction side by side when ``truth`` is given, captioned, with a legend:
+    classes in the colours of the checkpoint's mask values (``class_colours``), labelled by its class names or values.
 
     The overlay pixels sit at the top left, as in the image (``[:H, :W]``; the prediction's at ``W + GAP_PIXELS``
     beside the truth's); the captions and legend are below them.
     """
-    legend = legend_entries(colours, mask_values, class_names)
+    colours = class_colours(preprocessing.mask_values)
+    legend = legend_entries(colours, preprocessing.mask_values, preprocessing.class_names)
     predicted_overlay = overlay(image, predicted, colours)
     if truth is None:
         return with_captions([predicted_overlay], CAPTIONS[1:], legend)

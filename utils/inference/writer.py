@@ -38,7 +38,6 @@ class Writer:
 
     preprocessing: Preprocessing
     """The checkpoint's mask values and class names."""
-    colours: list[tuple[int, int, int]]
     config: PredictConfig
     """Which files to write (--no-save, --viz) and the true masks beside the overlays (--masks)."""
 
@@ -71,9 +70,7 @@ class Writer:
                 logger.warning("no true mask for %s in %s; writing the prediction overlay alone", item.path, masks_dir)
             else:
                 truth = load_truth_classes(truth_path, mask_values, item.original_size)
-        overlay = render_visualization(
-            item.original, prediction.classes, self.colours, truth, mask_values, self.preprocessing.class_names
-        )
+        overlay = render_visualization(item.original, prediction.classes, self.preprocessing, truth)
         write_file(path, overlay.save, f"the overlay of {item.path}")
 
 
