@@ -189,20 +189,13 @@ class PredictionInputs(Dataset):
         return InputItem(index, path, unit_float(image), (height, width), original, converted_from=converted_from)
 
 
-def keep_as_list(items: list[Any]) -> list[Any]:
-    """DataLoader collate function: keep the items apart (images of different sizes cannot be stacked yet).
-
-    It runs in loader worker processes: a module-level function pickles under any start method.
-    """
-    return items
-
-
 def item_loader(
     dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False, first: Any = None
 ) -> SharedMemoryGuard:
-    """predict.py's and evaluate.py's loader: lists of ``batch_size`` items (``keep_as_list``), decoded by ``workers``
-    processes once one item (``first``, else ``dataset[0]``) shows their batches fit in shared memory (``check_room``),
-    and their shared-memory failures as one line (``SharedMemoryGuard``)."""
+    """predict.py's and evaluate.py's loader: lists of ``batch_size`` items (not stacked: images of different sizes
+    cannot be yet), decoded by ``workers`` processes once one item (``first``, else ``dataset[0]``) shows their
+    batches fit in shared memory (``check_room``), and their shared-memory failures as one line
+    (``SharedMemoryGuard``)."""
     if workers and len(dataset):  # type: ignore[arg-type]
         check_room(
             dataset[0] if first is None else first, batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX
@@ -211,7 +204,7 @@ def item_loader(
         dataset,
         batch_size=batch_size,
         num_workers=workers,
-        collate_fn=keep_as_list,
+        collate_fn=list,  # the items kept apart; a builtin pickles for workers under any start method
         pin_memory=pin_memory,
         timeout=loader_timeout(workers),
     )
