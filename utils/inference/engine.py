@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,7 @@ def run_export(
 
 @dataclass
 class InputItem:
-    """One decoded input image, or the reason it could not be decoded."""
+    """One decoded input image, or the reason it could not be decoded, and once predicted its classes."""
 
     index: int
     path: Path
@@ -123,15 +123,8 @@ class InputItem:
     error: str | None = None
     converted_from: int | None = None
     """The file's channel count when it was converted to the model's (grey photo for an RGB model, or the reverse)."""
-
-
-@dataclass
-class Prediction:
-    """Class indices ``[H, W]`` for one input at its original size; none when the input could not be read (its
-    ``item.error`` says why)."""
-
-    item: InputItem
     classes: np.ndarray | None = None
+    """Class indices ``[H, W]`` at ``original_size`` (``predict_batch``); none when the input could not be read."""
 
 
 class PredictionInputs(Dataset):
@@ -263,7 +256,7 @@ def predict_batch(
     device: torch.device,
     config: PredictConfig,
     memory: MemoryPlanner | None = None,
-) -> list[Prediction]:
+) -> list[InputItem]:
     """Predict a batch of items whose network-input images all have the same shape, as ``config`` says (precision,
     threshold, --tta, --tile: windows run --batch-size at a time).
 
@@ -278,13 +271,11 @@ def predict_batch(
         logits = forward_logits(model, images, config.precision, config.tta)
     else:
         logits = predict_logits_tiled(model, images, tile, config.precision, config.batch_size)
-    return [
-        Prediction(
-            item,
-            logits_to_classes(item_logits, item.original_size, config.mask_threshold).to(torch.uint8).cpu().numpy(),
-        )
-        for item, item_logits in zip(items, logits, strict=True)
-    ]
+    predicted = []
+    for item, item_logits in zip(items, logits, strict=True):
+        classes = logits_to_classes(item_logits, item.original_size, config.mask_threshold)
+        predicted.append(replace(item, classes=classes.to(torch.uint8).cpu().numpy()))
+    return predicted
 
 
 def predict_items(
@@ -293,8 +284,8 @@ def predict_items(
     device: torch.device,
     config: PredictConfig,
     memory: MemoryPlanner | None = None,
-) -> Iterator[Prediction]:
-    """Yield one ``Prediction`` per input (in completion order, not input order); unreadable inputs carry ``error``.
+) -> Iterator[InputItem]:
+    """Yield every input with its ``classes`` (in completion order, not input order); unreadable ones carry ``error``.
 
     ``config`` gives the batch size, the loader workers, the progress bar and what ``predict_batch`` reads. Without
     ``--tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch whose
@@ -306,23 +297,23 @@ def predict_items(
     planner = memory if memory is not None else MemoryPlanner(device=device)
     run = functools.partial(predict_batch, model, device=device, config=config, memory=planner)
 
-    def batches() -> Iterator[list[Prediction]]:
+    def batches() -> Iterator[list[InputItem]]:
         for loaded in loader:
             for item in loaded:
                 if item.error is not None:
-                    yield [Prediction(item)]
+                    yield [item]
                 else:
                     yield from map(run, buckets.add(item))
         yield from map(run, buckets.flush())
 
     converted: dict[int, int] = {}
     with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not config.progress) as bar:
-        for predictions in batches():
-            for prediction in predictions:
-                if prediction.item.converted_from is not None:
-                    converted[prediction.item.converted_from] = converted.get(prediction.item.converted_from, 0) + 1
+        for predicted in batches():
+            for item in predicted:
+                if item.converted_from is not None:
+                    converted[item.converted_from] = converted.get(item.converted_from, 0) + 1
                 bar.update(1)
-                yield prediction
+                yield item
     for channels, count in sorted(converted.items()):
         kind, target = ("grey", "RGB") if channels == 1 else ("colour", "grey")
         logger.warning(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from utils.errors import UserError, count
 from utils.inference.config import PredictConfig
-from utils.inference.engine import Prediction
+from utils.inference.engine import InputItem
 from utils.inference.export import Preprocessing
 from utils.inference.file_plan import OutputPlan
 from utils.inference.outputs import mask_to_image
@@ -41,26 +41,25 @@ class Writer:
     config: PredictConfig
     """Which files to write (--no-save, --viz) and the true masks beside the overlays (--masks)."""
 
-    def write(self, prediction: Prediction, plan: OutputPlan) -> str | None:
-        """Write one prediction's files; returns an error message instead of raising (the input's own when it could
-        not be read), except for an ``OutputError`` of the output location (see the module docstring)."""
-        if prediction.classes is None:
-            return prediction.item.error
+    def write(self, item: InputItem, plan: OutputPlan) -> str | None:
+        """Write one predicted input's files; returns an error message instead of raising (the input's own when it
+        could not be read), except for an ``OutputError`` of the output location (see the module docstring)."""
+        if item.classes is None:
+            return item.error
         try:
             if not self.config.no_save:
-                mask = mask_to_image(prediction.classes, self.preprocessing.mask_values)
-                write_file(plan.mask, mask.save, f"the mask of {prediction.item.path}")
+                mask = mask_to_image(item.classes, self.preprocessing.mask_values)
+                write_file(plan.mask, mask.save, f"the mask of {item.path}")
             if self.config.viz:
-                self._write_viz(prediction, plan.viz)
+                self._write_viz(item, plan.viz)
         except (OSError, ValueError, UserError) as error:
             if isinstance(error, OutputError) and error.location_failure:
                 raise
-            return f"{prediction.item.path}: could not write its output: {error}"
+            return f"{item.path}: could not write its output: {error}"
         return None
 
-    def _write_viz(self, prediction: Prediction, path: Path) -> None:
-        item = prediction.item
-        assert item.original is not None and prediction.classes is not None
+    def _write_viz(self, item: InputItem, path: Path) -> None:
+        assert item.original is not None and item.classes is not None
         truth = None
         masks_dir = self.config.masks_dir
         mask_values = self.preprocessing.mask_values
@@ -70,11 +69,11 @@ class Writer:
                 logger.warning("no true mask for %s in %s; writing the prediction overlay alone", item.path, masks_dir)
             else:
                 truth = load_truth_classes(truth_path, mask_values, item.original_size)
-        overlay = render_visualization(item.original, prediction.classes, self.preprocessing, truth)
+        overlay = render_visualization(item.original, item.classes, self.preprocessing, truth)
         write_file(path, overlay.save, f"the overlay of {item.path}")
 
 
-def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: Sequence[OutputPlan]) -> list[str]:
+def write_predictions(predictions: Iterable[InputItem], writer: Writer, plans: Sequence[OutputPlan]) -> list[str]:
     """Write every prediction in ``writer``'s threads; returns the failures (each logged), inputs' and writes'.
 
     At most ``MAX_PENDING_WRITES`` predictions wait for a thread, so a fast model cannot fill memory with them. An
@@ -93,7 +92,7 @@ def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: 
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer")
     try:
         for prediction in predictions:
-            pending.append(pool.submit(writer.write, prediction, plans[prediction.item.index]))
+            pending.append(pool.submit(writer.write, prediction, plans[prediction.index]))
             while len(pending) > MAX_PENDING_WRITES:
                 collect(pending.popleft())
         while pending:
