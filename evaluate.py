@@ -65,15 +65,13 @@ def run(config: EvaluateConfig) -> int:
             other_split=config.other_split,
         )
         scored = Subset(dataset, positions)
-    first = scored[0]
-    if first["image"].shape[0] != model.n_channels:
+    # The dataset converts photos to a 1- or 3-channel model's kind; its images cannot feed a model of other channels.
+    if dataset.channels != model.n_channels:
         raise DatasetError(
-            f"the images in {config.images_dir} have {first['image'].shape[0]} channel(s) but "
+            f"the images in {config.images_dir} have {dataset.channels} channel(s) but "
             f"{config.model} expects {model.n_channels}"
         )
-    loader = item_loader(
-        scored, batch_size=config.batch_size, workers=config.workers, pin_memory=device.type == "cuda", first=first
-    )
+    loader = item_loader(scored, batch_size=config.batch_size, workers=config.workers, pin_memory=device.type == "cuda")
     model.to(device)
     result = evaluate_segmentation(
         model,

@@ -182,17 +182,13 @@ class PredictionInputs(Dataset):
         return InputItem(index, path, unit_float(image), (height, width), original, converted_from=converted_from)
 
 
-def item_loader(
-    dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False, first: Any = None
-) -> SharedMemoryGuard:
+def item_loader(dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False) -> SharedMemoryGuard:
     """predict.py's and evaluate.py's loader: lists of ``batch_size`` items (not stacked: images of different sizes
-    cannot be yet), decoded by ``workers`` processes once one item (``first``, else ``dataset[0]``) shows their
+    cannot be yet), decoded by ``workers`` processes once one item (``dataset[0]``) shows their
     batches fit in shared memory (``check_room``), and their shared-memory failures as one line
     (``SharedMemoryGuard``)."""
     if workers and len(dataset):  # type: ignore[arg-type]
-        check_room(
-            dataset[0] if first is None else first, batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX
-        )
+        check_room(dataset[0], batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX)
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
