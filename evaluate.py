@@ -75,7 +75,7 @@ def run(config: EvaluateConfig) -> int:
     model.to(device)
     result = evaluate_segmentation(
         model,
-        SizeGroupedBatches(loader, config.batch_size),
+        SizeGroupedBatches(loader),
         device,
         n_classes=model.n_classes,
         precision=config.precision,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +73,9 @@ class Writer:
         write_file(path, overlay.save, f"the overlay of {item.path}")
 
 
-def write_predictions(predictions: Iterable[InputItem], writer: Writer, plans: Sequence[OutputPlan]) -> list[str]:
+def write_predictions(
+    predictions: Generator[InputItem, None, None], writer: Writer, plans: Sequence[OutputPlan]
+) -> list[str]:
     """Write every prediction in ``writer``'s threads; returns the failures (each logged), inputs' and writes'.
 
     At most ``MAX_PENDING_WRITES`` predictions wait for a thread, so a fast model cannot fill memory with them. An
@@ -99,9 +101,7 @@ def write_predictions(predictions: Iterable[InputItem], writer: Writer, plans: S
             collect(pending.popleft())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        close = getattr(predictions, "close", None)
-        if close is not None:
-            close()
+        predictions.close()
     return failures
 
 
