@@ -25,6 +25,10 @@ from unet import UNet
 from utils.checkpoint.files import save_checkpoint_atomic
 from utils.checkpoint.format import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_MASK_VALUES, KEY_MODEL, KEY_MODEL_ARGS
 from utils.datasets.dataset import image_tensor
+from utils.launch.process_group import DistributedContext
+
+CPU_CONTEXT = DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+"""One process on the CPU, as ``utils.launch.process_group.setup`` returns it without a launcher."""
 
 
 def positive(value: object) -> bool:

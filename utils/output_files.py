@@ -15,9 +15,10 @@ Two promises, kept here and nowhere else:
   replaced, never written through, and a write that fails (a full disk) leaves the previous file whole and no
   temporary file behind.
 
-``metrics.jsonl`` is appended to, not replaced: ``open_for_append`` drops a torn last line (a crash mid-write) with
-one warning. A side output's folder (``side_output_folder``: TensorBoard's) is never a link or a file in the way, and a
-side output that cannot be written is one warning (``side_output_failed``): the run goes on without it.
+``metrics.jsonl`` is appended to, not replaced, and never through a link: ``open_for_append`` drops a torn last line
+(a crash mid-write) with one warning. A side output's folder (``side_output_folder``: TensorBoard's) is never a link
+or a file in the way, and a side output that cannot be written is one warning (its caller's): the run goes on
+without it.
 
 The small text files a user hands back (``--config``'s YAML, ``--split``'s JSON) are read here too, bounded in size
 and as UTF-8, each failure one line (``read_text``).
@@ -256,7 +257,9 @@ def read_text(path: Path, where: str, max_bytes: int, too_large: str) -> str:
 
 def open_for_append(path: Path) -> IO[str]:
     """``path`` opened to append lines. A torn last line (a crash mid-write) is repaired first, with one warning: a
-    whole JSON object that lost only its newline gets it back, anything else is cut off, so readers never meet it."""
+    whole JSON object that lost only its newline gets it back, anything else is cut off, so readers never meet it.
+    A link at ``path`` is refused (``OutputError``): its target, an input say, would get the records."""
+    _refuse_link(path, "the run's metrics.jsonl")
     with open(path, "a+b") as raw:
         size = raw.seek(0, os.SEEK_END)
         start = _last_line_start(raw, size)
@@ -304,12 +307,7 @@ def side_output_folder(folder: Path, role: str) -> Path:
     wherever it points, an input folder say), as is a file in the way. A probe file proves the folder writable, so
     an unwritable one is found here, not by a writer thread later.
     """
-    if folder.is_symlink():
-        raise OutputError(
-            f"{role}: {folder} is a link to {os.path.realpath(folder)}; a run writes only inside its own folder: "
-            "remove the link",
-            location_failure=False,
-        )
+    _refuse_link(folder, role)
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"{role}: {folder} is a file, not a folder; move it away", location_failure=False)
     try:
@@ -320,6 +318,15 @@ def side_output_folder(folder: Path, role: str) -> Path:
     except OSError as error:
         raise _output_error(folder, role, error) from error
     return folder
+
+
+def _refuse_link(path: Path, role: str) -> None:
+    if path.is_symlink():
+        raise OutputError(
+            f"{role}: {path} is a link to {os.path.realpath(path)}; a run writes only inside its own folder: "
+            "remove the link",
+            location_failure=False,
+        )
 
 
 def _output_error(path: Path, role: str | None, error: OSError) -> OutputError:

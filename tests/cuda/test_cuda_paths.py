@@ -66,7 +66,7 @@ def test_pinned_batches_copy_without_blocking(carvana_data) -> None:
 
     argv = ["--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks), "--scale", "1", "--batch-size", "4"]
     config = parse_config(argv)
-    data = build_data(config, world_size=1)
+    data = build_data(config)
     sampler = ResumableDistributedSampler(len(data.train_set), rank=0, world_size=1, seed=0, shuffle=True)
     loader = build_loader(data.train_set, config, num_workers=2, pin=True, sampler=sampler)
     batch = next(iter(loader))

@@ -265,11 +265,11 @@ def test_training_data_from_a_mixed_folder_with_the_cache(tmp_path) -> None:
     photos = write_photos(tmp_path / "data", grey=(2,))
     folders = ["--imgs", str(photos[0]), "--masks", str(photos[1]), "--pixel-cache", str(tmp_path / "pixels")]
     config = parse_config([*folders, "--scale", "0.5", "--validation", "34", "--augment"])
-    data = build_data(config, world_size=1)
+    data = build_data(config)
     assert data.n_channels == 3 and data.train_dataset.pixel_cache is not None
-    assert data.item_seconds is None and not (tmp_path / "pixels").exists(), "nothing is decoded before it is needed"
-    seconds, pixels = data.item_cost()
-    assert seconds > 0 and pixels == (WIDTH // 2) * (HEIGHT // 2) and data.item_seconds == seconds
+    assert not (tmp_path / "pixels").exists(), "nothing is decoded before it is needed"
+    seconds, pixels = data.item_cost
+    assert seconds > 0 and pixels == (WIDTH // 2) * (HEIGHT // 2) and data.item_cost == (seconds, pixels)
     assert entries(tmp_path / "pixels"), "measuring the first items cached them"
 
 

@@ -117,6 +117,17 @@ def test_glob_input_skips_earlier_outputs(tmp_path, images, binary_checkpoint):
     assert len(list(images[0].parent.glob("*_OUT.png"))) == len(images)
 
 
+@pytest.mark.parametrize("kind", ["loop", "dangling"])
+def test_a_bad_link_in_an_input_folder_is_one_line_naming_it(tmp_path, images, binary_checkpoint, capsys, kind):
+    # The folder index train.py and evaluate.py read through: the link is named, not silently left out.
+    link = images[0].parent / "zz.png"
+    link.symlink_to(link.name if kind == "loop" else tmp_path / "gone.png")
+    assert run_predict("-m", binary_checkpoint, "-i", images[0].parent) == USER_ERROR_EXIT_CODE
+    line = one_error_line(capsys.readouterr().err)
+    assert f"1 link(s) in input image folder {images[0].parent} lead to no file: zz.png" in line, line
+    assert not list(images[0].parent.glob("*_OUT.png"))
+
+
 def test_viz_writes_an_overlay_and_no_save_skips_the_mask(tmp_path, images, binary_checkpoint):
     out_dir = tmp_path / "out"
     assert run_predict("-m", binary_checkpoint, "-i", images[1], "--output-dir", out_dir, "-v", "-n") == 0

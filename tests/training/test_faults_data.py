@@ -33,7 +33,7 @@ def _copy_with_a_truncated_image(
     shutil.copytree(data.imgs, copy.imgs)
     shutil.copytree(data.masks, copy.masks)
     settings = parse_config(["--imgs", str(copy.imgs), "--masks", str(copy.masks), "-s", "1", "-v", "25"])
-    built = build_data(settings, world_size=1)
+    built = build_data(settings)
     subset = built.val_set if split == "validation" else built.train_set
     position = -1  # not the first training item: set-up loads that one to time the loaders
     if trained_by_rank_of_two is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TrainRunner, load_checkpoint
+from tests.helpers import read_metrics
 from utils.checkpoint.run_folder import RunFolder
 
 SHORT = ["-v", "25", "-e", "3", "--log-every", "1"]  # 12 training images, batch 2: 6 steps per epoch
@@ -66,3 +67,19 @@ def test_a_corrupt_furthest_file_falls_back_to_the_next_step_not_to_the_newest_m
     _touch(folder.interrupted, 300)
     found = folder.find_resume_checkpoint()
     assert found is not None and found[1]["global_step"] == 6 and found[0] != folder.interrupted
+
+
+def test_a_torn_last_metrics_line_is_cut_off_by_the_resume(runner: TrainRunner, caplog) -> None:
+    """A crash while a record was written leaves half a line: the resume drops it (one warning) before appending, so
+    the file stays one whole JSON record per line instead of gluing its next record onto the fragment."""
+    assert runner.main("torn", *SHORT, "--max-steps", "3") == 0
+    metrics = runner.run_dir("torn") / "metrics.jsonl"
+    whole = metrics.read_text()
+    with open(metrics, "a") as handle:
+        handle.write('{"event": "train", "glo')
+    with caplog.at_level("WARNING"):
+        assert runner.main("torn", *SHORT, "--max-steps", "4", "--resume", "auto") == 0
+    assert caplog.text.count("ended in a torn line of 23 bytes (a crash while writing); it is dropped") == 1
+    assert metrics.read_text().startswith(whole)
+    steps = [event["global_step"] for event in read_metrics(metrics, event="train")]  # every line parses
+    assert steps == [1, 2, 3, 4]

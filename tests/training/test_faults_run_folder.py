@@ -231,3 +231,16 @@ def test_a_torchrun_restart_of_resume_path_continues_the_folder_its_first_attemp
     assert chosen_run(older, series, 0) == (str(runner.run_dir("unet-3")), str(older))
     assert restart(older) == (str(runner.run_dir("unet-3")), str(older))
     assert not runner.run_dir("unet-4").exists()
+
+
+def test_a_linked_metrics_jsonl_is_refused_and_its_target_kept(runner: TrainRunner, tmp_path: Path, capsys) -> None:
+    # As a linked tensorboard/: the run's records would be appended to whatever the link names (an input, say).
+    kept = tmp_path / "notes.txt"
+    kept.write_text("mine\n")
+    run_dir = runner.run_dir("linked")
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").symlink_to(kept)
+    assert runner.main("linked", "-e", "1", "--resume", "auto") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{run_dir / 'metrics.jsonl'} is a link to {kept}" in line and "remove the link" in line, line
+    assert kept.read_text() == "mine\n"

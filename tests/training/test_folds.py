@@ -151,6 +151,13 @@ def test_evaluate_refuses_a_split_the_model_was_not_trained_on(
     assert f"on {len(raw['train'])} images" in capsys.readouterr().out
     assert scored("last.pth", tripled, "--other-split") == 2
     assert "lists 6 validation id(s) more than once" in one_error_line(capsys.readouterr().err)
+    for field, value, message in [("seed", "abc", "seed must be int, got 'abc'"),
+                                  ("validation", [], "lists no validation images")]:  # fmt: skip
+        edited = tmp_path / f"{field}.json"  # were a traceback and an IndexError
+        edited.write_text(json.dumps({**raw, field: value}))
+        assert scored("last.pth", edited, "--other-split") == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert f"--split {edited}" in line and message in line, line
     assert scored("last.pth", run_dir / "split.json") == 0  # control: its own split
 
 

@@ -25,11 +25,20 @@ SLURM = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "localhost", "SLURM_LOCALID
 
 
 def test_a_slurm_rank_out_of_range_is_one_line_at_once(runner: TrainRunner) -> None:
-    # One rank through the real script; ranks below 0 and above the last take the same check, both tested on the
-    # environment alone in tests/test_distributed.py.
+    # One rank through the real script; a rank below 0 takes the same check (train.main below, and the environment
+    # alone in tests/test_distributed.py).
     code, err = _run(runner, env={**SLURM, "SLURM_PROCID": "5", "SLURM_NTASKS": "2"})
     assert code == 2, err
     assert "SLURM_PROCID=5 is outside 0..1" in one_error_line(err) and "Traceback" not in err, err
+
+
+def test_a_negative_slurm_rank_is_one_line(runner: TrainRunner, monkeypatch, capsys) -> None:
+    # In this process (the script's exit status and output are the test above's): d0209ac raised a ValueError.
+    for name, value in {**SLURM, "SLURM_PROCID": "-1", "SLURM_NTASKS": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert runner.main("launch", "--epochs", "1", "--ddp_mode") == 2
+    assert "SLURM_PROCID=-1 is outside 0..1" in one_error_line(capsys.readouterr().err)
+    assert not runner.checkpoint_dir.exists()
 
 
 def test_an_unresolvable_dist_url_host_is_one_line_without_waiting(runner: TrainRunner) -> None:

@@ -207,29 +207,62 @@ def test_help_texts_are_the_field_docstrings() -> None:
 def test_the_step_freezes_the_encoder_for_the_epochs_counted_from_start_from() -> None:
     import torch
 
+    from tests.helpers import CPU_CONTEXT
     from unet import UNet
+    from utils.training.objective import Optimization
     from utils.training.step import TrainStep
 
     model = UNet(3, 2, base_channels=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(argv: list[str]) -> TrainStep:
-        options = {"model": model, "raw_model": model, "optimizer": optimizer, "scheduler": None, "scaler": None}
-        return TrainStep(
-            parse_config(argv), precision="bf16", class_weights=None, device=torch.device("cpu"), **options
-        )
+        optimization = Optimization(optimizer, scheduler=None, scaler=None)
+        return TrainStep(parse_config(argv), optimization, model, CPU_CONTEXT, precision="bf16", class_weights=None)
 
     resnet = ["--encoder", "resnet18"]
     assert step([*resnet, "--freeze-encoder-epochs", "2", "--start_from", "4"]).freeze_encoder_before_epoch == 4 - 1 + 2
     assert step([]).freeze_encoder_before_epoch == 0 and step([]).precision == "bf16"
 
 
-def test_every_flag_has_one_of_the_three_resume_rules() -> None:
+def test_a_resume_applies_every_flags_rule(caplog: pytest.LogCaptureFixture) -> None:
+    """The table walked: each flag in turn recorded with another value than this command's, through the resume's check
+    (must match: refused naming the flag and --load; may change: said in one line, old -> new; new plan: silent)."""
+    import types
+
     from utils.flags import flag_fields
     from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN
+    from utils.training.setup import check_resume_flags
 
-    rules = {item.flag.resume for item in flag_fields(TrainConfig)}
-    assert rules == {MUST_MATCH, MAY_CHANGE, NEW_PLAN}, "a flag's resume= is none of the three rules"
+    config = parse_config([])
+    for item in flag_fields(TrainConfig):
+        flag, rule = item.flag.name, item.flag.resume
+        state = types.SimpleNamespace(run_args={**config.as_dict(), item.dest: "recorded"})
+        caplog.clear()
+        if rule == MUST_MATCH:
+            with pytest.raises(ConfigError, match=rf"with {flag} recorded but this run asks for .*--load last\.pth"):
+                check_resume_flags(config, state, "last.pth")  # type: ignore[arg-type]
+            continue
+        with caplog.at_level("INFO", logger="utils.training.setup"):
+            check_resume_flags(config, state, "last.pth")  # type: ignore[arg-type]
+        said = [r.getMessage() for r in caplog.records if "The resumed run changes" in r.getMessage()]
+        if rule == MAY_CHANGE:
+            line = f"The resumed run changes 1 flag: {flag} recorded -> "
+            assert len(said) == 1 and said[0].startswith(line), (flag, said)
+        else:
+            assert rule == NEW_PLAN and said == [], f"{flag}: resume={rule!r}, said {said}"
+
+
+def test_reliability_md_lists_the_must_match_flags_of_the_table() -> None:
+    import re
+
+    from tests.conftest import REPO_ROOT
+    from utils.flags import flag_fields
+    from utils.training.config import MUST_MATCH
+
+    text = (REPO_ROOT / "docs" / "RELIABILITY.md").read_text()
+    bullet = text[text.index("- **must match**") : text.index("- **may change**")]
+    listed = set(re.findall(r"`(--[a-z_-]+)", bullet)) - {"--load"}  # --load FILE: the way out, named in the bullet
+    assert listed == {item.flag.name for item in flag_fields(TrainConfig) if item.flag.resume == MUST_MATCH}
 
 
 def test_the_resume_rules_of_the_objective_averages_and_plan() -> None:
@@ -251,7 +284,9 @@ def test_a_resume_keeps_the_checkpoints_epoch_plan_for_every_component(caplog: p
 
     import torch
 
+    from tests.helpers import CPU_CONTEXT
     from unet import UNet
+    from utils.training.objective import Optimization
     from utils.training.setup import planned_config
     from utils.training.step import TrainStep
 
@@ -266,6 +301,6 @@ def test_a_resume_keeps_the_checkpoints_epoch_plan_for_every_component(caplog: p
     # The frozen epochs count from the plan's --start_from, not from the one this command gave (and which it ignores).
     model = UNet(3, 2, base_channels=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    options = {"model": model, "raw_model": model, "optimizer": optimizer, "scheduler": None, "scaler": None}
-    step = TrainStep(planned, precision="fp32", class_weights=None, device=torch.device("cpu"), **options)
+    optimization = Optimization(optimizer, scheduler=None, scaler=None)
+    step = TrainStep(planned, optimization, model, CPU_CONTEXT, precision="fp32", class_weights=None)
     assert step.freeze_encoder_before_epoch == 4 - 1 + 2

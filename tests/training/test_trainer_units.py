@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tests.helpers import CPU_CONTEXT
 from utils.checkpoint import checkpointer
 from utils.checkpoint.run_folder import RunFolder
 from utils.checkpoint.state import TrainPosition
-from utils.launch.process_group import DistributedContext
 from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
 from utils.training.data import Loaders, TrainData
@@ -31,8 +31,6 @@ from utils.training.loop import Trainer, TrainParts
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 from utils.training.validation import ValidationStopped, Validator
-
-CPU = DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
 
 
 class RecordingStep:
@@ -152,13 +150,12 @@ def make_run(
             train_dataset=dataset,  # type: ignore[arg-type]
             mask_values=[0, 1],
             n_channels=1,
-            item_seconds=0.0,
-            item_pixels=1,
         ),
         loaders=Loaders(
             sampler=sampler,
             train=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
             val=None,
+            val_sharded=False,
             num_workers=0,
         ),
         batch_plan=BatchPlan(n_train=n_train, batch_size=batch_size, world_size=1, grad_accum=grad_accum),
@@ -168,10 +165,9 @@ def make_run(
         resume_images_in_epoch=resume_images,
     )
     interrupts = InterruptFlag()  # never installed: the tests set its signal as the handler would
-    run_log = RunLog(parts.config, CPU, folder, parts.batch_plan, resumed_step=None)
+    run_log = RunLog(parts.config, CPU_CONTEXT, folder, parts.batch_plan, resumed_step=None)
     trainer = Trainer(
-        parts.config,
-        CPU,
+        CPU_CONTEXT,
         parts,
         run_folder=folder,
         run_log=run_log,
@@ -354,10 +350,12 @@ def test_a_signal_before_the_first_validation_batch_is_a_stop_not_an_empty_valid
     config = parse_config(["--epochs", "1"])
     interrupts = InterruptFlag()  # never installed: the test sets its signal as the handler would
     plan = BatchPlan(n_train=2, batch_size=1, world_size=1, grad_accum=1)
-    run_log = RunLog(config, CPU, RunFolder(tmp_path / "run"), plan, resumed_step=None)
+    run_log = RunLog(config, CPU_CONTEXT, RunFolder(tmp_path / "run"), plan, resumed_step=None)
     model = nn.Conv2d(1, 2, kernel_size=1)
     loader = DataLoader(ImagesOfOnes(), batch_size=1)
-    validator = Validator(config, CPU, model, loader, precision="fp32", interrupts=interrupts, run_log=run_log)
+    validator = Validator(
+        CPU_CONTEXT, model, loader, sharded=False, n_classes=2, precision="fp32", interrupts=interrupts, run_log=run_log
+    )
     if not signalled:
         # The control: the same validation without a signal scores both images.
         assert 0.0 <= validator.validate(1, global_step=1) <= 1.0

@@ -12,7 +12,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.datasets.image_files import IMAGE_EXTENSIONS, OUTPUT_SUFFIX, PREDICTION_SUFFIXES, VIZ_SUFFIX
+from utils.datasets.image_files import (
+    IMAGE_EXTENSIONS,
+    OUTPUT_SUFFIX,
+    PREDICTION_SUFFIXES,
+    VIZ_SUFFIX,
+    index_folder,
+)
 from utils.errors import ConfigError
 
 # Masks must be stored losslessly: a JPEG would blur class values into each other.
@@ -32,19 +38,20 @@ def collect_inputs(patterns: Sequence[str]) -> list[Path]:
             found.append(path)
             continue
         if path.is_dir():
-            candidates = sorted(path.iterdir())
+            # The one folder index, as train.py's and evaluate.py's: a link loop or a dangling link named like an
+            # image is one line naming it, not a file silently left out.
+            images = sorted(path / info.name for info in index_folder(path, "input image").values())
         elif glob.has_magic(pattern):
-            candidates = sorted(Path(match) for match in glob.glob(pattern))
+            images = [
+                candidate
+                for candidate in sorted(Path(match) for match in glob.glob(pattern))
+                if candidate.is_file()
+                and candidate.suffix.lower() in IMAGE_EXTENSIONS
+                and not candidate.name.startswith(".")
+                and not candidate.stem.endswith(PREDICTION_SUFFIXES)
+            ]
         else:
             raise ConfigError(f"--input {pattern}: no such file or folder")
-        images = [
-            candidate
-            for candidate in candidates
-            if candidate.is_file()
-            and candidate.suffix.lower() in IMAGE_EXTENSIONS
-            and not candidate.name.startswith(".")
-            and not candidate.stem.endswith(PREDICTION_SUFFIXES)
-        ]
         if not images:
             raise ConfigError(f"--input {pattern}: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) found there")
         found.extend(images)

@@ -305,6 +305,20 @@ class TrainConfig:
         """The config of a flat dict (``as_dict``, config.yaml); a flag missing from it takes its default."""
         return build_config(cls, values)
 
+    def settings_block(self) -> str:
+        """The flags whose value is not the flag's default, one per line in field order under each flag's first name
+        (``--ema 0.9``; ``python train.py --help`` has the rest): what the run changed, said at its start and in
+        config.yaml."""
+        values = self.as_dict()
+        changed = [
+            describe_flag(item.flag.names[0], values[item.dest])
+            for item in flag_fields(type(self))
+            if values[item.dest] != item.default
+        ]
+        if not changed:
+            return "Settings: all flags at their defaults"
+        return "Settings that differ from the defaults:" + "".join(f"\n  {line}" for line in changed)
+
     def epoch_range(self) -> tuple[int, int]:
         """(first, last) epoch numbers: ``--epochs E --start_from S`` trains S..S+E-1, as the DDP script."""
         first = self.checkpoint.start_from
@@ -338,7 +352,12 @@ def validate_config(config: TrainConfig) -> None:
     """Reject impossible values before anything is built; every message names the flag to change."""
     check_ranges(config)  # each flag's own range, declared with its field
     data, model, launch = config.data, config.model, config.launch
-    check_machine_bounds(config)
+    # The bounds this machine sets (utils.hardware), checked before a run folder or a model exists.
+    check_threads(config.performance.threads)
+    if config.performance.num_workers is not None:
+        check_workers(config.performance.num_workers, "--num-workers")
+    # The photos' channels are not known yet: 3 (the first layer's share of the weights is negligible).
+    check_model_fits(3, model.classes, bilinear=model.bilinear, base_channels=model.base_channels)
     check_split_flags(data.split_by, data.group_pattern, data.folds, data.fold)
     if config.optimisation.class_weights is not None:
         parse_class_weights(config.optimisation.class_weights, model.classes)
@@ -388,16 +407,6 @@ def validate_config(config: TrainConfig) -> None:
     )
 
 
-def check_machine_bounds(config: TrainConfig) -> None:
-    """The bounds this machine sets (``utils.hardware``), checked before a run folder or a model exists."""
-    check_threads(config.performance.threads)
-    if config.performance.num_workers is not None:
-        check_workers(config.performance.num_workers, "--num-workers")
-    # The photos' channels are not known yet: 3 (the first layer's share of the weights is negligible).
-    model = config.model
-    check_model_fits(3, model.classes, bilinear=model.bilinear, base_channels=model.base_channels)
-
-
 def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
     """--class-weights as numbers, or None for 'auto' (computed from the training masks); ConfigError if malformed."""
     if text.strip().lower() == CLASS_WEIGHTS_AUTO:
@@ -420,16 +429,6 @@ def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
-
-
-def non_default_settings(run_args: Mapping[str, Any]) -> dict[str, Any]:
-    """``{flag: value}`` of the flags in ``run_args`` (``as_dict``) whose value is not the flag's default, in field
-    order, each under its first name (``--ema``): what a run's start block and config.yaml say it changed."""
-    return {
-        item.flag.names[0]: run_args[item.dest]
-        for item in flag_fields(TrainConfig)
-        if item.dest in run_args and run_args[item.dest] != item.default
-    }
 
 
 def describe_flag(flag: str, value: Any) -> str:

@@ -20,6 +20,7 @@ UTF-8, one document, nesting at most ``MAX_DEPTH`` deep, at most ``MAX_NODES`` v
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import logging
 from collections.abc import Mapping, Sequence
@@ -241,7 +242,8 @@ def _checked_scalar(item: FlagField, value: Any, where: str) -> Any:
     if kind is float:
         # YAML 1.1 reads 1e-5 (no dot) as text: a number written that way is still the number meant.
         if isinstance(value, str):
-            value = _number_if_numeric(value)
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where} must be a number, got {shortened(value)}")
         value = float(value)
@@ -255,10 +257,3 @@ def _checked_scalar(item: FlagField, value: Any, where: str) -> Any:
         except (argparse.ArgumentTypeError, ValueError) as error:
             raise ConfigError(f"{where}: {error}") from error
     return value
-
-
-def _number_if_numeric(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text

@@ -6,12 +6,12 @@ order (``utils.training.sampler``); only global rank 0 validates, so only it has
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -21,7 +21,6 @@ from utils.datasets.splits import (
     SPLIT_BY_IMAGE,
     SplitRecord,
     SplitRule,
-    check_same_split,
     empty_side_fix,
     group_count,
     groups_across,
@@ -29,7 +28,6 @@ from utils.datasets.splits import (
     make_record,
     split_positions,
     validation_share_warning,
-    write_split_file,
 )
 from utils.errors import ConfigError
 from utils.evaluation import shard_range
@@ -43,7 +41,7 @@ from utils.hardware import (
 )
 from utils.launch.process_group import DistributedContext
 from utils.training.config import DataSection, TrainConfig
-from utils.training.sampler import BatchPlan, ResumableDistributedSampler
+from utils.training.sampler import ResumableDistributedSampler
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +63,6 @@ class TrainData:
     train_dataset: BasicDataset
     mask_values: list
     n_channels: int
-    item_seconds: float | None = None
-    """Measured time to load one training item in this process (decode or cache read, augmentation); None until
-    ``item_cost()`` measured it."""
-    item_pixels: int | None = None
-    """Pixels of one network input (height x width); None until ``item_cost()`` measured it."""
     train_class_pixels: list[int] = field(default_factory=list)
     """Pixels of each class over the training images (full-size masks, void excluded), from the mask scan."""
     train_foreground: list[int] = field(default_factory=list)
@@ -77,21 +70,24 @@ class TrainData:
     split: SplitRecord | None = None
     """The ids on each side and the rule that made them (``split.json``, its digest in every checkpoint)."""
 
+    @functools.cached_property
     def item_cost(self) -> tuple[float, int]:
-        """(seconds to load one training item here, pixels of one network input), measured on the first call.
+        """(seconds to load one training item in this process: decode or cache read, augmentation; pixels of one
+        network input), measured when first asked: the fastest of the first two items, so one-off set-up costs are
+        left out. Only the CUDA default of --num-workers needs it; decoding two items on every start bought a CPU run
+        nothing."""
+        timings, shape = [], torch.Size()
+        for index in range(min(2, len(self.train_set))):
+            started = time.perf_counter()
+            shape = self.train_set[index]["image"].shape
+            timings.append(time.perf_counter() - started)
+        return min(timings), shape[-1] * shape[-2]
 
-        Only the CUDA default of --num-workers needs it; decoding two items on every start bought a CPU run nothing.
-        """
-        if self.item_seconds is None or self.item_pixels is None:
-            seconds, shape = measure_item(self.train_set)
-            self.item_seconds, self.item_pixels = seconds, shape[-1] * shape[-2]
-        return self.item_seconds, self.item_pixels
 
-
-def build_data(config: TrainConfig, *, world_size: int) -> TrainData:
-    """Datasets and split (from ``config.data``, the classes, --batch-size and --pixel-cache); a
-    DatasetError/ConfigError names the folder or flag when the data cannot be used."""
-    data, batch_size = config.data, config.optimisation.batch_size
+def build_data(config: TrainConfig) -> TrainData:
+    """Datasets and split (from ``config.data``, the classes and --pixel-cache); a DatasetError/ConfigError names the
+    folder or flag when the data cannot be used."""
+    data = config.data
     # mask_suffix=None: detected from the same folder index the dataset builds (the folders are read once).
     plain = BasicDataset(
         data.imgs,
@@ -105,14 +101,7 @@ def build_data(config: TrainConfig, *, world_size: int) -> TrainData:
     # The split is defined on the unaugmented dataset; the training subset reads the same files through an augmenting
     # twin that shares its index and scan.
     augmented = plain.with_augmentation(data.seed) if data.augment else plain
-    train_positions, val_positions = split_data(plain.ids, data)
-    n_train = len(train_positions)
-    per_rank = BatchPlan(n_train=n_train, batch_size=batch_size, world_size=world_size).images_per_rank()
-    if batch_size > per_rank:
-        raise ConfigError(
-            f"--batch-size {batch_size} is larger than the {per_rank} training images each of the "
-            f"{world_size} process(es) gets ({n_train} in total); use --batch-size {per_rank} or less"
-        )
+    train_positions, val_positions, split = split_data(plain.ids, data)
     train_set = Subset(augmented, train_positions)
     return TrainData(
         train_set=train_set,
@@ -122,12 +111,13 @@ def build_data(config: TrainConfig, *, world_size: int) -> TrainData:
         n_channels=plain.channels,
         train_class_pixels=plain.class_pixel_counts(train_set.indices),
         train_foreground=[position for position, index in enumerate(train_set.indices) if plain.has_foreground(index)],
-        split=make_record(plain.ids, SplitRule.of_flags(data), train_positions, val_positions),
+        split=split,
     )
 
 
-def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int]]:
-    """(train, validation) positions of the dataset's ids under the split flags; a ConfigError when a side is empty."""
+def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int], SplitRecord]:
+    """(train, validation) positions of the dataset's ids under the split flags, and their record (``split.json``);
+    a ConfigError when a side is empty."""
     rule = SplitRule.of_flags(config)
     train, validation = split_positions(ids, rule)
     # More folds than images (or groups) leave a fold empty, whichever --fold this run is.
@@ -156,29 +146,7 @@ def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int
                 n_groups,
                 spanning,
             )
-    return train, validation
-
-
-def record_split(
-    split: SplitRecord | None, split_file: Path, *, saved_digest: str | None, resume_path: str | None, write: bool
-) -> None:
-    """Refuse resuming a checkpoint trained on another split; write ``split.json`` (the folder's writer only)."""
-    if split is None:
-        return
-    if resume_path is not None:
-        check_same_split(saved_digest, split, resume_path)
-    if write:
-        write_split_file(split_file, split)
-
-
-def measure_item(dataset: Dataset, samples: int = 2) -> tuple[float, torch.Size]:
-    """Seconds to load one item (the fastest of the first ``samples``, so one-off set-up costs are left out)."""
-    timings, shape = [], torch.Size()
-    for index in range(min(samples, len(dataset))):
-        started = time.perf_counter()
-        shape = dataset[index]["image"].shape
-        timings.append(time.perf_counter() - started)
-    return min(timings), shape
+    return train, validation, make_record(ids, rule, train, validation)
 
 
 def default_num_workers(
@@ -206,6 +174,8 @@ class Loaders:
     train: DataLoader | SharedMemoryGuard
     val: DataLoader | SharedMemoryGuard | None
     """Global rank 0 only; every rank its part with --val-mode sharded."""
+    val_sharded: bool
+    """--val-mode sharded with several processes: every rank validates its part, the scores are all-reduced."""
     num_workers: int
     """Loader processes per rank, each loader."""
 
@@ -230,7 +200,7 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
     num_workers = config.performance.num_workers
     if num_workers is None:
         # The cost per item is measured (two items decoded) only where the default uses it: on CUDA.
-        item_seconds, item_pixels = data.item_cost() if ctx.device.type == "cuda" else (None, None)
+        item_seconds, item_pixels = data.item_cost if ctx.device.type == "cuda" else (None, None)
         num_workers = default_num_workers(
             ctx.device.type, threads_per_process(available_cpus(), ctx.local_world_size), item_seconds, item_pixels
         )
@@ -245,7 +215,8 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
     pin = ctx.device.type == "cuda"
     train = build_loader(data.train_set, config, num_workers=num_workers, pin=pin, sampler=sampler)
     val = None
-    if config.launch.val_mode == "sharded" and ctx.is_distributed:
+    sharded = config.launch.val_mode == "sharded" and ctx.is_distributed
+    if sharded:
         # Every rank validates its own part (utils.evaluation.shard_range); the scores are all-reduced.
         shard = Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size))
         val = build_loader(shard, config, num_workers=num_workers, pin=pin)
@@ -256,6 +227,7 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
         sampler=sampler,
         train=SharedMemoryGuard(train, WORKERS_FIX),
         val=SharedMemoryGuard(val, WORKERS_FIX) if val is not None else None,
+        val_sharded=sharded,
         num_workers=num_workers,
     )
 

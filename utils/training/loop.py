@@ -88,12 +88,11 @@ class TrainOutcome:
 
 
 class Trainer:
-    """The loop over epochs and optimizer steps, reading its flags from ``config``, the run's (a resumed run's epoch
-    plan is its checkpoint's: ``setup.planned_config``)."""
+    """The loop over epochs and optimizer steps, reading its flags from ``parts.config``, the run's (a resumed run's
+    epoch plan is its checkpoint's: ``setup.planned_config``)."""
 
     def __init__(
         self,
-        config: TrainConfig,
         ctx: DistributedContext,
         parts: TrainParts,
         *,
@@ -102,7 +101,7 @@ class Trainer:
         validator: Validator,
         interrupts: InterruptFlag,
     ) -> None:
-        self.config = config
+        self.config = config = parts.config
         self.ctx = ctx
         self.parts = parts
         self.step = parts.step
@@ -112,7 +111,6 @@ class Trainer:
         self.validator = validator
         self.position = parts.position
         self._stop = StopAgreement(ctx, interrupts)
-        self._plan = parts.batch_plan
         self.checkpointer = Checkpointer(
             config.checkpoint, ctx, run_folder, parts, skipped_steps=self._check_skipped_steps, phase=run_log.phase
         )
@@ -156,8 +154,9 @@ class Trainer:
 
     def _run_epoch(self, epoch: int) -> TrainOutcome | None:
         """Train the remaining batches of ``epoch``; an outcome when the run must stop before the epoch's end."""
-        plan = self._plan
-        images_done = self._images_done_in_epoch()
+        plan = self.parts.batch_plan
+        # Global images of the epoch trained before this process started (only the resumed epoch has any).
+        images_done, self.parts.resume_images_in_epoch = self.parts.resume_images_in_epoch, 0
         self.parts.loaders.sampler.set_epoch(epoch, consumed=images_done)
         self.parts.data.train_dataset.set_epoch(epoch)
         self.step.set_epoch(epoch)  # --freeze-encoder-epochs
@@ -198,11 +197,6 @@ class Trainer:
             if batch is None:
                 return
             yield batch
-
-    def _images_done_in_epoch(self) -> int:
-        """Global images of ``epoch`` trained before this process started (only the resumed epoch has any)."""
-        done, self.parts.resume_images_in_epoch = self.parts.resume_images_in_epoch, 0
-        return done
 
     def _end_epoch(self, epoch: int) -> TrainOutcome | None:
         """Validate, save, and stop early (--patience) when the validations stopped improving."""

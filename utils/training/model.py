@@ -20,6 +20,7 @@ from unet import UNetArgs
 from unet import build_model as build_architecture
 from utils.checkpoint.model import check_expected, load_model, spec_of
 from utils.checkpoint.state import TrainingState, dataset_record
+from utils.datasets.splits import check_same_split
 from utils.errors import ConfigError
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
 from utils.training.compiled import compile_blocks
@@ -43,7 +44,8 @@ def unet_args_of(config: TrainConfig, data: TrainData) -> UNetArgs:
 
 
 def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, path: str) -> None:
-    """Refuse a resumed ``state`` made for another model than the flags and images describe, or on other files."""
+    """Refuse a resumed ``state`` made for another model than the flags and images describe, on other files, or on
+    another train/validation split (checked last: a changed file list, named first, is the likelier cause)."""
     _check_same_dataset(state.dataset, data, path)
     # Every argument is compared with the file's, the optional ones too (as_dict leaves out their defaults).
     check_expected(
@@ -54,6 +56,7 @@ def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, pat
         images_from="--imgs",
     )
     _warn_mask_values(state.weights.mask_values, data.mask_values, path)
+    check_same_split(state.weights.split_digest, data.split, path)
 
 
 def starting_model(

@@ -111,11 +111,10 @@ def auto_class_weights(pixel_counts: Sequence[int], max_ratio: float = MAX_CLASS
 
     With ``n_k`` the pixels of class ``k`` and ``f_k = n_k / sum(n)``: ``r_k = 1 / f_k``, clipped to
     ``min(r_k, max_ratio * min_j r_j)`` (a class absent from the counts gets the cap), then
-    ``w_k = K * r_k / sum_j r_j`` for ``K`` classes.
+    ``w_k = K * r_k / sum_j r_j`` for ``K`` classes; at least one pixel counted (``class_weights_of`` refuses
+    masks without one, naming the flag).
     """
     total = sum(pixel_counts)
-    if total <= 0 or not pixel_counts:
-        raise ValueError("auto_class_weights needs at least one counted pixel")
     inverse = [total / count if count > 0 else math.inf for count in pixel_counts]
     cap = max_ratio * min(inverse)
     clipped = [min(r, cap) for r in inverse]

@@ -40,7 +40,7 @@ from utils.errors import ConfigError
 from utils.evaluation import EvalResult
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
-from utils.training.config import TrainConfig, describe_flag, non_default_settings
+from utils.training.config import TrainConfig
 from utils.training.curves import write_curves_if_possible
 from utils.training.sampler import BatchPlan
 
@@ -77,17 +77,6 @@ def start_phrase(epochs: tuple[int, int], resumed: TrainPosition | None) -> str:
     return (
         f"Resuming at epoch {resumed.epoch + 1}, step {resumed.global_step} "
         f"({resumed.step_in_epoch} batches of the epoch done) of epochs {first}..{last}"
-    )
-
-
-def settings_block(run_args: dict[str, Any]) -> str:
-    """The flags of this run that differ from their defaults, one per line (``python train.py --help`` has the
-    rest): what the run changed, said once at its start and in config.yaml."""
-    changed = non_default_settings(run_args)
-    if not changed:
-        return "Settings: all flags at their defaults"
-    return "Settings that differ from the defaults:" + "".join(
-        f"\n  {describe_flag(flag, value)}" for flag, value in changed.items()
     )
 
 
@@ -142,7 +131,7 @@ class RunLog:
         self._started = self._last_train_line = time.perf_counter()
         self._start_step = global_step
         self._images_seen = self._images_at_last_line = global_step * self._plan.images_per_step
-        self.mark("loop_start")  # the benchmark's epoch section: start-up ends here
+        self._write_phase("loop_start", 0.0)  # a moment, not a span: the benchmark's epoch section ends start-up here
         return logging_redirect_tqdm()
 
     @contextlib.contextmanager
@@ -277,10 +266,6 @@ class RunLog:
             yield
         finally:
             self._write_phase(name, time.perf_counter() - started)
-
-    def mark(self, name: str) -> None:
-        """A 0 s phase record: a moment of the run (``loop_start``: the training loop begins)."""
-        self._write_phase(name, 0.0)
 
     def _write_phase(self, name: str, seconds: float) -> None:
         self._write({"event": "phase", "phase": name, "seconds": seconds, "time": time.time()})

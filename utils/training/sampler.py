@@ -44,11 +44,10 @@ def oversampled_order(
     ``floor((t + 1) * P) > floor(t * P)``, so each rank's forced share is exactly P over the epoch, spread evenly
     over its batches. Forced positions take the foreground images in a shuffled cycle; the others take the epoch's
     permutation in order (its tail, as many images as were forced, waits for another epoch).
+
+    ``fraction`` in [0, 1] and, above 0, at least one ``foreground`` image: checked where the flag is parsed
+    (``Range``) and where the loaders are built (``build_loaders`` names the flag).
     """
-    if not 0 <= fraction <= 1:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-    if fraction > 0 and not foreground:
-        raise ValueError("foreground oversampling needs at least one foreground image")
     generator = torch.Generator()
     generator.manual_seed(seed + epoch)
     base = torch.randperm(dataset_len, generator=generator).tolist()  # epoch_order's permutation

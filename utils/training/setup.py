@@ -25,6 +25,7 @@ from utils.checkpoint.checkpointer import restore
 from utils.checkpoint.files import load_checkpoint_file
 from utils.checkpoint.run_folder import RunFolder, RunSeries, agree_on_run, series_name
 from utils.checkpoint.state import TrainingState, TrainPosition
+from utils.datasets.splits import write_split_file
 from utils.errors import ConfigError, count
 from utils.flags import flag_fields
 from utils.hardware import resolve_precision, reuse_large_buffers, warn_if_emulated
@@ -34,12 +35,12 @@ from utils.launch.signals import InterruptFlag
 from utils.training.compiled import use_compile_cache, warn_if_slower
 from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, describe_flag
 from utils.training.config_file import write_config_file
-from utils.training.data import TrainData, build_data, build_loaders, record_split
+from utils.training.data import build_data, build_loaders
 from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
-from utils.training.model import check_resume, starting_model, wrap_for_training
+from utils.training.model import check_resume, starting_model
 from utils.training.objective import build_optimization, class_weights_of
-from utils.training.run_log import RunLog, settings_block, start_phrase
+from utils.training.run_log import RunLog, start_phrase
 from utils.training.sampler import BatchPlan
 from utils.training.step import TrainStep
 from utils.training.validation import Validator
@@ -66,29 +67,21 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
         parts = agree_on_errors(
             ctx, lambda: build_parts(config, ctx, choice.resume_path, choice.payload, run_folder=run_folder)
         )
-        config = parts.config  # a resumed run's keeps the epoch plan of its checkpoint
-        run_log = agree_on_errors(ctx, lambda: _open_run_log(config, ctx, run_folder, parts, choice.resume_path))
+        run_log = agree_on_errors(ctx, lambda: _open_run_log(ctx, run_folder, parts, choice.resume_path))
     except BaseException:
         run_folder.unlock()
         raise
     validator = Validator(
-        config,
         ctx,
         parts.evaluated_model,
         parts.loaders.val,
+        sharded=parts.loaders.val_sharded,
+        n_classes=parts.config.model.classes,
         precision=parts.step.precision,
         interrupts=interrupts,
         run_log=run_log,
     )
-    return Trainer(
-        config,
-        ctx,
-        parts,
-        run_folder=run_folder,
-        run_log=run_log,
-        validator=validator,
-        interrupts=interrupts,
-    )
+    return Trainer(ctx, parts, run_folder=run_folder, run_log=run_log, validator=validator, interrupts=interrupts)
 
 
 # ------------------------------------------------------------------------------------------------ epoch plan
@@ -124,19 +117,16 @@ def planned_config(config: TrainConfig, state: TrainingState | None) -> TrainCon
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def _open_run_log(
-    config: TrainConfig,
-    ctx: DistributedContext,
-    run_folder: RunFolder,
-    parts: TrainParts,
-    resume_path: str | None,
-) -> RunLog:
-    """The run's log, after its resolved flags (those its checkpoints store) are written to config.yaml."""
+def _open_run_log(ctx: DistributedContext, run_folder: RunFolder, parts: TrainParts, resume_path: str | None) -> RunLog:
+    """The run's log, after its changed settings are said and its resolved flags (those its checkpoints store, a
+    resumed run's with its checkpoint's epoch plan) are written to config.yaml."""
+    settings = parts.config.settings_block()
+    logger.info("%s", settings)
     try:
         if ctx.is_main:
-            write_config_file(run_folder.config_file, parts.run_args, settings_block(parts.run_args))
+            write_config_file(run_folder.config_file, parts.run_args, settings)
         resumed_step = parts.position.global_step if resume_path is not None else None
-        return RunLog(config, ctx, run_folder, parts.batch_plan, resumed_step=resumed_step)
+        return RunLog(parts.config, ctx, run_folder, parts.batch_plan, resumed_step=resumed_step)
     except OSError as error:
         raise ConfigError(
             f"cannot write to the run folder {run_folder}: {error.strerror or error}; choose a writable "
@@ -174,9 +164,20 @@ def build_parts(
     if resume_path is not None:
         state = TrainingState.of(payload if payload is not None else load_checkpoint_file(resume_path), resume_path)
         logger.info("Resuming from %s", resume_path)
-        _check_resume_flags(config, state, resume_path)
+        check_resume_flags(config, state, resume_path)
     config = planned_config(config, state)
-    data = build_data(config, world_size=ctx.world_size)
+    data = build_data(config)
+    plan = BatchPlan(
+        n_train=len(data.train_set),
+        batch_size=config.optimisation.batch_size,
+        world_size=ctx.world_size,
+        grad_accum=config.optimisation.grad_accum,
+    )
+    if plan.batch_size > (per_rank := plan.images_per_rank()):
+        raise ConfigError(
+            f"--batch-size {plan.batch_size} is larger than the {per_rank} training images each of the "
+            f"{plan.world_size} process(es) gets ({plan.n_train} in total); use --batch-size {per_rank} or less"
+        )
     precision = resolve_precision(config.performance.precision, config.performance.amp, ctx.device.type)
     warn_if_emulated(ctx.device, precision)
     if config.performance.compile:
@@ -185,15 +186,8 @@ def build_parts(
     if state is not None:
         check_resume(config, data, state, resume_path)
     model, model_args = starting_model(config, ctx, data, resuming=state is not None)
-    # After the model's checks, whose check of the dataset's files names the likelier cause of a changed split.
-    saved_digest = state.weights.split_digest if state is not None else None
-    record_split(data.split, run_folder.split, saved_digest=saved_digest, resume_path=resume_path, write=ctx.is_main)
-    plan = BatchPlan(
-        n_train=len(data.train_set),
-        batch_size=config.optimisation.batch_size,
-        world_size=ctx.world_size,
-        grad_accum=config.optimisation.grad_accum,
-    )
+    if ctx.is_main:
+        write_split_file(run_folder.split, data.split)
     optimization = build_optimization(
         config.optimisation,
         model.parameters(),
@@ -201,17 +195,8 @@ def build_parts(
         precision=precision,
         resumed=state is not None,
     )
-    step = TrainStep(
-        config,
-        precision=precision,
-        class_weights=class_weights_of(config, data.train_class_pixels),
-        model=wrap_for_training(model, ctx, compile_model=config.performance.compile),
-        raw_model=model,
-        optimizer=optimization.optimizer,
-        scheduler=optimization.scheduler,
-        scaler=optimization.scaler,
-        device=ctx.device,
-    )
+    class_weights = class_weights_of(config, data.train_class_pixels)
+    step = TrainStep(config, optimization, model, ctx, precision=precision, class_weights=class_weights)
     # After DDP's wrapping, which broadcasts rank 0's weights: every rank's average starts from the same ones.
     ema = (
         WeightAverage(model, config.optimisation.ema, optimization.optimizer)
@@ -220,19 +205,14 @@ def build_parts(
     )
     position, resume_images = TrainPosition(epoch=config.checkpoint.start_from - 1), 0
     if state is not None:
-        parts = {"model": model, "position": position, "ema": ema, **vars(optimization)}
-        restore(state, parts)
+        restore(state, {"model": model, "position": position, "ema": ema, **vars(optimization)})
         resume_images = _resumed_images_in_epoch(plan, state)
-    loaders = build_loaders(config, ctx, data)
-    start = start_phrase(config.epoch_range(), position if state is not None else None)
-    _log_run_summary(config, ctx, data, plan, precision, loaders.num_workers, start, run_folder)
-    logger.info("%s", settings_block(config.as_dict()))
-    return TrainParts(
+    parts = TrainParts(
         raw_model=model,
         step=step,
         scheduler=optimization.scheduler,
         data=data,
-        loaders=loaders,
+        loaders=build_loaders(config, ctx, data),
         batch_plan=plan,
         model_args=model_args,
         config=config,
@@ -240,9 +220,11 @@ def build_parts(
         resume_images_in_epoch=resume_images,
         ema=ema,
     )
+    _log_run_summary(parts, ctx, run_folder, resumed=state is not None)
+    return parts
 
 
-def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
+def check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
     """Apply the resume rules (each flag's ``resume=``, ``utils.training.config``) to this command's flags.
 
     A ``must match`` flag that differs from the run's, set or unset alike, is refused: the optimizer restores its own
@@ -250,7 +232,7 @@ def _check_resume_flags(config: TrainConfig, state: TrainingState, path: str) ->
     flags decide which images are trained and which validate (a larger --validation would move trained images into
     the validation set), the objective's flags decide what the loss measures, --ema's decay made the average the
     checkpoint holds, and the model's arguments made its weights. A ``may change`` flag takes its new value, said in
-    one line; a ``new plan`` flag is the run's (``planned_config``). docs/RELIABILITY.md, "Resume and stop".
+    one line; a ``new plan`` flag is the run's (``planned_config``). docs/RELIABILITY.md, "What a resume takes".
 
     A flag missing from the checkpoint's record (saved before the flag existed) counts as its default, the behaviour
     that run had; a checkpoint recording no flags at all is not checked.
@@ -322,32 +304,24 @@ def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:
     return images
 
 
-def _log_run_summary(
-    config: TrainConfig,
-    ctx: DistributedContext,
-    data: TrainData,
-    plan: BatchPlan,
-    precision: str,
-    num_workers: int,
-    start: str,
-    run_folder: RunFolder,
-) -> None:
+def _log_run_summary(parts: TrainParts, ctx: DistributedContext, run_folder: RunFolder, *, resumed: bool) -> None:
+    config, plan = parts.config, parts.batch_plan
     logger.info(
         "%s, batch size %d per process x %s x %d accumulation = %d, "
         "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
         "%s and %s per process, run folder %s",
-        start,
+        start_phrase(config.epoch_range(), parts.position if resumed else None),
         plan.batch_size,
         count(plan.world_size, "process", "processes"),
         plan.grad_accum,
         plan.images_per_step,
         config.optimisation.learning_rate,
-        len(data.train_set),
-        len(data.val_set),
+        len(parts.data.train_set),
+        len(parts.data.val_set),
         config.data.scale,
-        precision,
+        parts.step.precision,
         ctx.device,
         count(torch.get_num_threads(), "CPU thread"),
-        count(num_workers, "loader worker"),
+        count(parts.loaders.num_workers, "loader worker"),
         run_folder,
     )

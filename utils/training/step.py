@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from utils.hardware import autocast
+from utils.launch.process_group import DistributedContext
 from utils.training.config import TrainConfig
+from utils.training.model import wrap_for_training
 from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
-from utils.training.objective import steps_every_update, supervised_loss
+from utils.training.objective import Optimization, steps_every_update, supervised_loss
 
 
 class TrainStep:
@@ -28,43 +29,41 @@ class TrainStep:
     def __init__(
         self,
         config: TrainConfig,
+        optimization: Optimization,
+        model: nn.Module,
+        ctx: DistributedContext,
         *,
         precision: str,
         class_weights: tuple[float, ...] | None,
-        model: nn.Module,
-        raw_model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any | None,
-        scaler: torch.amp.GradScaler | None,
-        device: torch.device,
     ) -> None:
-        """``precision``: the autocast precision resolved from --precision/--amp and the device; ``class_weights``:
-        --class-weights resolved (None = unweighted). ``model`` is what the forward pass calls (``raw_model`` wrapped
-        in DDP and/or compiled); ``scheduler`` is stepped after every update (None when something else steps it, e.g.
-        ReduceLROnPlateau on validation Dice)."""
+        """``optimization``: the optimizer, its schedule (stepped after every update unless only the validation
+        steps it: ReduceLROnPlateau on validation Dice) and the fp16 scaler; ``model``: the plain model on
+        ``ctx.device`` (``raw_model``), which the forward pass calls wrapped in DDP and/or compiled (``model``);
+        ``precision``: the autocast precision resolved from --precision/--amp and the device; ``class_weights``:
+        --class-weights resolved (None = unweighted)."""
         self.config = config
         self.precision = precision
         # The encoder is not updated in the epochs (0-based) before this one: --freeze-encoder-epochs counted from
         # --start_from.
         freeze = config.model.freeze_encoder_epochs
         self.freeze_encoder_before_epoch = config.checkpoint.start_from - 1 + freeze if freeze else 0
-        self.model = model
-        self.raw_model = raw_model
-        self.optimizer = optimizer
+        self.model = wrap_for_training(model, ctx, compile_model=config.performance.compile)
+        self.raw_model = model
+        self.optimizer = optimization.optimizer
         # ReduceLROnPlateau steps on validation Dice, in the loop; only its warmup (if any) steps after every update.
-        self.scheduler = scheduler if steps_every_update(config.optimisation) else None
-        self.scaler = scaler
-        self.device = device
+        self.scheduler = optimization.scheduler if steps_every_update(config.optimisation) else None
+        self.scaler = optimization.scaler
+        self.device = device = ctx.device
         # The DDP wrapper, if any (--compile compiles the blocks inside it: utils.training.compiled).
-        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        self._ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
         self._memory_format = torch.channels_last if config.performance.channels_last else torch.contiguous_format
         self._class_weights = None if class_weights is None else torch.tensor(class_weights, device=device)
         # fp16 runs leave skipping to GradScaler (see utils.training.nonfinite).
-        self.guard = NonFiniteStepGuard(raw_model, optimizer, device) if scaler is None else None
+        self.guard = NonFiniteStepGuard(model, self.optimizer, device) if self.scaler is None else None
         # Sum and count of the finite losses since the last read (a skipped step's NaN would hide the others').
         self._loss_sum = torch.zeros((), device=device)
         self._loss_count = torch.zeros((), device=device)
-        encoder = getattr(raw_model, "encoder", None) if self.freeze_encoder_before_epoch else None
+        encoder = getattr(model, "encoder", None) if self.freeze_encoder_before_epoch else None
         self._encoder_parameters = list(encoder.parameters()) if encoder is not None else []
         self._encoder_frozen = bool(self._encoder_parameters)
 

@@ -33,7 +33,6 @@ from utils.launch.process_group import (
     sum_across_ranks,
 )
 from utils.launch.signals import InterruptFlag
-from utils.training.config import TrainConfig
 from utils.training.run_log import SAMPLE_IMAGES, RunLog, weight_and_grad_histograms
 
 logger = logging.getLogger(__name__)
@@ -69,15 +68,19 @@ class UntilStopped:
 
 class Validator:
     """Scores ``model`` (unwrapped: no DDP collective; in eval mode: BatchNorm untouched) on ``loader``, this rank's
-    part of the validation set (all of it on rank 0 with --val-mode rank0, nothing on the others)."""
+    part of the validation set (all of it on rank 0 with --val-mode rank0, nothing on the others).
+
+    ``sharded``: every rank scores its own part and the sums are all-reduced (``Loaders.val_sharded``, which decided
+    the loaders)."""
 
     def __init__(
         self,
-        config: TrainConfig,
         ctx: DistributedContext,
         model: nn.Module,
         loader: Iterable[dict[str, torch.Tensor]] | None,
         *,
+        sharded: bool,
+        n_classes: int,
         precision: str,
         interrupts: InterruptFlag,
         run_log: RunLog,
@@ -85,8 +88,8 @@ class Validator:
         self.ctx = ctx
         self.model = model
         self.loader = loader
-        self.sharded = config.launch.val_mode == "sharded" and ctx.is_distributed
-        self._n_classes = config.model.classes
+        self.sharded = sharded
+        self._n_classes = n_classes
         self._precision = precision
         self._interrupts = interrupts
         self._run_log = run_log
