@@ -20,17 +20,16 @@ value means; how many threads or processes this machine
 can run, or whether a model fits its memory, only the machine knows. Each check here runs before anything is built
 or created (no run folder, no model), and its error names the flag, the bound and where the bound comes from.
 
-Shared memory (``check_room``, ``SharedMemoryGuard``): room in ``/dev/shm`` for loader workers, checked before they
-start, and their shared-memory failures as one line. A ``DataLoader`` worker hands each batch to the main process
-through POSIX shared memory (files in ``/dev/shm`` on
+Shared memory (``guarded_loader``, the one loader builder of train.py, predict.py and evaluate.py): room in
+``/dev/shm`` for loader workers, checked before they start, and their shared-memory failures as one line. A
+``DataLoader`` worker hands each batch to the main process through POSIX shared memory (files in ``/dev/shm`` on
 Linux). Docker gives a container 64 MB there by default: a worker that cannot allocate prints a traceback from its
-queue's feeder thread and the batch never arrives, so the main process waits for ever. So train.py, predict.py and
-evaluate.py
+queue's feeder thread and the batch never arrives, so the main process waits for ever. So the loader
 
-- estimate what their workers keep in flight (``needed_bytes``) from one real item and refuse to start them when
+- estimates what its workers keep in flight (``needed_bytes``) from one real item and refuses to start them when
   ``/dev/shm`` has less free (``check_room``), with one ``Error:`` line naming the workers flag and the larger
   ``/dev/shm`` that fix it;
-- give the loader a ``LOADER_TIMEOUT_S`` (a batch that never comes becomes an error, not a hang) and turn that
+- waits ``LOADER_TIMEOUT_S`` for a batch (a batch that never comes becomes an error, not a hang) and turns that
   error, and a worker's own shared-memory error, into the same line (``SharedMemoryGuard``).
 """
 
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from utils.errors import ConfigError, user_message
 
@@ -348,9 +348,19 @@ def check_room(
     )
 
 
-def loader_timeout(workers: int) -> float:
-    """The ``timeout`` to give a ``DataLoader`` with ``workers`` workers (0: none, the main process loads)."""
-    return LOADER_TIMEOUT_S if workers > 0 else 0.0
+def guarded_loader(
+    dataset: Dataset, *, batch_size: int, workers: int, workers_fix: str, processes: int = 1, **options: Any
+) -> SharedMemoryGuard:
+    """The loader of train.py, predict.py and evaluate.py (``options``: DataLoader's others): ``workers`` processes
+    start only once one item (``dataset[0]``) shows that their batches fit in shared memory, beside those of the
+    ``processes`` of this machine (``check_room``); a batch they lose is an error after ``LOADER_TIMEOUT_S``, not a
+    hang; that error and a worker's own shared-memory error become one line (``SharedMemoryGuard``).
+    ``workers_fix``: the script's flag that turns workers off."""
+    if workers and len(dataset):  # type: ignore[arg-type]
+        check_room(dataset[0], batch_size=batch_size, workers=workers, workers_fix=workers_fix, processes=processes)
+    timeout = LOADER_TIMEOUT_S if workers else 0.0
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, timeout=timeout, **options)
+    return SharedMemoryGuard(loader, workers_fix)
 
 
 def _shared_memory_cause(error: RuntimeError) -> str | None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from unet import UNet
@@ -33,7 +33,7 @@ from utils.datasets.image_files import FileInfo, image_header, load_image, mode_
 from utils.datasets.pixel_cache import PixelCache
 from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
-from utils.hardware import SharedMemoryGuard, check_room, loader_timeout, pick_device, warn_if_emulated
+from utils.hardware import SharedMemoryGuard, guarded_loader, pick_device, warn_if_emulated
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
 from utils.inference.export import Preprocessing, export_model
 from utils.inference.memory import MemoryPlanner
@@ -183,21 +183,16 @@ class PredictionInputs(Dataset):
 
 
 def item_loader(dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False) -> SharedMemoryGuard:
-    """predict.py's and evaluate.py's loader: lists of ``batch_size`` items (not stacked: images of different sizes
-    cannot be yet), decoded by ``workers`` processes once one item (``dataset[0]``) shows their
-    batches fit in shared memory (``check_room``), and their shared-memory failures as one line
-    (``SharedMemoryGuard``)."""
-    if workers and len(dataset):  # type: ignore[arg-type]
-        check_room(dataset[0], batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX)
-    loader = DataLoader(
+    """predict.py's and evaluate.py's loader (``guarded_loader``): lists of ``batch_size`` items (not stacked:
+    images of different sizes cannot be yet), decoded by ``workers`` processes."""
+    return guarded_loader(
         dataset,
         batch_size=batch_size,
-        num_workers=workers,
+        workers=workers,
+        workers_fix=WORKERS_FIX,
         collate_fn=list,  # the items kept apart; a builtin pickles for workers under any start method
         pin_memory=pin_memory,
-        timeout=loader_timeout(workers),
     )
-    return SharedMemoryGuard(loader, WORKERS_FIX)
 
 
 class ShapeBuckets:

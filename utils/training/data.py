@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset, Subset
 
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import (
@@ -34,8 +34,7 @@ from utils.evaluation import shard_range
 from utils.hardware import (
     SharedMemoryGuard,
     available_cpus,
-    check_room,
-    loader_timeout,
+    guarded_loader,
     reuse_large_buffers,
     threads_per_process,
 )
@@ -171,8 +170,8 @@ def default_num_workers(
 @dataclass
 class Loaders:
     sampler: ResumableDistributedSampler
-    train: DataLoader | SharedMemoryGuard
-    val: DataLoader | SharedMemoryGuard | None
+    train: SharedMemoryGuard
+    val: SharedMemoryGuard | None
     """Global rank 0 only; every rank its part with --val-mode sharded."""
     val_sharded: bool
     """--val-mode sharded with several processes: every rank validates its part, the scores are all-reduced."""
@@ -204,32 +203,23 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
         num_workers = default_num_workers(
             ctx.device.type, threads_per_process(available_cpus(), ctx.local_world_size), item_seconds, item_pixels
         )
-    if num_workers and len(data.train_set):  # the ranks of this machine share its /dev/shm
-        check_room(
-            data.train_set[0],
-            batch_size=config.optimisation.batch_size,
-            workers=num_workers,
-            workers_fix=WORKERS_FIX,
-            processes=ctx.local_world_size,
-        )
-    pin = ctx.device.type == "cuda"
-    train = build_loader(data.train_set, config, num_workers=num_workers, pin=pin, sampler=sampler)
+    # The ranks of this machine share its /dev/shm.
+    loader = functools.partial(
+        build_loader,
+        config=config,
+        num_workers=num_workers,
+        processes=ctx.local_world_size,
+        pin=ctx.device.type == "cuda",
+    )
+    train = loader(data.train_set, sampler=sampler)
     val = None
     sharded = config.launch.val_mode == "sharded" and ctx.is_distributed
     if sharded:
         # Every rank validates its own part (utils.evaluation.shard_range); the scores are all-reduced.
-        shard = Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size))
-        val = build_loader(shard, config, num_workers=num_workers, pin=pin)
+        val = loader(Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size)))
     elif ctx.is_main:
-        val = build_loader(data.val_set, config, num_workers=num_workers, pin=pin)
-    # A worker that cannot share its batch (a small /dev/shm) becomes one Error: line naming the fix.
-    return Loaders(
-        sampler=sampler,
-        train=SharedMemoryGuard(train, WORKERS_FIX),
-        val=SharedMemoryGuard(val, WORKERS_FIX) if val is not None else None,
-        val_sharded=sharded,
-        num_workers=num_workers,
-    )
+        val = loader(data.val_set)
+    return Loaders(sampler=sampler, train=train, val=val, val_sharded=sharded, num_workers=num_workers)
 
 
 def build_loader(
@@ -238,21 +228,25 @@ def build_loader(
     *,
     num_workers: int,
     pin: bool,
+    processes: int = 1,
     sampler: ResumableDistributedSampler | None = None,
-) -> DataLoader:
-    """The training loader (with ``sampler``) or a validation one: every image, in a fixed order without a sampler.
+) -> SharedMemoryGuard:
+    """The training loader (with ``sampler``) or a validation one: every image, in a fixed order without a sampler
+    (``guarded_loader``: the room in /dev/shm for the workers of ``processes`` ranks, the timeout, one line for a
+    shared-memory failure).
 
     No drop_last (milesial's dropped the last partial batch). Workers copy the dataset when an epoch's iterator
     starts, so they are never persistent: persistent ones would keep an old epoch's augmentation.
     """
-    return DataLoader(
+    return guarded_loader(
         dataset,
         batch_size=config.optimisation.batch_size,
+        workers=num_workers,
+        workers_fix=WORKERS_FIX,
+        processes=processes,
         sampler=sampler,
-        num_workers=num_workers,
         pin_memory=pin,
         worker_init_fn=_init_loader_worker if num_workers else None,
-        timeout=loader_timeout(num_workers),  # a batch lost in /dev/shm is an error, not a hang (shared_memory)
         # A private generator: creating an iterator draws a base seed, which must not consume the global RNG.
         generator=torch.Generator().manual_seed(config.data.seed),
     )
