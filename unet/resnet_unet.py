@@ -109,12 +109,9 @@ class ResNetUNet(SegmentationNet):
         self.encoder = ResNetEncoder(encoder, n_channels)
         stem, c1, c2, c3, c4 = _FEATURE_CHANNELS[encoder]
         widths = [max(1, base_channels * m // 4) for m in (16, 8, 4, 2, 1)]
-        skips = [c3, c2, c1, stem, 0]
-        blocks, previous = [], c4
-        for skip, width in zip(skips, widths, strict=True):
-            blocks.append(DecoderBlock(previous, skip, width))
-            previous = width
-        self.decoder = nn.ModuleList(blocks)
+        # Each stage takes the previous one's output (the deepest feature first) and the skip feature of its scale.
+        stages = zip([c4, *widths[:-1]], [c3, c2, c1, stem, 0], widths, strict=True)
+        self.decoder = nn.ModuleList(DecoderBlock(previous, skip, width) for previous, skip, width in stages)
         self.head = nn.Conv2d(widths[-1], n_classes, kernel_size=1)
         # Auxiliary logits after the decoder stages at 1/2 and 1/4 of the input resolution.
         self.aux_heads = AuxiliaryHeads((widths[3], widths[2]), n_classes) if deep_supervision else None

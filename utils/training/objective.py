@@ -138,19 +138,19 @@ def class_weights_of(config: TrainConfig, train_class_pixels: Sequence[int]) -> 
     return weights
 
 
+def _progress(step: int, total_steps: int) -> float:
+    """How far ``step`` is through a plan of ``total_steps``, in [0, 1]; 0 for no plan (a constant schedule)."""
+    return min(step, total_steps) / total_steps if total_steps > 0 else 0.0
+
+
 def cosine_lr_factor(step: int, total_steps: int) -> float:
     """Multiplier of the peak learning rate after ``step`` optimizer steps: 1 at step 0, falling to 0 at ``total``."""
-    if total_steps <= 0:
-        return 1.0
-    progress = min(step, total_steps) / total_steps
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 0.5 * (1.0 + math.cos(math.pi * _progress(step, total_steps)))
 
 
 def poly_lr_factor(step: int, total_steps: int, exponent: float = POLY_EXPONENT) -> float:
     """nnU-Net's poly schedule: ``(1 - step / total) ** exponent``, 1 at step 0 and 0 at ``total_steps``."""
-    if total_steps <= 0:
-        return 1.0
-    return (1.0 - min(step, total_steps) / total_steps) ** exponent
+    return (1.0 - _progress(step, total_steps)) ** exponent
 
 
 def warmup_lr_factor(step: int, warmup_steps: int) -> float:
@@ -246,11 +246,6 @@ def build_scheduler(config: OptimisationSection, optimizer: optim.Optimizer, tot
         return optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=PLATEAU_PATIENCE)
     schedule = StepSchedule(total_steps, warmup_steps=config.warmup_steps, shape=config.scheduler)
     return optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def steps_every_update(config: OptimisationSection) -> bool:
-    """Whether the scheduler steps after every optimizer update (all but a plain plateau schedule do)."""
-    return config.scheduler != "plateau" or config.warmup_steps > 0
 
 
 @dataclass

@@ -191,7 +191,7 @@ class ResumableDistributedSampler(DistributedSampler):
         super().set_epoch(epoch)
         self._consumed = consumed
 
-    def indices(self) -> list[int]:
+    def __iter__(self) -> Iterator[int]:
         if self.oversample_foreground and self.shuffle:
             order = oversampled_order(
                 len(self.dataset),
@@ -203,10 +203,7 @@ class ResumableDistributedSampler(DistributedSampler):
             )
         else:
             order = epoch_order(len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
-        return shard_indices(order, rank=self.rank, world_size=self.num_replicas, consumed=self._consumed)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices())
+        return iter(shard_indices(order, rank=self.rank, world_size=self.num_replicas, consumed=self._consumed))
 
     def __len__(self) -> int:
         return images_per_rank(len(self.dataset), world_size=self.num_replicas, consumed=self._consumed)
