@@ -386,25 +386,23 @@ class SharedMemoryGuard:
     def __iter__(self) -> Iterator[Any]:
         iterator = iter(self.loader)
         while True:
-            failure = None
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
             except RuntimeError as error:
-                cause = _shared_memory_cause(error)
-                if cause is None:
+                if (cause := _shared_memory_cause(error)) is None:
                     raise
                 failure = shortage_message(self.workers_fix, cause)
                 # A worker's error re-raised by torch sits in a reference cycle through its traceback, which holds
                 # the iterator: dropped, the iterator can shut its workers down at once (see below).
                 error.__traceback__ = None
-            if failure is not None:
-                # The raised error's traceback holds this frame: without its iterator, whose workers shut down now
-                # (idle workers ignoring SIGTERM would otherwise keep the process from exiting).
-                del iterator
-                raise ConfigError(failure)
+                break
             yield batch
+        # Raised outside the handler, and its traceback holds this frame: without its iterator, whose workers shut
+        # down now (idle workers ignoring SIGTERM would otherwise keep the process from exiting).
+        del iterator
+        raise ConfigError(failure)
 
     def __getattr__(self, name: str) -> Any:
         # The loader's other attributes (sampler, dataset, batch_size) as the loader's users expect them.
