@@ -127,11 +127,10 @@ class ResNetUNet(SegmentationNet):
         # Zeros after normalisation: the padding looks like an average ImageNet pixel, not like black.
         pad_bottom, pad_right = (-height) % SIZE_MULTIPLE, (-width) % SIZE_MULTIPLE
         x = F.pad(x, [0, pad_right, 0, pad_bottom])
-        features = self.encoder(x)
-        skips = [features[3], features[2], features[1], features[0], None]
-        x = features[4]
+        *features, x = self.encoder(x)
         levels = []
-        for block, skip in zip(self.decoder, skips, strict=True):
+        # The deepest feature first; each stage takes the skip feature of its scale (none for the last).
+        for block, skip in zip(self.decoder, [*reversed(features), None], strict=True):
             x = block(x, skip)
             levels.append(x)
         return self._outputs(self.head(x)[..., :height, :width], [levels[3], levels[2]], height, width)
