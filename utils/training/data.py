@@ -196,20 +196,17 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
         foreground=data.train_foreground,
         oversample_foreground=oversample,
     )
+    cuda = ctx.device.type == "cuda"
     num_workers = config.performance.num_workers
     if num_workers is None:
         # The cost per item is measured (two items decoded) only where the default uses it: on CUDA.
-        item_seconds, item_pixels = data.item_cost if ctx.device.type == "cuda" else (None, None)
+        item_seconds, item_pixels = data.item_cost if cuda else (None, None)
         num_workers = default_num_workers(
             ctx.device.type, threads_per_process(available_cpus(), ctx.local_world_size), item_seconds, item_pixels
         )
-    # The ranks of this machine share its /dev/shm.
+    # The ranks of this machine share its /dev/shm; pinned batches copy to a GPU without blocking.
     loader = functools.partial(
-        build_loader,
-        config=config,
-        num_workers=num_workers,
-        processes=ctx.local_world_size,
-        pin=ctx.device.type == "cuda",
+        build_loader, config=config, num_workers=num_workers, pin=cuda, processes=ctx.local_world_size
     )
     train = loader(data.train_set, sampler=sampler)
     val = None

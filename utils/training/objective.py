@@ -208,19 +208,16 @@ class PlateauAfterWarmup:
     """
 
     def __init__(self, optimizer: optim.Optimizer, warmup_steps: int) -> None:
-        self.warmup_steps = warmup_steps
         self.warmup = optim.lr_scheduler.LambdaLR(optimizer, StepSchedule(0, warmup_steps))
         self.plateau = optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=PLATEAU_PATIENCE)
 
-    @property
-    def warming_up(self) -> bool:
-        return self.warmup.last_epoch < self.warmup_steps
-
     def step(self, metrics: float | None = None) -> None:
+        # The warmup's own plan (a StepSchedule, restored with its state) says when it is over.
+        warming_up = self.warmup.last_epoch < self.warmup.lr_lambdas[0].warmup_steps
         if metrics is None:
-            if self.warming_up:
+            if warming_up:
                 self.warmup.step()
-        elif not self.warming_up:
+        elif not warming_up:
             self.plateau.step(metrics)
 
     def state_dict(self) -> dict[str, Any]:
