@@ -72,13 +72,11 @@ def read_series(metrics_path: Path) -> Series:
             series.learning_rate.append((step, float(event["lr"])))
         if "images_per_s" in event:
             series.images_per_s.append((step, float(event["images_per_s"])))
-    per_class: dict[int, Points] = defaultdict(list)
     for step in sorted(val):
         event = val[step]
         series.dice.append((step, float(event["dice"])))
         for index, dice in enumerate(event.get("per_class_dice") or []):
-            per_class[index].append((step, float(dice)))
-    series.per_class_dice = dict(per_class)
+            series.per_class_dice.setdefault(index, []).append((step, float(dice)))
     series.epoch_seconds = _epoch_seconds([train[step] for step in sorted(train)])
     return series
 

@@ -52,21 +52,20 @@ def segmentation_loss(logits: Tensor, masks: Tensor, n_classes: int, class_weigh
     """
     valid = masks != IGNORE_INDEX
     labels = masks.masked_fill(~valid, 0)
+    # Void pixels count as neither prediction nor truth of any class in the Dice term.
     if n_classes == 1:
         binary_logits = logits[:, 0].float()
         target = labels.float()
         per_pixel = F.binary_cross_entropy_with_logits(binary_logits, target, reduction="none")
-        cross_entropy = _per_image_mean(per_pixel, labels, valid, class_weights)
-        probabilities, target = binary_logits.sigmoid() * valid, target * valid
-        return cross_entropy + 1 - dice_coeff(probabilities, target, reduce_batch_first=False)
-    logits = logits.float()
-    per_pixel = F.cross_entropy(logits, labels, reduction="none")
-    cross_entropy = _per_image_mean(per_pixel, labels, valid, class_weights)
-    # Void pixels count as neither prediction nor truth of any class in the Dice term.
-    keep = valid.unsqueeze(1).to(logits.dtype)
-    probabilities = logits.softmax(dim=1) * keep
-    one_hot = F.one_hot(labels, n_classes).permute(0, 3, 1, 2).to(probabilities.dtype) * keep
-    return cross_entropy + 1 - multiclass_dice_coeff(probabilities, one_hot, reduce_batch_first=False)
+        dice = dice_coeff(binary_logits.sigmoid() * valid, target * valid, reduce_batch_first=False)
+    else:
+        logits = logits.float()
+        per_pixel = F.cross_entropy(logits, labels, reduction="none")
+        keep = valid.unsqueeze(1).to(logits.dtype)
+        probabilities = logits.softmax(dim=1) * keep
+        one_hot = F.one_hot(labels, n_classes).permute(0, 3, 1, 2).to(probabilities.dtype) * keep
+        dice = multiclass_dice_coeff(probabilities, one_hot, reduce_batch_first=False)
+    return _per_image_mean(per_pixel, labels, valid, class_weights) + 1 - dice
 
 
 def deep_supervision_weights(levels: int) -> list[float]:
