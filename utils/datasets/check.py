@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from utils.cli import print_error
 from utils.datasets.image_files import (
     ARRAY_EXTENSIONS,
     UNREADABLE_FILE_ERRORS,
@@ -46,7 +47,7 @@ from utils.datasets.splits import (
     groups_on_both_sides,
     split_positions,
 )
-from utils.errors import USER_ERROR_EXIT_CODE, UserError, count, user_message
+from utils.errors import USER_ERROR_EXIT_CODE, UserError, count
 from utils.flags import FlagParser, Range, flag, parse_flags
 
 logger = logging.getLogger(__name__)
@@ -234,8 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = parse_flags(parser, CheckSettings, argv)
         report = check_dataset(settings)
     except UserError as error:
-        # The same one line as utils.cli.print_error, which would import torch (through utils.hardware) for nothing.
-        print(f"Error: {user_message(error)}", file=sys.stderr)
+        print_error(error)
         return USER_ERROR_EXIT_CODE
     print("\n".join(format_report(report, settings)))
     return 0 if report.passes(settings.strict) else PROBLEMS_EXIT_CODE
