@@ -26,7 +26,7 @@ import math
 import sys
 import textwrap
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,15 +223,16 @@ def parse_known_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
     namespace, unknown = parser.parse_known_args(argv)
     if not unknown:
         return namespace
-    message = f"unrecognized arguments: {' '.join(unknown)}"
     flags = [option for action in parser._actions for option in action.option_strings]
-    for argument in unknown:
-        if argument.startswith("-"):
-            close = difflib.get_close_matches(argument.split("=", 1)[0], flags, n=1, cutoff=0.6)
-            if close:
-                message += f"; did you mean {close[0]}?"
-            break
-    raise ConfigError(f"{message} {help_hint(parser.prog)}")
+    typo = next((argument.split("=", 1)[0] for argument in unknown if argument.startswith("-")), None)
+    hint = did_you_mean(typo, flags) if typo else ""
+    raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}{hint} {help_hint(parser.prog)}")
+
+
+def did_you_mean(name: str, names: Iterable[str]) -> str:
+    """``; did you mean --epochs?``: the one of ``names`` closest to a misspelt ``name``, or "" if none is close."""
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def help_hint(prog: str) -> str:
@@ -313,16 +314,23 @@ def split_class_names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(","))
 
 
+def per_class(text: str, classes: int, flag_name: str, what: str) -> tuple[str, ...]:
+    """``text``'s parts (separated by commas), one per class as ``--classes`` counts them (two for ``--classes 1``),
+    else one ConfigError naming ``flag_name`` (``--class-names``, ``--class-weights``) and ``what`` each part is."""
+    parts = split_class_names(text)
+    expected = 2 if classes == 1 else classes
+    if len(parts) != expected:
+        order = ", background and foreground" if classes == 1 else ", background first"
+        raise ConfigError(
+            f"{flag_name} {text} gives {len(parts)} {what}(s) but --classes {classes} needs {expected} (one per "
+            f"class{order}, separated by commas)"
+        )
+    return parts
+
+
 def parse_class_names(text: str, classes: int) -> tuple[str, ...]:
     """``text`` (names separated by commas) as one name per class; ConfigError naming the flag if it does not fit."""
-    names = split_class_names(text)
-    expected = 2 if classes == 1 else classes
-    if len(names) != expected:
-        background = ", background and foreground" if classes == 1 else ", background first"
-        raise ConfigError(
-            f"{CLASS_NAMES_FLAG} {text} gives {len(names)} name(s) but --classes {classes} needs {expected} (one per "
-            f"class{background}, separated by commas)"
-        )
+    names = per_class(text, classes, CLASS_NAMES_FLAG, "name")
     if not all(names):
         raise ConfigError(f"{CLASS_NAMES_FLAG} {text!r} has an empty name; give every class a name")
     if len(set(names)) != len(names):

@@ -28,6 +28,7 @@ from utils.flags import (
     flat_values,
     parse_class_names,
     parse_known_flags,
+    per_class,
     require_number,
     section,
 )
@@ -411,16 +412,11 @@ def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
     """--class-weights as numbers, or None for 'auto' (computed from the training masks); ConfigError if malformed."""
     if text.strip().lower() == CLASS_WEIGHTS_AUTO:
         return None
-    expected = 2 if classes == 1 else classes
     try:
         weights = tuple(float(part) for part in text.split(","))
     except ValueError:
         raise ConfigError(f"--class-weights must be 'auto' or numbers separated by commas, got {text!r}") from None
-    _require(
-        len(weights) == expected,
-        f"--class-weights {text} gives {len(weights)} weight(s) but --classes {classes} needs {expected} (one per "
-        f"class{', background and foreground' if classes == 1 else ''})",
-    )
+    per_class(text, classes, "--class-weights", "weight")
     for weight in weights:
         require_number(weight, "--class-weights", Range(0, low_open=True))
     return weights

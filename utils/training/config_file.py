@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 import yaml
 
 from utils.errors import ConfigError, shortened
-from utils.flags import FlagField, build_config, check_ranges, flag_fields
+from utils.flags import FlagField, build_config, check_ranges, did_you_mean, flag_fields
 from utils.output_files import read_text, write_text
 
 logger = logging.getLogger(__name__)
@@ -94,10 +93,9 @@ def read_config_file(path: Path, config_class: type) -> dict[str, Any]:
     for key, value in document.items():
         name = str(key).replace("-", "_")
         if name not in fields:
-            close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(
-                f"{CONFIG_FLAG} {path}: unknown key {shortened(key)}{hint} (keys are train.py's flag names)"
+                f"{CONFIG_FLAG} {path}: unknown key {shortened(key)}{did_you_mean(name, fields)} (keys are train.py's "
+                "flag names)"
             )
         values[name] = _checked_value(fields[name], value, f"{CONFIG_FLAG} {path}: {key}")
     try:
