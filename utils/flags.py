@@ -51,6 +51,17 @@ class Range:
     what: str = ""
 
 
+# How a resumed training run treats each flag (utils.training.setup.check_resume_flags), marked on it as ``resume=``.
+MUST_MATCH = "must match"
+"""The run's value or none: a resume asking for another is refused, naming the flag and ``--load`` (what the loss
+measures, which images train and validate, the optimizer's and the averages' state, the model's arguments)."""
+MAY_CHANGE = "may change"
+"""The default: takes this command's value; a value other than the run's is said in one line at the resume
+(``old -> new``)."""
+NEW_PLAN = "new plan"
+"""How a run starts: a resume keeps the run's recorded plan (another plan is a new run, ``--load``)."""
+
+
 @dataclass(frozen=True)
 class Flag:
     """The command-line side of one config field (its name, type and default are the field's, its help the
@@ -67,8 +78,8 @@ class Flag:
     nargs: str | int | None = None
     """For a list field: its values follow the flag (``-i a.jpg b.jpg``) instead of repeating it."""
     required: bool = False
-    resume: str = "may change"
-    """How a resumed training run treats the flag: ``must match``, ``may change`` or ``new plan`` (train.py's)."""
+    resume: str = MAY_CHANGE
+    """How a resumed training run treats the flag: ``MUST_MATCH``, ``MAY_CHANGE`` or ``NEW_PLAN`` (train.py's)."""
 
     @property
     def name(self) -> str:

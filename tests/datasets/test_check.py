@@ -50,7 +50,7 @@ def test_clean_data_passes_and_the_second_check_reads_the_mask_cache(
 
     monkeypatch.setattr(mask_values, "_scan_pair", no_decoding)
     report = check_dataset(
-        CheckSettings(root / "imgs", root / "masks", classes=1, workers=1, cache_dir=tmp_path / "cache")
+        CheckSettings(imgs=root / "imgs", masks=root / "masks", classes=1, workers=1, cache_dir=tmp_path / "cache")
     )
     assert report.passes(strict=True) and report.mask_values == [0, 1]
     assert sum(share for _, share in report.class_shares) == pytest.approx(1.0)
