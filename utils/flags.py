@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import dataclasses
 import difflib
 import functools
@@ -183,7 +182,7 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
             options["action"] = "store_true"
         else:
             options["type"] = record.value_type or item.kind
-            options["default"] = copy.copy(item.default)  # argparse hands it out: no list shared between parses
+            options["default"] = item.default  # shown by --help; a parse never hands it out (given_flags)
             if record.nargs is not None:
                 options["nargs"] = record.nargs
             elif item.repeatable:
@@ -224,16 +223,20 @@ class FlagParser(argparse.ArgumentParser):
 def parse_flags(parser: argparse.ArgumentParser, config_class: type, argv: Sequence[str] | None) -> Any:
     """``config_class`` from ``argv`` (default: sys.argv[1:]) through ``parser``, each value inside its range."""
     add_flags(parser, config_class)
-    config = build_config(config_class, vars(parse_known_flags(parser, argv)))
+    config = build_config(config_class, given_flags(parser, argv))
     check_ranges(config)
     return config
 
 
-def parse_known_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``parser``'s result for ``argv``; an unknown flag is a ConfigError naming the closest real one."""
-    namespace, unknown = parser.parse_known_args(argv)
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> dict[str, Any]:
+    """``{dest: value}`` of the flags ``argv`` gives, parsed (a flag not given has no key: ``build_config`` gives it
+    its field's default); an unknown flag is a ConfigError naming the closest real one."""
+    # Every destination starts as None, which no parsed value is, so argparse fills in no default (its defaults are
+    # for --help): what is left not None was given.
+    unset = argparse.Namespace(**{action.dest: None for action in parser._actions})
+    namespace, unknown = parser.parse_known_args(argv, unset)
     if not unknown:
-        return namespace
+        return {dest: value for dest, value in vars(namespace).items() if value is not None}
     flags = [option for action in parser._actions for option in action.option_strings]
     typo = next((argument.split("=", 1)[0] for argument in unknown if argument.startswith("-")), None)
     hint = did_you_mean(typo, flags) if typo else ""

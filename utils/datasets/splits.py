@@ -59,7 +59,6 @@ class SplitRule:
     seed: int = SPLIT_SEED
 
 
-
 @dataclass
 class SplitFlags:
     """The split's flags, declared once for train.py's data section and the dataset check's settings (each field's

@@ -8,7 +8,6 @@ the flag and say what to change; argparse's own errors are turned into the same 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +27,8 @@ from utils.flags import (
     flag,
     flag_fields,
     flat_values,
+    given_flags,
     parse_class_names,
-    parse_known_flags,
     per_class,
     require_number,
     section,
@@ -315,10 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse ``argv`` (default: sys.argv[1:]) into a validated TrainConfig; ``--config FILE`` under the flags."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
-    namespace = parse_known_flags(parser, argv)
-    config = TrainConfig.from_dict(apply_config_file(parser, argv, vars(namespace), TrainConfig))
+    config = TrainConfig.from_dict(apply_config_file(given_flags(build_parser(), argv), TrainConfig))
     validate_config(config)
     return config
 

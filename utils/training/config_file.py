@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,20 +57,16 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def apply_config_file(
-    parser: argparse.ArgumentParser, argv: Sequence[str], values: dict[str, Any], config_class: type
-) -> dict[str, Any]:
-    """``values`` (the parser's result for ``argv``) with ``values[CONFIG_DEST]``'s file under the command line.
+def apply_config_file(given: Mapping[str, Any], config_class: type) -> dict[str, Any]:
+    """The flags the command line ``given`` (``utils.flags.given_flags``) over the file of ``given[CONFIG_DEST]``.
 
-    Returns the keyword arguments of ``config_class`` (``CONFIG_DEST`` removed).
+    Returns ``config_class`` field values (``CONFIG_DEST`` removed); a flag in neither takes its default.
     """
-    values = dict(values)
-    path = values.pop(CONFIG_DEST, None)
+    given = dict(given)
+    path = given.pop(CONFIG_DEST, None)
     if path is None:
-        return values
+        return given
     from_file = read_config_file(Path(path), config_class)
-    given = _given_on_command_line(parser, argv)
-    given.pop(CONFIG_DEST, None)
     overridden = [
         f"{key} {shortened(from_file[key])} -> {shortened(value)}"
         for key, value in given.items()
@@ -78,7 +74,7 @@ def apply_config_file(
     ]
     if overridden:
         logger.warning("%s %s: the command line overrides %s", CONFIG_FLAG, path, ", ".join(overridden))
-    return {**values, **from_file, **given}
+    return {**from_file, **given}
 
 
 def read_config_file(path: Path, config_class: type) -> dict[str, Any]:
@@ -201,19 +197,6 @@ def write_config_file(path: Path, run_args: Mapping[str, Any], summary: str = ""
     text = HEADER.format(path=path) + comments + flags
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, text, "the run's config.yaml")
-
-
-def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, Any]:
-    """Only the flags ``argv`` names, parsed: every default suppressed, so absent flags leave no attribute."""
-    saved = [(action, action.default) for action in parser._actions]
-    try:
-        for action, _ in saved:
-            action.default = argparse.SUPPRESS
-        namespace, _ = parser.parse_known_args(list(argv))
-    finally:
-        for action, default in saved:
-            action.default = default
-    return vars(namespace)
 
 
 def _checked_value(item: FlagField, value: Any, where: str) -> Any:
