@@ -34,7 +34,7 @@ from utils.flags import (
     section,
 )
 from utils.hardware import PRECISIONS, check_model_fits, check_threads, check_workers
-from utils.training.config_file import add_config_flag, apply_config_file
+from utils.training.config_file import ConfigFileFlag, apply_config_file
 
 WANDB_MODES = ("online", "offline", "disabled")
 VAL_MODES = ("rank0", "sharded")
@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         # "--epoch 1" must not pass for --epochs: a typo gets a suggestion instead (parse_config).
         allow_abbrev=False,
     )
-    add_config_flag(parser)
+    add_flags(parser, ConfigFileFlag)
     add_flags(parser, TrainConfig)
     return parser
 

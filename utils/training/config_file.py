@@ -23,19 +23,20 @@ import argparse
 import contextlib
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from utils.errors import ConfigError, shortened
-from utils.flags import FlagField, build_config, check_ranges, did_you_mean, flag_fields
+from utils.flags import FlagField, build_config, check_ranges, did_you_mean, flag, flag_fields
 from utils.output_files import read_text, write_text
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FLAG = "--config"
-CONFIG_DEST = "config_file"
+CONFIG_DEST = "config_file"  # ConfigFileFlag's field
 HEADER = (
     "# The resolved flags of this run (keys: train.py's flags). Rerun or vary it with\n"
     "#   python train.py --config {path} --exp_name NEW_NAME [more flags]\n"
@@ -46,15 +47,12 @@ MAX_DEPTH = 16
 MAX_NODES = 100_000
 
 
-def add_config_flag(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE``; the parser's result keeps it under ``CONFIG_DEST`` (not a TrainConfig field)."""
-    parser.add_argument(
-        CONFIG_FLAG,
-        dest=CONFIG_DEST,
-        metavar="FILE",
-        default=None,
-        help="Read flags from a YAML file (a run's config.yaml); flags on the command line override it",
-    )
+@dataclass
+class ConfigFileFlag:
+    """``--config FILE`` (``utils.flags``), apart from ``TrainConfig``: a run's config.yaml does not name itself."""
+
+    config_file: str | None = flag(None, CONFIG_FLAG, metavar="FILE")
+    """Read flags from a YAML file (a run's config.yaml); flags on the command line override it"""
 
 
 def apply_config_file(given: Mapping[str, Any], config_class: type) -> dict[str, Any]:
