@@ -188,6 +188,7 @@ def test_command_line_with_a_process_pool(tmp_path: Path) -> None:
         (["--classes", "0"], "Error: --classes must be at least 1 (1 = binary with one logit)"),
         (["--workers", "0"], "Error: --workers must be at least 1"),
         (["--validation", "100"], "Error: --validation must be a finite number in (0, 100) (a percentage), got 100"),
+        (["--split-by", "prefix", "--fold", "-1"], "Error: --fold must not be negative, got -1"),  # train.py's flag
     ],
 )
 def test_out_of_range_flags_are_one_line(
