@@ -57,9 +57,8 @@ _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
-    """The autocast dtype of ``precision``; None for fp32, which runs without autocast."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    """The autocast dtype of ``precision`` (one of ``PRECISIONS``, the flags' choices); None for fp32, which runs
+    without autocast."""
     return _AUTOCAST_DTYPES.get(precision)
 
 
@@ -110,12 +109,10 @@ def pick_device(requested: str, *, local_rank: int = 0, distributed: bool = Fals
     """The device for ``requested`` (auto, cpu, cuda, cuda:N, mps).
 
     ``auto`` is cuda:LOCAL_RANK when CUDA is there, else MPS for a single process, else the CPU. A device that is
-    asked for but absent is a ConfigError naming ``--device``.
+    asked for but absent is a ConfigError naming ``--device``. ``requested`` was checked by ``--device``'s value type
+    (``utils.cli.device_flag``).
     """
-    try:
-        device = torch.device("cuda" if requested == "auto" else requested)
-    except RuntimeError:
-        raise ConfigError(f"--device {requested!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
+    device = torch.device("cuda" if requested == "auto" else requested)
     cuda_ok = torch.cuda.is_available()
     mps_ok = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if requested != "auto" and device.type == "cuda" and not cuda_ok:
@@ -282,8 +279,8 @@ SAFETY_FACTOR = 2
 LOADER_TIMEOUT_S = 300.0
 """How long the main process waits for one batch from its workers before giving up. Decoding one batch takes
 seconds even for large photos; five minutes is only reached when a batch was lost."""
-# How a worker's failure to share a batch reads (torch's messages), and the loader's timeout; compared in lower case.
-FAILURE_MARKERS = ("shared memory", "no space left on device", "bus error", "dataloader timed out")
+# How a worker's failure to share a batch reads (torch's messages); compared in lower case.
+FAILURE_MARKERS = ("shared memory", "no space left on device", "bus error")
 
 _MB = 1024 * 1024
 
@@ -334,9 +331,8 @@ def check_room(
     folder: Path = SHARED_MEMORY_FOLDER,
 ) -> None:
     """Raise ``ConfigError`` when ``workers`` loader workers (per process) would not fit their batches of
-    ``batch_size`` items like ``item`` into ``folder``. ``workers_fix``: the flag that turns workers off."""
-    if workers <= 0:
-        return
+    ``batch_size`` items like ``item`` into ``folder`` (no workers need none). ``workers_fix``: the flag that turns
+    workers off."""
     free = free_bytes(folder)
     needed = needed_bytes(tensor_bytes(item), batch_size, workers, processes)
     if free is None or needed <= free:
@@ -351,23 +347,19 @@ def check_room(
     )
 
 
-def is_shared_memory_failure(error: BaseException) -> bool:
-    """Whether a loader's ``RuntimeError`` is a worker's failure to share a batch, or the timeout of a lost one."""
-    message = str(error).lower()
-    return isinstance(error, RuntimeError) and any(marker in message for marker in FAILURE_MARKERS)
-
-
 def loader_timeout(workers: int) -> float:
     """The ``timeout`` to give a ``DataLoader`` with ``workers`` workers (0: none, the main process loads)."""
     return LOADER_TIMEOUT_S if workers > 0 else 0.0
 
 
-def _cause(error: RuntimeError) -> str:
-    if "dataloader timed out" in str(error).lower():
+def _shared_memory_cause(error: RuntimeError) -> str | None:
+    """Why a loader's error is a worker's failure to share a batch, or the timeout of a lost one; None: it is not."""
+    message = str(error).lower()
+    if "dataloader timed out" in message:
         # A worker that cannot allocate shared memory for its batch only prints a traceback: the batch never comes.
         return f"no batch arrived for {LOADER_TIMEOUT_S:.0f} s (a worker lost it: see any traceback above)"
     # A worker's error re-raised here carries its traceback: its own message says why (utils.errors).
-    return user_message(error)
+    return user_message(error) if any(marker in message for marker in FAILURE_MARKERS) else None
 
 
 class SharedMemoryGuard:
@@ -389,9 +381,10 @@ class SharedMemoryGuard:
             except StopIteration:
                 return
             except RuntimeError as error:
-                if not is_shared_memory_failure(error):
+                cause = _shared_memory_cause(error)
+                if cause is None:
                     raise
-                failure = shortage_message(self.workers_fix, _cause(error))
+                failure = shortage_message(self.workers_fix, cause)
                 # A worker's error re-raised by torch sits in a reference cycle through its traceback, which holds
                 # the iterator: dropped, the iterator can shut its workers down at once (see below).
                 error.__traceback__ = None
