@@ -4,8 +4,8 @@ A field is declared as ``epochs: int = flag(5, "--epochs", "-e", range=Range(1))
 name, type (the annotation), default, spellings and allowed range are in that line, and the docstring is its help
 text. A config is either flat (``PredictConfig``) or made of sections (``TrainConfig.optimisation``, declared with
 ``section``), whose flags are listed under the section's help title. ``add_flags`` makes the argparse arguments,
-``build_config`` the config from argparse's flat result, ``check_ranges`` the range errors; train.py's flags table in
-docs/TRAINING.md is tested against the same fields (``tests/test_readme_flags.py``).
+``build_config`` the config from the flags given (``given_flags``), ``check_ranges`` the range errors; train.py's
+flags table in docs/TRAINING.md is tested against the same fields (``tests/test_readme_flags.py``).
 
 Class names (``train.py --class-names background,car``) are checked here too, once, and recorded in checkpoints for
 the legends: a name per class, background first, as ``--class-weights`` counts them (two for ``--classes 1``).
@@ -201,7 +201,7 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
 
 
 def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
-    """``config_class`` from a flat ``{dest: value}`` (argparse's result, a checkpoint's ``args``); a missing
+    """``config_class`` from a flat ``{dest: value}`` (``given_flags``, a checkpoint's ``args``); a missing
     value takes its default, a key that is no flag is left out."""
     hints = typing.get_type_hints(config_class)
     arguments = {}
