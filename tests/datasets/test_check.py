@@ -197,3 +197,12 @@ def test_out_of_range_flags_are_one_line(
     """The ranges are the flags' own, as train.py declares them: checked once by the parser, before any file is read."""
     assert main(["--imgs", str(tmp_path / "nowhere"), "--masks", str(tmp_path / "nowhere"), *flags]) == 2
     assert capsys.readouterr().err.strip() == message
+
+
+def test_the_check_imports_no_torch() -> None:
+    """Its workers start fast: the flags it shares with train.py (``SplitFlags``) and its error line
+    (``utils.cli.print_error``) come from modules that import no torch either."""
+    code = "import sys, utils.datasets.check; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
