@@ -144,17 +144,23 @@ def _torch_task_pids(job: Job) -> list[int]:
     return pids
 
 
-def test_the_requeue_signal_during_start_up_requeues(slurm_data: SyntheticData, tmp_path: Path) -> None:
+START_UP_MOMENTS = {
+    "imports": "SIGUSR1 while torch is imported; SLURM's own hold after the requeue",
+    "set-up": "SIGUSR1 at 'Creating dataset'",
+}
+
+
+@pytest.mark.parametrize("moment", START_UP_MOMENTS)
+def test_the_requeue_signal_during_start_up_requeues(slurm_data: SyntheticData, tmp_path: Path, moment: str) -> None:
     script = adapted_example("srun_tasks.sbatch", tmp_path)
     job = sbatch(script, tmp_path, [*TASKS, "--job-name=early", "--time=10"],
-                 train_args(slurm_data, tmp_path / "ck", "--epochs", "2"),
-                 what="SIGUSR1 while torch is imported; SLURM's own hold after the requeue")  # fmt: skip
+                 train_args(slurm_data, tmp_path / "ck", "--epochs", "2"), what=START_UP_MOMENTS[moment])  # fmt: skip
     deadline = time.monotonic() + 600
-    while not _torch_task_pids(job):
+    while not (_torch_task_pids(job) if moment == "imports" else "Creating dataset" in job.log()):
         assert time.monotonic() < deadline and job.state() in {"PENDING", "RUNNING"}, job.log()[-3000:]
         time.sleep(0.05)
     subprocess.run(["scancel", "--signal=USR1", job.job_id], check=True)  # to the tasks, as --signal=USR1@N does
-    fields = job.wait(release_requeued=False)  # this job shows the pending time the docs give
+    fields = job.wait(release_requeued=moment != "imports")  # one job shows the pending time the docs give
     log = job.log()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
     assert int(fields["Restarts"]) >= 1 and "Requeued SLURM job" in log, log[-3000:]
