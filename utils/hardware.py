@@ -53,7 +53,6 @@ from utils.errors import ConfigError, user_message
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICES = ("auto", "cuda", "mps", "cpu")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

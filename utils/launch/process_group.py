@@ -238,7 +238,8 @@ class StopAgreement:
     ``max(signal)`` (``InterruptFlag``, which only records it) with a one-integer all-reduce on the control group. The
     all-reduce is started asynchronously and read one step later: the training loop never waits for it, and every rank
     still sees the same answer at the same step, so all of them stop together, rank 0 writes ``INTERRUPTED.pth`` and
-    each process exits with ``128 + signal``.
+    each process exits with ``128 + signal``. Only the first boundary waits for its own answer: a signal that came
+    during start-up or set-up (SLURM's ``--signal`` can) stops the run at its first step, as with one process.
 
     The same all-reduce carries rank 0's wish to save by wall time (--save-every-minutes): only rank 0 reads its
     clock, and every rank learns its decision at the same step boundary, so all of them save at the same step.
@@ -248,6 +249,7 @@ class StopAgreement:
         self._ctx = ctx
         self._flag = flag
         self._pending: tuple[Any, Tensor] | None = None
+        self._first = True
         self.save_agreed = False
         """Set by ``poll``: whether a rank asked to save (``save_due``) at the boundary whose answer arrived."""
 
@@ -264,6 +266,9 @@ class StopAgreement:
         local = torch.tensor([self._flag.signum, int(save_due)], dtype=torch.int32)
         work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
         self._pending = (work, local)
+        if self._first:
+            self._first = False
+            return self._collect()
         return agreed
 
     def finish(self) -> int:

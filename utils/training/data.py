@@ -20,7 +20,6 @@ from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import (
     SPLIT_BY_IMAGE,
     SplitRecord,
-    SplitRule,
     empty_side_fix,
     group_count,
     groups_across,
@@ -117,7 +116,7 @@ def build_data(config: TrainConfig) -> TrainData:
 def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int], SplitRecord]:
     """(train, validation) positions of the dataset's ids under the split flags, and their record (``split.json``);
     a ConfigError when a side is empty."""
-    rule = SplitRule.of_flags(config)
+    rule = config.split_rule()
     train, validation = split_positions(ids, rule)
     # More folds than images (or groups) leave a fold empty, whichever --fold this run is.
     if not train or not validation or (rule.folds and rule.folds > group_count(ids, rule)):
