@@ -123,8 +123,7 @@ class LaunchEnvironment:
 
     def local_rank(self) -> int:
         # --local-rank: the legacy launcher without --use-env; --rank: a manual launch (one machine, by default).
-        local = (_env_int(self.environ, self.local_rank_variable), self.config.local_rank, self.config.rank)
-        return _first_set(*local, 0)
+        return _first_set(_env_int(self.environ, self.local_rank_variable), self.config.local_rank, self.config.rank, 0)
 
     def local_world_size(self) -> int:
         # Where no launcher says how many ranks share this machine, assuming all of them only makes the per-process
@@ -289,7 +288,9 @@ def plan_launch(
             + " (or give each process --rank R --world-size W with --dist-url tcp://HOST:PORT)"
         )
     wrong_srun_launch(launcher)
-    slurm_job_id = slurm_requeue_id(environ)
+    # The job a requeue names (scontrol requeue): an array job's own task (1234_7), else SLURM_JOB_ID.
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    slurm_job_id = f"{array_job}_{array_task}" if array_job and array_task else environ.get("SLURM_JOB_ID") or None
     requeue = slurm_job_id is not None and config.requeue_signal != "none"
     warning = launcher.warning()
     distributed = config.ddp_mode or warning is not None
@@ -364,15 +365,6 @@ def wrong_srun_launch(launcher: LaunchEnvironment) -> None:
             f"srun started {step_tasks} tasks of train.py without --ddp_mode (each would train alone into the same "
             "run folder): add --ddp_mode so that the tasks train one model together, or run one task (srun --ntasks=1)"
         )
-
-
-def slurm_requeue_id(environ: Mapping[str, str]) -> str | None:
-    """The job ``scontrol requeue`` names: an array job's own task (``1234_7``), else ``SLURM_JOB_ID``; None outside
-    SLURM."""
-    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return environ.get("SLURM_JOB_ID") or None
 
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
