@@ -123,12 +123,13 @@ class LaunchEnvironment:
 
     def local_rank(self) -> int:
         # --local-rank: the legacy launcher without --use-env; --rank: a manual launch (one machine, by default).
-        return _first_set(_env_int(self.environ, self.local_rank_variable), self.config.local_rank, self.config.rank, 0)
+        flag = self.config.local_rank if self.config.local_rank is not None else self.config.rank or 0
+        return _env_int(self.environ, self.local_rank_variable, flag)
 
     def local_world_size(self) -> int:
         # Where no launcher says how many ranks share this machine, assuming all of them only makes the per-process
         # CPU thread count smaller, never oversubscribed.
-        return _first_set(_env_int(self.environ, "LOCAL_WORLD_SIZE"), self.world_size())
+        return _env_int(self.environ, "LOCAL_WORLD_SIZE", self.world_size())
 
     def master_address(self) -> str | None:
         return self.environ.get("MASTER_ADDR") or None
@@ -178,7 +179,7 @@ class ManualLaunch(LaunchEnvironment):
     def init_method(self) -> str:
         if self.config.dist_url:
             return self.config.dist_url
-        if "MASTER_ADDR" not in self.environ or "MASTER_PORT" not in self.environ:
+        if self.master_address() is None or self.master_port() is None:
             raise ConfigError(
                 "--rank/--world-size need a rendezvous address: set MASTER_ADDR and MASTER_PORT, or pass "
                 "--dist-url tcp://HOST:PORT (the same on every process)"
@@ -207,7 +208,7 @@ class TorchElastic(LegacyLaunch):
         return "TORCHELASTIC_RUN_ID" in environ and super().detect(config, environ)
 
     def restart_count(self) -> int:
-        return _env_int(self.environ, "TORCHELASTIC_RESTART_COUNT") or 0
+        return _env_int(self.environ, "TORCHELASTIC_RESTART_COUNT", 0)
 
     def store_namespace(self) -> str | None:
         """A store key prefix per attempt, when the workers share the agent's store (see the module docstring)."""
@@ -437,15 +438,12 @@ def _bad_hostlist(hostlist: str, reason: str) -> ConfigError:
     )
 
 
-def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+def _env_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    """The integer in variable ``name``, ``default`` where it is unset or empty."""
     raw = environ.get(name)
     if raw is None or raw == "":
-        return None
+        return default
     try:
         return int(raw)
     except ValueError as error:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer; check the launcher") from error
-
-
-def _first_set(*values: int | None) -> int:
-    return next(value for value in values if value is not None)
