@@ -237,24 +237,25 @@ class SlurmTasks(LaunchEnvironment):
     def master_address(self) -> str:
         if (host := super().master_address()) is not None:
             return host
-        nodelist = self.environ.get("SLURM_STEP_NODELIST")
-        return expand_hostlist(
-            nodelist or self._needed("SLURM_JOB_NODELIST", "rank 0's node is unknown", "MASTER_ADDR")
-        )[0]
+        nodes = self._needed(
+            "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", why="rank 0's node is unknown; set MASTER_ADDR"
+        )
+        return expand_hostlist(nodes)[0]
 
     def master_port(self) -> int:
         if (port := super().master_port()) is not None:
             return port
-        return derived_port(self._needed("SLURM_JOB_ID", "no port can be derived", "MASTER_PORT"))
+        return derived_port(self._needed("SLURM_JOB_ID", why="no port can be derived; set MASTER_PORT"))
 
     def init_method(self) -> str:
         return f"tcp://{self.master_address()}:{self.master_port()}"
 
-    def _needed(self, name: str, consequence: str, instead: str) -> str:
-        """srun's variable ``name``, which only ``instead`` replaces."""
-        value = self.environ.get(name)
-        if not value:
-            raise ConfigError(f"srun started this task without {name}, so {consequence}; set {instead}")
+    def _needed(self, *names: str, why: str) -> str:
+        """The first of srun's variables ``names`` that is set; without any, a ConfigError naming the last and ``why``
+        it is needed."""
+        value = next((self.environ[name] for name in names if self.environ.get(name)), None)
+        if value is None:
+            raise ConfigError(f"srun started this task without {names[-1]}, so {why}")
         return value
 
 
@@ -352,16 +353,14 @@ def wrong_srun_launch(launcher: LaunchEnvironment) -> None:
     step_tasks = _env_int(launcher.environ, "SLURM_STEP_NUM_TASKS") or 1
     if step_tasks <= 1:
         return
-    if isinstance(launcher, TorchElastic):
-        world = launcher.world_size()
-        if world == launcher.local_world_size():
-            raise ConfigError(
-                f"srun started {step_tasks} tasks that each run torchrun, and each torchrun formed a group of its own "
-                f"{world} worker(s): run one srun task per node (--ntasks-per-node=1) with torchrun "
-                "--nnodes=$SLURM_NNODES --nproc_per_node=GPUS_PER_NODE --rdzv-backend=c10d "
-                "--rdzv-endpoint=FIRST_HOST:29500, or srun tasks without torchrun (srun python train.py --ddp_mode)"
-            )
-    elif isinstance(launcher, SingleProcess):
+    if isinstance(launcher, TorchElastic) and (world := launcher.world_size()) == launcher.local_world_size():
+        raise ConfigError(
+            f"srun started {step_tasks} tasks that each run torchrun, and each torchrun formed a group of its own "
+            f"{world} worker(s): run one srun task per node (--ntasks-per-node=1) with torchrun "
+            "--nnodes=$SLURM_NNODES --nproc_per_node=GPUS_PER_NODE --rdzv-backend=c10d "
+            "--rdzv-endpoint=FIRST_HOST:29500, or srun tasks without torchrun (srun python train.py --ddp_mode)"
+        )
+    if isinstance(launcher, SingleProcess):
         raise ConfigError(
             f"srun started {step_tasks} tasks of train.py without --ddp_mode (each would train alone into the same "
             "run folder): add --ddp_mode so that the tasks train one model together, or run one task (srun --ntasks=1)"
