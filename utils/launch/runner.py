@@ -33,7 +33,6 @@ from utils.launch.environments import LaunchValueError
 from utils.launch.process_group import DistributedContext, barrier, is_raised_on_every_rank
 from utils.launch.signals import signal_exit_code, startup_done
 
-OUT_OF_MEMORY_EXIT_CODE = USER_ERROR_EXIT_CODE
 LOST_CONTACT_EXIT_CODE = 1
 
 # How gloo words it when another process died (closed connection) or stopped answering (--dist-timeout); NCCL and
@@ -85,7 +84,7 @@ def run_main(body: Callable[[], int], *, oom_fix: str, stage: RunStage | None = 
         if is_allocator_error(error):
             where = "CUDA" if isinstance(error, torch.cuda.OutOfMemoryError) else "the CPU"
             print_error(f"{where} ran out of memory; {oom_fix}")
-            return OUT_OF_MEMORY_EXIT_CODE
+            return USER_ERROR_EXIT_CODE
         if lost_contact(error):
             print_error(
                 f"lost contact with another training process ({first_line(error)}); see the other processes' logs, "
