@@ -39,9 +39,8 @@ __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", 
 OOM_FIX = "lower --batch-size or --scale"
 
 
-def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...]]:
-    """Score the checkpoint on the dataset; returns the result, the mask values its classes stand for, the scale and
-    the class names (empty when the checkpoint has none)."""
+def run(config: EvaluateConfig) -> int:
+    """Score the checkpoint on the dataset, write --json if asked, print the table; the exit status."""
     check_json_path(config)
     device, model, spec, scale = open_model(config)
     dataset = BasicDataset(
@@ -66,44 +65,36 @@ def run(config: EvaluateConfig) -> tuple[EvalResult, list, float, tuple[str, ...
             other_split=config.other_split,
         )
         scored = Subset(dataset, positions)
-    first = scored[0]
-    if first["image"].shape[0] != model.n_channels:
+    # The dataset converts photos to a 1- or 3-channel model's kind; its images cannot feed a model of other channels.
+    if dataset.channels != model.n_channels:
         raise DatasetError(
-            f"the images in {config.images_dir} have {first['image'].shape[0]} channel(s) but "
+            f"the images in {config.images_dir} have {dataset.channels} channel(s) but "
             f"{config.model} expects {model.n_channels}"
         )
-    loader = item_loader(
-        scored, batch_size=config.batch_size, workers=config.workers, pin_memory=device.type == "cuda", first=first
-    )
+    loader = item_loader(scored, batch_size=config.batch_size, workers=config.workers, pin_memory=device.type == "cuda")
     model.to(device)
     result = evaluate_segmentation(
         model,
-        SizeGroupedBatches(loader, config.batch_size),
+        SizeGroupedBatches(loader),
         device,
         n_classes=model.n_classes,
         precision=config.precision,
         progress=config.progress,
         description="Evaluating",
     )
-    return result, mask_values, scale, spec.inference.class_names
+    if config.json_path is not None:
+        write_json(config, result, mask_values, scale, spec.inference.class_names)
+    print(f"{config.model} on {count(result.n_images, 'image')} of {config.images_dir}:")
+    print(format_table(result, mask_values, spec.inference.class_names))
+    if config.json_path is not None:
+        print(f"Scores written to {config.json_path}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_single_process(
-        lambda: score_and_report(parse_inference_config(EvaluateConfig, "evaluate.py", argv, __doc__)), oom_fix=OOM_FIX
+        lambda: run(parse_inference_config(EvaluateConfig, "evaluate.py", argv, __doc__)), oom_fix=OOM_FIX
     )
-
-
-def score_and_report(config: EvaluateConfig) -> int:
-    """Score, write --json if asked, print the table; the exit status."""
-    result, mask_values, scale, class_names = run(config)
-    if config.json_path is not None:
-        write_json(config, result, mask_values, scale, class_names)
-    print(f"{config.model} on {count(result.n_images, 'image')} of {config.images_dir}:")
-    print(format_table(result, mask_values, class_names))
-    if config.json_path is not None:
-        print(f"Scores written to {config.json_path}")
-    return 0
 
 
 if __name__ == "__main__":

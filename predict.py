@@ -40,7 +40,6 @@ from utils.inference.file_plan import (
     prediction_outputs,
     read_files,
 )
-from utils.inference.overlays import class_colours
 from utils.inference.writer import Writer, prediction_summary, write_predictions
 from utils.launch.runner import run_single_process
 from utils.output_files import check_outputs
@@ -67,15 +66,8 @@ def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConf
     folders = {plan.mask.parent for plan in plans}
     check_writable(folders)
     model.to(device)
-    dataset = PredictionInputs(
-        inputs,
-        preprocessing.scale,
-        model.n_channels,
-        keep_original=config.viz,
-        pixel_cache=config.pixel_cache,
-        any_size=config.tile is not None,
-    )
-    writer = Writer(preprocessing, class_colours(preprocessing.mask_values, model.n_classes), config)
+    dataset = PredictionInputs(inputs, preprocessing, config)
+    writer = Writer(preprocessing, config)
     predictions = predict_items(model, dataset, device, config)
     failures = write_predictions(predictions, writer, plans)
     if failures:

@@ -26,7 +26,7 @@ import sys
 from utils.cli import setup_logging
 from utils.launch.environments import launcher_rank, plan_launch
 from utils.launch.process_group import DistributedContext, teardown
-from utils.launch.runner import RunStage, run_main
+from utils.launch.runner import RunStage, leave, run_main
 from utils.launch.signals import InterruptFlag, requeue_if_asked, signal_exit_code, stop_when_orphaned
 from utils.training.config import TrainConfig, parse_config
 from utils.training.loop import TrainOutcome
@@ -110,4 +110,4 @@ def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # a short shutdown: a job ends as soon as its work is done

@@ -20,7 +20,8 @@ Sections (``--sections``, default all):
   validation, checkpoint writes, curves and the rest (the trainer's ``phase`` records in ``metrics.jsonl``), and its
   ratio to the compute bound (the epoch's FLOPs at the measured matmul peak of its precision);
 * ``compile``: ``train.py`` eager against ``--compile`` in one paired run per precision (two epochs each, the epoch
-  ending with a smaller batch, then the compiled run resumed from its run folder's compile cache): the compile time
+  ending with a smaller batch, full batches only with ``--quick``, then the compiled run resumed from its run
+  folder's compile cache): the compile time
   (the first step, cold and warm cache), the second epoch's steady-state images/s and its time
   (``scripts.bench.compile``);
 * ``ddp``: ``torchrun`` with 2 processes of half the threads each against 1 process with all threads, same global

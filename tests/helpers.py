@@ -327,3 +327,16 @@ def fake_scontrol(folder: Path, *, exit_status: int = 0) -> Path:
     script.write_text(f'#!/bin/sh\necho "$@" >> "{folder}/scontrol.calls"\nexit {exit_status}\n')
     script.chmod(0o755)
     return folder / "scontrol.calls"
+
+
+def tensorboard_reader(run_dir: Path) -> Any:
+    """What TensorBoard shows of the run: its reader, which applies the writers' purge records."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reader = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    reader.Reload()
+    return reader
+
+
+def tensorboard_scalars(reader: Any, tag: str) -> list[tuple[int, float]]:
+    return [(event.step, event.value) for event in reader.Scalars(tag)]

@@ -14,21 +14,11 @@ from utils.hardware import MIN_WORKERS_BOUND, WORKERS_PER_CPU, available_cpus, m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("extra", "expected"),
-    [
-        (["--threads", "100000"], "--threads 100000 is more than 4 per CPU"),
-        (["--base-channels", "100000"], "--base-channels 100000 makes a UNet of 7.57e+13 weights"),
-        (["--num-workers", "100000"], "--num-workers 100000 would start 100000 loader processes"),
-    ],
-)
-def test_train_refuses_what_the_machine_cannot_run_before_creating_the_run_folder(
-    runner: TrainRunner, extra: list[str], expected: str
-) -> None:
+def test_train_refuses_more_threads_than_the_machine_has_before_creating_the_run_folder(runner: TrainRunner) -> None:
     # A real process: on the code before these bounds --threads 100000 crashed the interpreter (SIGSEGV). The
     # runner's own --threads 1 comes first: argparse keeps the last value.
     done = subprocess.run(
-        [sys.executable, "train.py", *runner.args("bounds", *extra), "-e", "1"],
+        [sys.executable, "train.py", *runner.args("bounds", "--threads", "100000"), "-e", "1"],
         cwd=REPO_ROOT,
         env=child_env(),
         capture_output=True,
@@ -36,7 +26,24 @@ def test_train_refuses_what_the_machine_cannot_run_before_creating_the_run_folde
         timeout=300,
     )
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
-    assert expected in one_error_line(done.stderr)
+    assert "--threads 100000 is more than 4 per CPU" in one_error_line(done.stderr)
+    assert not runner.checkpoint_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--base-channels", "100000"], "--base-channels 100000 makes a UNet of 7.57e+13 weights"),
+        (["--num-workers", "100000"], "--num-workers 100000 would start 100000 loader processes"),
+    ],
+)
+def test_train_refuses_what_the_machine_cannot_build_before_creating_the_run_folder(
+    runner: TrainRunner, capsys: pytest.CaptureFixture, extra: list[str], expected: str
+) -> None:
+    # In this process (the exit status and line of a process are the --threads case's): refused before the model or
+    # a loader worker exists, as the absent run folder shows.
+    assert runner.main("bounds", *extra, "-e", "1") == 2
+    assert expected in one_error_line(capsys.readouterr().err)
     assert not runner.checkpoint_dir.exists()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -123,3 +124,17 @@ def test_torchrun_per_srun_task_forming_its_own_group_is_refused() -> None:
 def test_an_array_job_requeues_its_own_task() -> None:
     environ = {**SRUN_TASK, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"}
     assert plan_launch(launch_flags(ddp_mode=True), environ=environ).slurm_job_id == "4240_2"
+
+
+@pytest.mark.parametrize(
+    ("missing", "named"),
+    [("SLURM_JOB_NODELIST", "without SLURM_JOB_NODELIST, so rank 0's node is unknown; set MASTER_ADDR"),
+     ("SLURM_JOB_ID", "without SLURM_JOB_ID, so no port can be derived; set MASTER_PORT")],
+)  # fmt: skip
+def test_a_task_without_the_variables_of_its_address_names_the_one_to_set(missing: str, named: str) -> None:
+    environ = {name: value for name, value in SRUN_TASK.items() if name != missing}
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        plan_launch(launch_flags(ddp_mode=True), environ=environ)
+    # The step's own node list serves as well as the job's.
+    step = {**SRUN_TASK, "SLURM_JOB_NODELIST": "", "SLURM_STEP_NODELIST": "gpu[09-10]"}
+    assert plan_launch(launch_flags(ddp_mode=True), environ=step).init_method.startswith("tcp://gpu09:")

@@ -22,8 +22,6 @@ class AuxiliaryHeads(nn.Module):
 
     def __init__(self, in_channels: Sequence[int], n_classes: int) -> None:
         super().__init__()
-        if len(in_channels) != len(AUX_FACTORS):
-            raise ValueError(f"deep supervision has {len(AUX_FACTORS)} auxiliary outputs, got {len(in_channels)}")
         self.convs = nn.ModuleList(nn.Conv2d(channels, n_classes, kernel_size=1) for channels in in_channels)
 
     def forward(self, features: Sequence[torch.Tensor], height: int, width: int) -> list[torch.Tensor]:

@@ -109,12 +109,9 @@ class ResNetUNet(SegmentationNet):
         self.encoder = ResNetEncoder(encoder, n_channels)
         stem, c1, c2, c3, c4 = _FEATURE_CHANNELS[encoder]
         widths = [max(1, base_channels * m // 4) for m in (16, 8, 4, 2, 1)]
-        skips = [c3, c2, c1, stem, 0]
-        blocks, previous = [], c4
-        for skip, width in zip(skips, widths, strict=True):
-            blocks.append(DecoderBlock(previous, skip, width))
-            previous = width
-        self.decoder = nn.ModuleList(blocks)
+        # Each stage takes the previous one's output (the deepest feature first) and the skip feature of its scale.
+        stages = zip([c4, *widths[:-1]], [c3, c2, c1, stem, 0], widths, strict=True)
+        self.decoder = nn.ModuleList(DecoderBlock(previous, skip, width) for previous, skip, width in stages)
         self.head = nn.Conv2d(widths[-1], n_classes, kernel_size=1)
         # Auxiliary logits after the decoder stages at 1/2 and 1/4 of the input resolution.
         self.aux_heads = AuxiliaryHeads((widths[3], widths[2]), n_classes) if deep_supervision else None
@@ -130,11 +127,10 @@ class ResNetUNet(SegmentationNet):
         # Zeros after normalisation: the padding looks like an average ImageNet pixel, not like black.
         pad_bottom, pad_right = (-height) % SIZE_MULTIPLE, (-width) % SIZE_MULTIPLE
         x = F.pad(x, [0, pad_right, 0, pad_bottom])
-        features = self.encoder(x)
-        skips = [features[3], features[2], features[1], features[0], None]
-        x = features[4]
+        *features, x = self.encoder(x)
         levels = []
-        for block, skip in zip(self.decoder, skips, strict=True):
+        # The deepest feature first; each stage takes the skip feature of its scale (none for the last).
+        for block, skip in zip(self.decoder, [*reversed(features), None], strict=True):
             x = block(x, skip)
             levels.append(x)
         return self._outputs(self.head(x)[..., :height, :width], [levels[3], levels[2]], height, width)

@@ -157,11 +157,11 @@ class UNet(SegmentationNet):
 def _preserve_norm_buffers(block: nn.Module) -> Iterator[None]:
     """Snapshot the BatchNorm buffers of ``block`` and put them back when the context exits."""
     norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    saved = [{name: buf.clone() for name, buf in m.named_buffers(recurse=False) if buf is not None} for m in norms]
+    buffers = [buffer for norm in norms for buffer in norm.buffers(recurse=False)]
+    saved = [buffer.clone() for buffer in buffers]
     try:
         yield
     finally:
         with torch.no_grad():
-            for module, buffers in zip(norms, saved, strict=True):
-                for name, value in buffers.items():
-                    getattr(module, name).copy_(value)
+            for buffer, value in zip(buffers, saved, strict=True):
+                buffer.copy_(value)

@@ -13,7 +13,8 @@ import warnings
 from typing import TextIO
 
 from utils.errors import ConfigError, user_message
-from utils.hardware import DEVICES
+
+DEVICES = ("auto", "cuda", "mps", "cpu")  # --device's words besides cuda:N (this module imports no torch)
 
 
 def setup_logging(rank: int, world_size: int) -> None:

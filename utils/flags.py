@@ -4,8 +4,8 @@ A field is declared as ``epochs: int = flag(5, "--epochs", "-e", range=Range(1))
 name, type (the annotation), default, spellings and allowed range are in that line, and the docstring is its help
 text. A config is either flat (``PredictConfig``) or made of sections (``TrainConfig.optimisation``, declared with
 ``section``), whose flags are listed under the section's help title. ``add_flags`` makes the argparse arguments,
-``build_config`` the config from argparse's flat result, ``check_ranges`` the range errors; train.py's flags table in
-docs/TRAINING.md is tested against the same fields (``tests/test_readme_flags.py``).
+``build_config`` the config from the flags given (``given_flags``), ``check_ranges`` the range errors; train.py's
+flags table in docs/TRAINING.md is tested against the same fields (``tests/test_readme_flags.py``).
 
 Class names (``train.py --class-names background,car``) are checked here too, once, and recorded in checkpoints for
 the legends: a name per class, background first, as ``--class-weights`` counts them (two for ``--classes 1``).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import dataclasses
 import difflib
 import functools
@@ -26,7 +25,7 @@ import math
 import sys
 import textwrap
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +50,17 @@ class Range:
     what: str = ""
 
 
+# How a resumed training run treats each flag (utils.training.setup.check_resume_flags), marked on it as ``resume=``.
+MUST_MATCH = "must match"
+"""The run's value or none: a resume asking for another is refused, naming the flag and ``--load`` (what the loss
+measures, which images train and validate, the optimizer's and the averages' state, the model's arguments)."""
+MAY_CHANGE = "may change"
+"""The default: takes this command's value; a value other than the run's is said in one line at the resume
+(``old -> new``)."""
+NEW_PLAN = "new plan"
+"""How a run starts: a resume keeps the run's recorded plan (another plan is a new run, ``--load``)."""
+
+
 @dataclass(frozen=True)
 class Flag:
     """The command-line side of one config field (its name, type and default are the field's, its help the
@@ -67,8 +77,8 @@ class Flag:
     nargs: str | int | None = None
     """For a list field: its values follow the flag (``-i a.jpg b.jpg``) instead of repeating it."""
     required: bool = False
-    resume: str = "may change"
-    """How a resumed training run treats the flag: ``must match``, ``may change`` or ``new plan`` (train.py's)."""
+    resume: str = MAY_CHANGE
+    """How a resumed training run treats the flag: ``MUST_MATCH``, ``MAY_CHANGE`` or ``NEW_PLAN`` (train.py's)."""
 
     @property
     def name(self) -> str:
@@ -172,7 +182,7 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
             options["action"] = "store_true"
         else:
             options["type"] = record.value_type or item.kind
-            options["default"] = copy.copy(item.default)  # argparse hands it out: no list shared between parses
+            options["default"] = item.default  # shown by --help; a parse never hands it out (given_flags)
             if record.nargs is not None:
                 options["nargs"] = record.nargs
             elif item.repeatable:
@@ -191,7 +201,7 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
 
 
 def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
-    """``config_class`` from a flat ``{dest: value}`` (argparse's result, a checkpoint's ``args``); a missing
+    """``config_class`` from a flat ``{dest: value}`` (``given_flags``, a checkpoint's ``args``); a missing
     value takes its default, a key that is no flag is left out."""
     hints = typing.get_type_hints(config_class)
     arguments = {}
@@ -213,25 +223,30 @@ class FlagParser(argparse.ArgumentParser):
 def parse_flags(parser: argparse.ArgumentParser, config_class: type, argv: Sequence[str] | None) -> Any:
     """``config_class`` from ``argv`` (default: sys.argv[1:]) through ``parser``, each value inside its range."""
     add_flags(parser, config_class)
-    config = build_config(config_class, vars(parse_known_flags(parser, argv)))
+    config = build_config(config_class, given_flags(parser, argv))
     check_ranges(config)
     return config
 
 
-def parse_known_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``parser``'s result for ``argv``; an unknown flag is a ConfigError naming the closest real one."""
-    namespace, unknown = parser.parse_known_args(argv)
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> dict[str, Any]:
+    """``{dest: value}`` of the flags ``argv`` gives, parsed (a flag not given has no key: ``build_config`` gives it
+    its field's default); an unknown flag is a ConfigError naming the closest real one."""
+    # Every destination starts as None, which no parsed value is, so argparse fills in no default (its defaults are
+    # for --help): what is left not None was given.
+    unset = argparse.Namespace(**{action.dest: None for action in parser._actions})
+    namespace, unknown = parser.parse_known_args(argv, unset)
     if not unknown:
-        return namespace
-    message = f"unrecognized arguments: {' '.join(unknown)}"
+        return {dest: value for dest, value in vars(namespace).items() if value is not None}
     flags = [option for action in parser._actions for option in action.option_strings]
-    for argument in unknown:
-        if argument.startswith("-"):
-            close = difflib.get_close_matches(argument.split("=", 1)[0], flags, n=1, cutoff=0.6)
-            if close:
-                message += f"; did you mean {close[0]}?"
-            break
-    raise ConfigError(f"{message} {help_hint(parser.prog)}")
+    typo = next((argument.split("=", 1)[0] for argument in unknown if argument.startswith("-")), None)
+    hint = did_you_mean(typo, flags) if typo else ""
+    raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}{hint} {help_hint(parser.prog)}")
+
+
+def did_you_mean(name: str, names: Iterable[str]) -> str:
+    """``; did you mean --epochs?``: the one of ``names`` closest to a misspelt ``name``, or "" if none is close."""
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def help_hint(prog: str) -> str:
@@ -313,16 +328,23 @@ def split_class_names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(","))
 
 
+def per_class(text: str, classes: int, flag_name: str, what: str) -> tuple[str, ...]:
+    """``text``'s parts (separated by commas), one per class as ``--classes`` counts them (two for ``--classes 1``),
+    else one ConfigError naming ``flag_name`` (``--class-names``, ``--class-weights``) and ``what`` each part is."""
+    parts = split_class_names(text)
+    expected = 2 if classes == 1 else classes
+    if len(parts) != expected:
+        order = ", background and foreground" if classes == 1 else ", background first"
+        raise ConfigError(
+            f"{flag_name} {text} gives {len(parts)} {what}(s) but --classes {classes} needs {expected} (one per "
+            f"class{order}, separated by commas)"
+        )
+    return parts
+
+
 def parse_class_names(text: str, classes: int) -> tuple[str, ...]:
     """``text`` (names separated by commas) as one name per class; ConfigError naming the flag if it does not fit."""
-    names = split_class_names(text)
-    expected = 2 if classes == 1 else classes
-    if len(names) != expected:
-        background = ", background and foreground" if classes == 1 else ", background first"
-        raise ConfigError(
-            f"{CLASS_NAMES_FLAG} {text} gives {len(names)} name(s) but --classes {classes} needs {expected} (one per "
-            f"class{background}, separated by commas)"
-        )
+    names = per_class(text, classes, CLASS_NAMES_FLAG, "name")
     if not all(names):
         raise ConfigError(f"{CLASS_NAMES_FLAG} {text!r} has an empty name; give every class a name")
     if len(set(names)) != len(names):

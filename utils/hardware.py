@@ -20,17 +20,16 @@ value means; how many threads or processes this machine
 can run, or whether a model fits its memory, only the machine knows. Each check here runs before anything is built
 or created (no run folder, no model), and its error names the flag, the bound and where the bound comes from.
 
-Shared memory (``check_room``, ``SharedMemoryGuard``): room in ``/dev/shm`` for loader workers, checked before they
-start, and their shared-memory failures as one line. A ``DataLoader`` worker hands each batch to the main process
-through POSIX shared memory (files in ``/dev/shm`` on
+Shared memory (``guarded_loader``, the one loader builder of train.py, predict.py and evaluate.py): room in
+``/dev/shm`` for loader workers, checked before they start, and their shared-memory failures as one line. A
+``DataLoader`` worker hands each batch to the main process through POSIX shared memory (files in ``/dev/shm`` on
 Linux). Docker gives a container 64 MB there by default: a worker that cannot allocate prints a traceback from its
-queue's feeder thread and the batch never arrives, so the main process waits for ever. So train.py, predict.py and
-evaluate.py
+queue's feeder thread and the batch never arrives, so the main process waits for ever. So the loader
 
-- estimate what their workers keep in flight (``needed_bytes``) from one real item and refuse to start them when
+- estimates what its workers keep in flight (``needed_bytes``) from one real item and refuses to start them when
   ``/dev/shm`` has less free (``check_room``), with one ``Error:`` line naming the workers flag and the larger
   ``/dev/shm`` that fix it;
-- give the loader a ``LOADER_TIMEOUT_S`` (a batch that never comes becomes an error, not a hang) and turn that
+- waits ``LOADER_TIMEOUT_S`` for a batch (a batch that never comes becomes an error, not a hang) and turns that
   error, and a worker's own shared-memory error, into the same line (``SharedMemoryGuard``).
 """
 
@@ -47,20 +46,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from utils.errors import ConfigError, user_message
 
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICES = ("auto", "cuda", "mps", "cpu")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
-    """The autocast dtype of ``precision``; None for fp32, which runs without autocast."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    """The autocast dtype of ``precision`` (one of ``PRECISIONS``, the flags' choices); None for fp32, which runs
+    without autocast."""
     return _AUTOCAST_DTYPES.get(precision)
 
 
@@ -111,12 +109,10 @@ def pick_device(requested: str, *, local_rank: int = 0, distributed: bool = Fals
     """The device for ``requested`` (auto, cpu, cuda, cuda:N, mps).
 
     ``auto`` is cuda:LOCAL_RANK when CUDA is there, else MPS for a single process, else the CPU. A device that is
-    asked for but absent is a ConfigError naming ``--device``.
+    asked for but absent is a ConfigError naming ``--device``. ``requested`` was checked by ``--device``'s value type
+    (``utils.cli.device_flag``).
     """
-    try:
-        device = torch.device("cuda" if requested == "auto" else requested)
-    except RuntimeError:
-        raise ConfigError(f"--device {requested!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
+    device = torch.device("cuda" if requested == "auto" else requested)
     cuda_ok = torch.cuda.is_available()
     mps_ok = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if requested != "auto" and device.type == "cuda" and not cuda_ok:
@@ -283,8 +279,8 @@ SAFETY_FACTOR = 2
 LOADER_TIMEOUT_S = 300.0
 """How long the main process waits for one batch from its workers before giving up. Decoding one batch takes
 seconds even for large photos; five minutes is only reached when a batch was lost."""
-# How a worker's failure to share a batch reads (torch's messages), and the loader's timeout; compared in lower case.
-FAILURE_MARKERS = ("shared memory", "no space left on device", "bus error", "dataloader timed out")
+# How a worker's failure to share a batch reads (torch's messages); compared in lower case.
+FAILURE_MARKERS = ("shared memory", "no space left on device", "bus error")
 
 _MB = 1024 * 1024
 
@@ -335,9 +331,8 @@ def check_room(
     folder: Path = SHARED_MEMORY_FOLDER,
 ) -> None:
     """Raise ``ConfigError`` when ``workers`` loader workers (per process) would not fit their batches of
-    ``batch_size`` items like ``item`` into ``folder``. ``workers_fix``: the flag that turns workers off."""
-    if workers <= 0:
-        return
+    ``batch_size`` items like ``item`` into ``folder`` (no workers need none). ``workers_fix``: the flag that turns
+    workers off."""
     free = free_bytes(folder)
     needed = needed_bytes(tensor_bytes(item), batch_size, workers, processes)
     if free is None or needed <= free:
@@ -352,23 +347,29 @@ def check_room(
     )
 
 
-def is_shared_memory_failure(error: BaseException) -> bool:
-    """Whether a loader's ``RuntimeError`` is a worker's failure to share a batch, or the timeout of a lost one."""
+def guarded_loader(
+    dataset: Dataset, *, batch_size: int, workers: int, workers_fix: str, processes: int = 1, **options: Any
+) -> SharedMemoryGuard:
+    """The loader of train.py, predict.py and evaluate.py (``options``: DataLoader's others): ``workers`` processes
+    start only once one item (``dataset[0]``) shows that their batches fit in shared memory, beside those of the
+    ``processes`` of this machine (``check_room``); a batch they lose is an error after ``LOADER_TIMEOUT_S``, not a
+    hang; that error and a worker's own shared-memory error become one line (``SharedMemoryGuard``).
+    ``workers_fix``: the script's flag that turns workers off."""
+    if workers and len(dataset):  # type: ignore[arg-type]
+        check_room(dataset[0], batch_size=batch_size, workers=workers, workers_fix=workers_fix, processes=processes)
+    timeout = LOADER_TIMEOUT_S if workers else 0.0
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, timeout=timeout, **options)
+    return SharedMemoryGuard(loader, workers_fix)
+
+
+def _shared_memory_cause(error: RuntimeError) -> str | None:
+    """Why a loader's error is a worker's failure to share a batch, or the timeout of a lost one; None: it is not."""
     message = str(error).lower()
-    return isinstance(error, RuntimeError) and any(marker in message for marker in FAILURE_MARKERS)
-
-
-def loader_timeout(workers: int) -> float:
-    """The ``timeout`` to give a ``DataLoader`` with ``workers`` workers (0: none, the main process loads)."""
-    return LOADER_TIMEOUT_S if workers > 0 else 0.0
-
-
-def _cause(error: RuntimeError) -> str:
-    if "dataloader timed out" in str(error).lower():
+    if "dataloader timed out" in message:
         # A worker that cannot allocate shared memory for its batch only prints a traceback: the batch never comes.
         return f"no batch arrived for {LOADER_TIMEOUT_S:.0f} s (a worker lost it: see any traceback above)"
     # A worker's error re-raised here carries its traceback: its own message says why (utils.errors).
-    return user_message(error)
+    return user_message(error) if any(marker in message for marker in FAILURE_MARKERS) else None
 
 
 class SharedMemoryGuard:
@@ -384,24 +385,23 @@ class SharedMemoryGuard:
     def __iter__(self) -> Iterator[Any]:
         iterator = iter(self.loader)
         while True:
-            failure = None
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
             except RuntimeError as error:
-                if not is_shared_memory_failure(error):
+                if (cause := _shared_memory_cause(error)) is None:
                     raise
-                failure = shortage_message(self.workers_fix, _cause(error))
+                failure = shortage_message(self.workers_fix, cause)
                 # A worker's error re-raised by torch sits in a reference cycle through its traceback, which holds
                 # the iterator: dropped, the iterator can shut its workers down at once (see below).
                 error.__traceback__ = None
-            if failure is not None:
-                # The raised error's traceback holds this frame: without its iterator, whose workers shut down now
-                # (idle workers ignoring SIGTERM would otherwise keep the process from exiting).
-                del iterator
-                raise ConfigError(failure)
+                break
             yield batch
+        # Raised outside the handler, and its traceback holds this frame: without its iterator, whose workers shut
+        # down now (idle workers ignoring SIGTERM would otherwise keep the process from exiting).
+        del iterator
+        raise ConfigError(failure)
 
     def __getattr__(self, name: str) -> Any:
         # The loader's other attributes (sampler, dataset, batch_size) as the loader's users expect them.

@@ -1,6 +1,7 @@
 """The compile section: ``train.py`` eager against ``train.py --compile`` in one paired run, per precision.
 
-Each pair is two fresh two-epoch runs on the same demo data (the epoch ends with a smaller batch, and validates), then
+Each pair is two fresh two-epoch runs on the same demo data (the epoch ends with a smaller batch, except with
+``--quick``, and validates), then
 a one-epoch compiled run in a fresh run folder holding a copy of the compiled run's ``compile-cache/`` (what a resumed
 or requeued run finds in its own folder, ``utils.training.compiled``; the resume path itself is tested in
 ``tests/training/test_compile.py``). From each run's ``metrics.jsonl`` (``--log-every 1``):
@@ -31,6 +32,7 @@ from scripts.bench.processes import REPO_ROOT, MeasurementError, run_child, tail
 from scripts.bench.report import reliability
 from scripts.bench.run_log import check_precision
 from utils.checkpoint.run_folder import RunFolder
+from utils.datasets.splits import split_sizes
 
 SECTION = "compile"
 VALIDATION_PERCENT = 10
@@ -40,10 +42,7 @@ DISTINCT_SCENES = 8
 def run_compile(ctx: Context) -> dict[str, Any]:
     """Eager, compiled (cold cache) and compiled-resumed (warm cache) ``train.py`` runs, per precision."""
     config = ctx.config
-    # Enough training images for warm-up and timed steps in each epoch, plus a smaller last batch.
-    train_images = config.batch_size * (config.warmup + config.steps) + max(1, config.batch_size // 2)
-    # At least one validation image (train.py refuses a split without one).
-    images = max(math.ceil(100 / VALIDATION_PERCENT), math.ceil(train_images / (1 - VALIDATION_PERCENT / 100)) + 1)
+    images = image_count(config.batch_size, config.warmup + config.steps, full_batches=config.quick)
     file_size = (round(config.size[0] / config.scale), round(config.size[1] / config.scale))
     data = write_linked_dataset(
         ctx.work_dir / f"compile-data-{images}-{file_size[0]}x{file_size[1]}",
@@ -61,6 +60,20 @@ def run_compile(ctx: Context) -> dict[str, Any]:
             result[precision] = _summary(pairs, [load_before, os.getloadavg()[0]])
         _rows(ctx, precision, result[precision])
     return result
+
+
+def image_count(batch_size: int, steps: int, *, full_batches: bool) -> int:
+    """Images for ``steps`` batches in each epoch and at least one validation image (train.py refuses a split without).
+
+    The epoch ends with a smaller batch, whose shape compiles once more in the first epoch, unless ``full_batches``
+    (``--quick``): then every batch is full and one batch size compiles, which halves the quick run's compile time;
+    that a smaller batch compiles once and only in the first epoch is proven in ``tests/training/test_compile.py``.
+    """
+    images = max(math.ceil(100 / VALIDATION_PERCENT), math.ceil(batch_size * steps / (1 - VALIDATION_PERCENT / 100)))
+    # The split's rounding can make the last batch full (or not): add images until it is what was asked for.
+    while batch_size > 1 and (split_sizes(images, VALIDATION_PERCENT)[1] % batch_size == 0) != full_batches:
+        images += 1
+    return images
 
 
 def _pair(ctx: Context, data: Any, precision: str) -> dict[str, dict[str, Any]]:

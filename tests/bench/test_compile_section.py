@@ -6,10 +6,11 @@ import statistics
 
 import pytest
 
-from scripts.bench.compile import run_figures
+from scripts.bench.compile import VALIDATION_PERCENT, image_count, run_figures
 from scripts.bench.report import reliability
 from tests.bench.conftest import RunBenchmark
 from tests.helpers import positive
+from utils.datasets.splits import split_sizes
 
 
 def train(epoch: int, step: int, images: int, time: float) -> dict:
@@ -29,6 +30,16 @@ def test_first_step_steady_state_and_epoch_time_come_from_this_runs_records() ->
     figures = run_figures(events)
     assert figures == pytest.approx({"first_step_s": 60.0, "steady_images_per_s": 2.0, "epoch_s": 5.0})
     assert run_figures(events[:3]) == {"first_step_s": 60.0}  # one epoch: no second-epoch figures
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 4, 8])
+def test_the_data_ends_each_epoch_with_a_smaller_batch_or_with_full_ones_only_for_quick(batch_size: int) -> None:
+    for steps in (1, 3, 7):
+        for full_batches in (True, False):
+            n_val, n_train = split_sizes(image_count(batch_size, steps, full_batches=full_batches), VALIDATION_PERCENT)
+            assert n_val >= 1 and n_train >= batch_size * steps
+            if batch_size > 1:  # with a batch of 1 every batch is full
+                assert (n_train % batch_size == 0) == full_batches, (steps, full_batches, n_train)
 
 
 def test_a_spread_over_a_fifth_or_an_impossible_figure_is_marked_unreliable() -> None:

@@ -50,7 +50,7 @@ def test_clean_data_passes_and_the_second_check_reads_the_mask_cache(
 
     monkeypatch.setattr(mask_values, "_scan_pair", no_decoding)
     report = check_dataset(
-        CheckSettings(root / "imgs", root / "masks", classes=1, workers=1, cache_dir=tmp_path / "cache")
+        CheckSettings(imgs=root / "imgs", masks=root / "masks", classes=1, workers=1, cache_dir=tmp_path / "cache")
     )
     assert report.passes(strict=True) and report.mask_values == [0, 1]
     assert sum(share for _, share in report.class_shares) == pytest.approx(1.0)
@@ -188,6 +188,7 @@ def test_command_line_with_a_process_pool(tmp_path: Path) -> None:
         (["--classes", "0"], "Error: --classes must be at least 1 (1 = binary with one logit)"),
         (["--workers", "0"], "Error: --workers must be at least 1"),
         (["--validation", "100"], "Error: --validation must be a finite number in (0, 100) (a percentage), got 100"),
+        (["--split-by", "prefix", "--fold", "-1"], "Error: --fold must not be negative, got -1"),  # train.py's flag
     ],
 )
 def test_out_of_range_flags_are_one_line(
@@ -196,3 +197,12 @@ def test_out_of_range_flags_are_one_line(
     """The ranges are the flags' own, as train.py declares them: checked once by the parser, before any file is read."""
     assert main(["--imgs", str(tmp_path / "nowhere"), "--masks", str(tmp_path / "nowhere"), *flags]) == 2
     assert capsys.readouterr().err.strip() == message
+
+
+def test_the_check_imports_no_torch() -> None:
+    """Its workers start fast: the flags it shares with train.py (``SplitFlags``) and its error line
+    (``utils.cli.print_error``) come from modules that import no torch either."""
+    code = "import sys, utils.datasets.check; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -12,7 +12,7 @@ from PIL import Image
 from tests.helpers import make_model, reference_classes, write_images
 from utils.errors import ConfigError
 from utils.hardware import pick_device
-from utils.inference.config import PredictConfig
+from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import (
     InputItem,
     PredictionInputs,
@@ -20,6 +20,10 @@ from utils.inference.engine import (
     logits_to_classes,
     predict_batch,
 )
+from utils.inference.export import Preprocessing
+
+# Images at half size for an RGB model.
+HALF_RGB = Preprocessing(0.5, [0, 1], 3)
 
 
 def _item(index: int, height: int, width: int) -> InputItem:
@@ -62,7 +66,7 @@ def test_inputs_decode_resize_and_report_unusable_files_without_raising(tmp_path
     broken.write_bytes(b"\xff\xd8 truncated jpeg")
     grey = tmp_path / "grey.png"
     Image.new("L", (20, 20)).save(grey)
-    dataset = PredictionInputs([good, broken, grey, tmp_path / "gone.png"], scale=0.5, n_channels=3, keep_original=True)
+    dataset = PredictionInputs([good, broken, grey, tmp_path / "gone.png"], HALF_RGB, PredictConfig(viz=True))
     item = dataset[0]
     assert item.error is None and item.image.shape == (3, 24, 32) and item.original_size == (48, 64)
     assert item.original.dtype == torch.uint8 and item.original.shape == (3, 48, 64)
@@ -79,7 +83,7 @@ def test_a_batch_predicts_what_each_image_alone_gives(tmp_path):
     # Two sizes that shrink to the same network-input size: one batch, two different output sizes.
     paths = write_images(tmp_path, [(64, 48), (65, 49), (64, 48)])
     model = make_model(2)
-    dataset = PredictionInputs(paths, scale=0.5, n_channels=3)
+    dataset = PredictionInputs(paths, HALF_RGB, PredictConfig())
     items = [dataset[i] for i in range(3)]
     assert len({tuple(item.image.shape) for item in items}) == 1
     predictions = predict_batch(model, items, torch.device("cpu"), PredictConfig())
@@ -92,8 +96,9 @@ def test_unknown_or_absent_devices_are_config_errors():
     # predict.py and evaluate.py resolve --device with utils.hardware.pick_device.
     assert pick_device("cpu") == torch.device("cpu")
     assert pick_device("auto").type in ("cpu", "cuda", "mps")
-    with pytest.raises(ConfigError, match="--device 'warp9'"):
-        pick_device("warp9")
+    # A value that is no device is refused where --device is parsed (utils.cli.device_flag), before pick_device.
+    with pytest.raises(ConfigError, match="--device: 'warp9' is not a device"):
+        parse_inference_config(PredictConfig, "predict.py", ["-i", "a.png", "--device", "warp9"], "a\n\nb")
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="--device cuda .*no CUDA device"):
             pick_device("cuda")

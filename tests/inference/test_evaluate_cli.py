@@ -139,3 +139,15 @@ def test_each_folder_is_listed_once(carvana_data, tmp_path, monkeypatch):
 def test_bad_flags_are_one_line_as_train_py_words_them(capsys, argv, message):
     assert evaluate_cli.main(argv) == USER_ERROR_EXIT_CODE
     assert message in one_error_line(capsys.readouterr().err)
+
+
+def test_images_that_cannot_feed_the_models_channels_are_one_error_line(carvana_data, tmp_path, capsys):
+    # A 4-channel model: the dataset converts photos for 1- and 3-channel models only, so RGB photos are refused.
+    from unet import UNet
+
+    checkpoint = save_checkpoint(tmp_path / "m.pth", UNet(4, 2, base_channels=8), [0, 1])
+    code = run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks))
+    assert code == USER_ERROR_EXIT_CODE
+    assert f"the images in {carvana_data.imgs} have 3 channel(s) but {checkpoint} expects 4" in one_error_line(
+        capsys.readouterr().err
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -15,7 +16,19 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import make_model, one_error_line, save_checkpoint, save_checkpoint_trained_at
 from utils.errors import USER_ERROR_EXIT_CODE, CheckpointError
 from utils.inference import export
-from utils.inference.export import ExportError, Preprocessing, export_model, read_preprocessing
+from utils.inference.export import METADATA_PREFIX, ExportError, Preprocessing, export_model
+
+
+def read_preprocessing(path: Path) -> dict[str, object]:
+    """The preprocessing record of an exported ONNX file (``Preprocessing.metadata``), values decoded, read as
+    docs/TOOLS.md tells a user to read it (onnx's ``metadata_props``)."""
+    import onnx
+
+    props = onnx.load(str(path), load_external_data=False).metadata_props
+    record = {
+        prop.key.removeprefix(METADATA_PREFIX): prop.value for prop in props if prop.key.startswith(METADATA_PREFIX)
+    }
+    return {name: value if name in ("input", "output") else json.loads(value) for name, value in record.items()}
 
 
 def _load_torchscript(path: Path) -> torch.jit.ScriptModule:

@@ -102,10 +102,11 @@ def test_the_control_a_whole_image_forced_under_that_limit_fails_with_one_line_s
 def test_a_batch_over_the_budget_predicts_exactly_as_the_windows_the_planner_names(tmp_path, caplog):
     from utils.inference.config import PredictConfig
     from utils.inference.engine import PredictionInputs, predict_items
+    from utils.inference.export import Preprocessing
 
     paths = write_images(tmp_path, [(160, 128)])
     model = make_model(2)
-    dataset = PredictionInputs(paths, 1.0, 3)
+    dataset = PredictionInputs(paths, Preprocessing(1.0, [0, 1], 3), PredictConfig())
     budget = estimate_forward_bytes(model, 1, 128, 160) // 2
     planner = MemoryPlanner(budget)
     config = PredictConfig(batch_size=1, workers=0, no_progress=True)

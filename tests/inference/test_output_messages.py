@@ -75,10 +75,10 @@ def test_evaluate_names_its_json_and_its_bar_says_evaluating(
 
 
 def test_legends_name_mask_values_or_class_names():
-    grey = class_colours([0, 128, 255], 3)
+    grey = class_colours([0, 128, 255])
     assert legend_entries(grey, [0, 128, 255]) == [(grey[1], "value 128"), (grey[2], "value 255")]
     assert legend_entries(grey, [0, 128, 255], ("background", "road", "car")) == [(grey[1], "road"), (grey[2], "car")]
-    colour = class_colours([[0, 0, 0], [128, 0, 0]], 2)
+    colour = class_colours([[0, 0, 0], [128, 0, 0]])
     assert legend_entries(colour, [[0, 0, 0], [128, 0, 0]]) == [((128, 0, 0), "value (128, 0, 0)")]
 
 

@@ -53,11 +53,6 @@ def test_colour_values_become_an_rgb_image_with_each_class_colour():
     assert pixels[1, 0].tolist() == colours[2]
 
 
-def test_a_class_without_a_value_is_an_error():
-    with pytest.raises(CheckpointError, match="uses class 2 but mask_values"):
-        mask_to_image(THREE_CLASSES, [0, 255])
-
-
 def test_mask_values_are_checked_where_the_checkpoint_is_read_and_wide_grey_values_before_writing():
     # predict.py writes what the reader let through: one value per class, grey values and colours not mixed.
     with pytest.raises(CheckpointError, match="name 2 values but the model predicts 3"):

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from utils.inference.export import Preprocessing
 from utils.inference.overlays import (
     GAP_PIXELS,
     OVERLAY_ALPHA,
@@ -23,9 +24,9 @@ from utils.inference.overlays import (
 
 
 def test_colour_masks_keep_their_colours_and_grey_masks_get_the_palette():
-    assert class_colours([[0, 0, 0], [10, 20, 30]], 2) == [(0, 0, 0), (10, 20, 30)]
-    assert class_colours([0, 255], 2)[1] == PALETTE[0]
-    assert len(class_colours([0, 1, 2, 3], 4)) == 4
+    assert class_colours([[0, 0, 0], [10, 20, 30]]) == [(0, 0, 0), (10, 20, 30)]
+    assert class_colours([0, 255])[1] == PALETTE[0]
+    assert len(class_colours([0, 1, 2, 3])) == 4
 
 
 def test_only_foreground_classes_are_painted():
@@ -63,7 +64,7 @@ def overlay_without_outline(image, classes):
 
 def test_grey_images_are_shown_in_colour():
     image = torch.full((1, 4, 4), 200, dtype=torch.uint8)
-    rendered = render_visualization(image, np.zeros((4, 4), dtype=np.uint8), class_colours([0, 1], 2))
+    rendered = render_visualization(image, np.zeros((4, 4), dtype=np.uint8), Preprocessing(1.0, [0, 1], 3))
     assert rendered.mode == "RGB"
     assert np.all(np.asarray(rendered)[:4, :4] == 200)
 
@@ -84,9 +85,11 @@ def test_side_by_side_view_has_captions_and_a_legend_of_every_foreground_class()
     predicted[5:20, 5:30] = 1
     truth = np.zeros((40, 60), dtype=np.uint8)
     truth[10:30, 20:50] = 2
-    colours = class_colours([0, 128, 255], 3)
+    colours = class_colours([0, 128, 255])
     assert legend_entries(colours, [0, 128, 255]) == [(colours[1], "value 128"), (colours[2], "value 255")]
-    rendered = np.asarray(render_visualization(image, predicted, colours, truth, [0, 128, 255])).astype(int)
+    rendered = np.asarray(render_visualization(image, predicted, Preprocessing(1.0, [0, 128, 255], 3), truth)).astype(
+        int
+    )
     # The panels keep the image's pixel positions: truth on the left, prediction right of the gap.
     np.testing.assert_array_equal(np.any(rendered[:40, :60] != 90, axis=-1), truth == 2)
     np.testing.assert_array_equal(
@@ -102,5 +105,5 @@ def test_side_by_side_view_has_captions_and_a_legend_of_every_foreground_class()
 
 def test_a_legend_wider_than_the_image_widens_the_canvas_instead_of_being_cut():
     image = torch.zeros((3, 8, 8), dtype=torch.uint8)
-    rendered = render_visualization(image, np.ones((8, 8), dtype=np.uint8), class_colours([0, 1], 2), None, [0, 1])
+    rendered = render_visualization(image, np.ones((8, 8), dtype=np.uint8), Preprocessing(1.0, [0, 1], 3))
     assert rendered.width > 8 and rendered.height == 8 + 2 * ROW_PIXELS

@@ -38,6 +38,9 @@ def test_file_values_apply_and_the_command_line_overrides_them(tmp_path: Path) -
     )
     assert config.optimisation.learning_rate == pytest.approx(1e-4)  # YAML reads 1e-4 as text: still the number meant
     assert config.data.ignore_values == [0]  # a repeatable flag replaces the file's list, it does not add to it
+    # A flag given at its default value is given all the same: it overrides the file's value.
+    default = TrainConfig().optimisation.epochs
+    assert parse_config(["--config", str(path), "--epochs", str(default)]).optimisation.epochs == default != 7
     # Without the flags, the file's values; without the file, the defaults.
     assert parse_config(["--config", str(path)]).data.ignore_values == [255]
     assert parse_config([]).optimisation.epochs == TrainConfig().optimisation.epochs

@@ -35,7 +35,12 @@ def _first_to_exit(processes: list, timeout_s: float = 120) -> int:
 
 
 @pytest.mark.slow
-def test_two_runs_on_one_folder_one_runs_the_other_stops_and_nothing_live_is_touched(runner: TrainRunner) -> None:
+def test_two_runs_on_one_folder_one_runs_the_other_stops_and_nothing_live_is_touched(
+    runner: TrainRunner, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The two competing starts are processes; the later starts run in this process (no interpreter start-up), which
+    # is another process than the live run's, as a second job's would be. train.py's exit path as a process is
+    # tested by the loser here and in test_train_single.py.
     run_dir = runner.run_dir("same")
     python = [sys.executable]
     both = [runner.popen(python, "same", *LONG, "--resume", "auto") for _ in range(2)]
@@ -51,14 +56,13 @@ def test_two_runs_on_one_folder_one_runs_the_other_stops_and_nothing_live_is_tou
     # A write in progress of the live run looks like a leftover: nobody but the lock holder may remove it.
     in_progress = run_dir / ".last.pth.inprogress.tmp"
     in_progress.write_bytes(b"being written")
-    again = runner.popen(python, "same", *LONG, "--resume", "auto")
-    _, err = finish(again)
-    assert again.returncode == 2 and "is in use" in one_error_line(err)
+    capsys.readouterr()
+    assert runner.main("same", *LONG, "--resume", "auto") == 2
+    assert f"is in use by another training process (PID {winner.pid})" in one_error_line(capsys.readouterr().err)
     # Without --resume a start never touches the live folder: it begins the next one.
-    rerun = runner.popen(python, "same", "-e", "1", "--max-steps", "1")
-    out, err = finish(rerun)
-    assert rerun.returncode == 0, out + err
-    assert f"this run writes to {runner.run_dir('same-2')}" in out + err
+    with caplog.at_level("INFO"):
+        assert runner.main("same", "-e", "1", "--max-steps", "1") == 0
+    assert f"this run writes to {runner.run_dir('same-2')}" in caplog.text
     assert (runner.run_dir("same-2") / "last.pth").is_file()
     assert in_progress.read_bytes() == b"being written"
     assert winner.poll() is None
@@ -68,9 +72,7 @@ def test_two_runs_on_one_folder_one_runs_the_other_stops_and_nothing_live_is_tou
     winner.send_signal(signal.SIGKILL)
     finish(winner)
     target = load_checkpoint(run_dir / "last.pth")["global_step"] + 2  # epoch 1 ended long ago
-    resumed = runner.popen(python, "same", *LONG, "--max-steps", str(target), "--resume", str(run_dir / "last.pth"))
-    out, err = finish(resumed)
-    assert resumed.returncode == 0, out + err
+    assert runner.main("same", *LONG, "--max-steps", str(target), "--resume", str(run_dir / "last.pth")) == 0
     assert not in_progress.exists()
     assert load_checkpoint(run_dir / "last.pth")["global_step"] == target
 

@@ -10,21 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import finish, torchrun_prefix
-from tests.helpers import read_metrics
+from tests.helpers import read_metrics, tensorboard_reader, tensorboard_scalars
 
-event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-
-
-def _read(run_dir: Path):
-    """What TensorBoard shows of the run: its reader, which applies the writers' purge records."""
-    reader = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
-    reader.Reload()
-    return reader
-
-
-def _scalars(reader, tag: str) -> list[tuple[int, float]]:
-    return [(event.step, event.value) for event in reader.Scalars(tag)]
+pytest.importorskip("tensorboard")
 
 
 def _raw_steps(run_dir: Path, tag: str) -> list[int]:
@@ -41,26 +29,28 @@ def _raw_steps(run_dir: Path, tag: str) -> list[int]:
 def test_the_scalars_and_images_are_those_of_metrics_jsonl(runner) -> None:
     assert runner.main("tb", "--epochs", "2", "--log-every", "1", "--tensorboard", "--batch-size", "4") == 0
     run_dir = runner.run_dir("tb")
-    reader = _read(run_dir)
+    reader = tensorboard_reader(run_dir)
     trained = read_metrics(run_dir, event="train")
-    assert _scalars(reader, "train/loss") == [
+    assert tensorboard_scalars(reader, "train/loss") == [
         (event["global_step"], pytest.approx(event["loss"], rel=1e-6)) for event in trained
     ]
-    assert _scalars(reader, "train/learning_rate") == [
+    assert tensorboard_scalars(reader, "train/learning_rate") == [
         (event["global_step"], pytest.approx(event["lr"], rel=1e-6)) for event in trained
     ]
-    assert [step for step, _ in _scalars(reader, "train/images_per_s")] == [event["global_step"] for event in trained]
+    assert [step for step, _ in tensorboard_scalars(reader, "train/images_per_s")] == [
+        event["global_step"] for event in trained
+    ]
     validated = read_metrics(run_dir, event="val")
     assert len(validated) == 2
     for tag, key in [("val/dice", "dice"), ("val/iou", "iou")]:
-        assert _scalars(reader, tag) == [
+        assert tensorboard_scalars(reader, tag) == [
             (event["global_step"], pytest.approx(event[key], rel=1e-6)) for event in validated
         ]
     for index in range(2):
         expected = [
             (event["global_step"], pytest.approx(event["per_class_dice"][index], rel=1e-6)) for event in validated
         ]
-        assert _scalars(reader, f"val/dice/class_{index}") == expected
+        assert tensorboard_scalars(reader, f"val/dice/class_{index}") == expected
     # A few validation images, with their true and predicted masks, at each validation.
     for tag in ("val/image", "val/truth", "val/prediction"):
         images = reader.Images(tag)
@@ -85,8 +75,8 @@ def test_a_resumed_run_continues_the_step_axis_and_shows_each_step_once(runner) 
     finally:
         torch.use_deterministic_algorithms(False)
 
-    reader = _read(run_dir)
-    shown = _scalars(reader, "train/loss")
+    reader = tensorboard_reader(run_dir)
+    shown = tensorboard_scalars(reader, "train/loss")
     trained = read_metrics(run_dir, event="train")  # appended to: the first run's events, then the resumed run's
     first_run, resumed_run = trained[:total], trained[total:]
     assert [event["global_step"] for event in first_run] == list(range(1, total + 1))
@@ -97,23 +87,13 @@ def test_a_resumed_run_continues_the_step_axis_and_shows_each_step_once(runner) 
     assert [value for step, value in shown if step > resumed_from] == [
         pytest.approx(event["loss"], rel=1e-6) for event in resumed_run
     ]
-    assert [step for step, _ in _scalars(reader, "val/dice")][-1] == total
+    assert [step for step, _ in tensorboard_scalars(reader, "val/dice")][-1] == total
     # The control: the first run's steps past the resume point are still in its file; TensorBoard hides them.
     assert resumed_from + 1 in _raw_steps(run_dir, "train/loss")
 
 
-@pytest.mark.slow
-def test_under_ddp_only_global_rank_0_writes_events(runner) -> None:
-    launcher = runner.popen(
-        torchrun_prefix(2), "ddp", "--ddp_mode", "--epochs", "1", "--log-every", "1", "--tensorboard"
-    )
-    out, err = finish(launcher)
-    assert launcher.returncode == 0, err
-    run_dir = runner.run_dir("ddp")
-    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
-    trained = read_metrics(run_dir, event="train")
-    assert [step for step, _ in _scalars(_read(run_dir), "train/loss")] == [event["global_step"] for event in trained]
-    assert len(trained) > 1 and len({event["global_step"] for event in trained}) == len(trained)
+# Under DDP only global rank 0 writes events: tested on the DDP run of
+# tests/training/test_train_messages.py::test_a_ddp_run_warns_logs_and_writes_tensorboard_events_from_rank_0_only.
 
 
 # A side output never ends a run nor writes outside the run folder: each case is one warning, the run trains on.

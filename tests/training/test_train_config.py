@@ -229,8 +229,7 @@ def test_a_resume_applies_every_flags_rule(caplog: pytest.LogCaptureFixture) -> 
     (must match: refused naming the flag and --load; may change: said in one line, old -> new; new plan: silent)."""
     import types
 
-    from utils.flags import flag_fields
-    from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN
+    from utils.flags import MAY_CHANGE, MUST_MATCH, NEW_PLAN, flag_fields
     from utils.training.setup import check_resume_flags
 
     config = parse_config([])
@@ -256,8 +255,7 @@ def test_reliability_md_lists_the_must_match_flags_of_the_table() -> None:
     import re
 
     from tests.conftest import REPO_ROOT
-    from utils.flags import flag_fields
-    from utils.training.config import MUST_MATCH
+    from utils.flags import MUST_MATCH, flag_fields
 
     text = (REPO_ROOT / "docs" / "RELIABILITY.md").read_text()
     bullet = text[text.index("- **must match**") : text.index("- **may change**")]
@@ -266,8 +264,7 @@ def test_reliability_md_lists_the_must_match_flags_of_the_table() -> None:
 
 
 def test_the_resume_rules_of_the_objective_averages_and_plan() -> None:
-    from utils.flags import flag_fields
-    from utils.training.config import MAY_CHANGE, MUST_MATCH, NEW_PLAN
+    from utils.flags import MAY_CHANGE, MUST_MATCH, NEW_PLAN, flag_fields
 
     rule = {item.flag.name: item.flag.resume for item in flag_fields(TrainConfig)}
     must = ["--optimizer", "--scheduler", "--learning-rate", "--weight-decay", "--momentum", "--warmup-steps",

@@ -1,4 +1,5 @@
-"""One message per job under torchrun: errors and warnings every rank would print come from global rank 0 only.
+"""One message per job under torchrun: errors and warnings every rank would print come from global rank 0 only (and
+so do TensorBoard's events).
 
 Real 2-process torchrun launches on CPU (gloo), with stdout and stderr in one stream as a terminal shows them.
 """
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO_ROOT, TrainRunner, child_env, torchrun_prefix
+from tests.helpers import read_metrics, tensorboard_reader, tensorboard_scalars
 
 pytestmark = [
     pytest.mark.slow,
@@ -67,9 +69,10 @@ def test_a_user_error_is_printed_once_and_torchrun_names_rank_0_as_the_root_caus
     assert "Unable to shutdown process" not in output, output  # torchrun: "... via 15, forcefully exiting via 9"
 
 
-def test_a_ddp_run_warns_once_and_logs_its_progress_from_rank_0(runner: TrainRunner) -> None:
+def test_a_ddp_run_warns_logs_and_writes_tensorboard_events_from_rank_0_only(runner: TrainRunner) -> None:
     # Without --ddp_mode: the warning that DDP was switched on is the same on both ranks and printed by rank 0 only.
-    result = run_torchrun(runner, "ddp", "-e", "1", "--log-every", "1")
+    # One launch checked for two things global rank 0 alone does: the messages, and TensorBoard's events.
+    result = run_torchrun(runner, "ddp", "-e", "1", "--log-every", "1", "--tensorboard")
     output = result.stdout
     assert result.returncode == 0, output
     assert output.count("DDP switched on") == 1 and "[rank 0] WARNING launched as 2 processes" in output, output
@@ -80,6 +83,11 @@ def test_a_ddp_run_warns_once_and_logs_its_progress_from_rank_0(runner: TrainRun
     steps = re.findall(r"epoch 1/1 step (\d+)/(\d+) \(global \d+\)", output)
     assert steps == [(str(k), "4") for k in range(1, 5)], steps
     assert output.count("epoch 1/1 done (step 4)") == 1, output
+    # One event file (rank 1 writes none), holding each logged step once.
+    run_dir = runner.run_dir("ddp")
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    logged = [step for step, _ in tensorboard_scalars(tensorboard_reader(run_dir), "train/loss")]
+    assert logged == [event["global_step"] for event in read_metrics(run_dir, event="train")] == [1, 2, 3, 4]
 
 
 def test_help_under_torchrun_is_printed_once(runner: TrainRunner) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from utils.cli import print_error
 from utils.datasets.image_files import (
     ARRAY_EXTENSIONS,
     UNREADABLE_FILE_ERRORS,
@@ -41,12 +42,13 @@ from utils.datasets.mask_values import class_totals, class_value_findings, scan_
 from utils.datasets.splits import (
     SPLIT_BY_PREFIX,
     SPLIT_RULES,
+    SplitFlags,
     SplitRule,
     check_split_flags,
     groups_on_both_sides,
     split_positions,
 )
-from utils.errors import USER_ERROR_EXIT_CODE, UserError, count, user_message
+from utils.errors import USER_ERROR_EXIT_CODE, UserError, count
 from utils.flags import FlagParser, Range, flag, parse_flags
 
 logger = logging.getLogger(__name__)
@@ -54,9 +56,10 @@ logger = logging.getLogger(__name__)
 PROBLEMS_EXIT_CODE = 1
 
 
-@dataclass(frozen=True)
-class CheckSettings:
-    """What to check: the command line's flags (``utils.flags``; each docstring is the flag's help)."""
+@dataclass
+class CheckSettings(SplitFlags):
+    """What to check: the command line's flags (``utils.flags``; each docstring is the flag's help), the split's
+    train.py's own (``SplitFlags``)."""
 
     imgs: Path = flag(None, "--imgs", metavar="DIR", required=True)
     """folder of images"""
@@ -66,18 +69,8 @@ class CheckSettings:
     """the --classes training will use (checks the mask values)"""
     ignore_values: list[int] = flag([], "--ignore-value", metavar="V")
     """void mask value"""
-    split_by: str | None = flag(None, "--split-by", choices=SPLIT_RULES)
-    """also check duplicates against this split"""
-    group_pattern: str | None = flag(None, "--group-pattern", metavar="REGEX")
-    """as train.py's --group-pattern"""
-    validation: float = flag(
-        10.0, "--validation", "-v", range=Range(0, 100, low_open=True, high_open=True, note=" (a percentage)")
-    )
-    """as train.py's --validation"""
-    folds: int = flag(0, "--folds")
-    """as train.py's --folds"""
-    fold: int = flag(0, "--fold")
-    """as train.py's --fold"""
+    split_by: str | None = flag(None, "--split-by", choices=SPLIT_RULES)  # type: ignore[assignment]
+    """also check duplicates against this split ('image' or 'prefix', as train.py's --split-by)"""
     workers: int | None = flag(None, "--workers", range=Range(1))
     """reader processes (default: CPUs, at most 8)"""
     cache_dir: Path | None = flag(None, "--cache-dir")
@@ -91,7 +84,7 @@ class CheckSettings:
         if self.split_by is None:
             return None
         check_split_flags(self.split_by, self.group_pattern, self.folds, self.fold)
-        return SplitRule.of_flags(self)
+        return self.split_rule()
 
 
 @dataclass
@@ -234,8 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = parse_flags(parser, CheckSettings, argv)
         report = check_dataset(settings)
     except UserError as error:
-        # The same one line as utils.cli.print_error, which would import torch (through utils.hardware) for nothing.
-        print(f"Error: {user_message(error)}", file=sys.stderr)
+        print_error(error)
         return USER_ERROR_EXIT_CODE
     print("\n".join(format_report(report, settings)))
     return 0 if report.passes(settings.strict) else PROBLEMS_EXIT_CODE

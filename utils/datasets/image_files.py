@@ -95,6 +95,15 @@ class FileInfo(NamedTuple):
     def name(self) -> str:
         return os.path.basename(self.path)
 
+    @classmethod
+    def of(cls, path: str | Path) -> FileInfo:
+        """The record ``index_folder`` makes for the file at ``path``, so that a cache keyed by it (predict.py's
+        ``--pixel-cache``) finds training's entries."""
+        absolute = os.path.abspath(path)
+        stat = os.stat(absolute)
+        ext = os.path.splitext(absolute)[1].lower()
+        return cls(absolute, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
+
 
 class MaskPair(NamedTuple):
     """An image and its mask; ``name`` is the image id (a named tuple: one is made per pair at every start)."""

@@ -32,6 +32,7 @@ from typing import Any
 
 from utils.datasets.image_files import format_examples
 from utils.errors import ConfigError, DatasetError, shortened
+from utils.flags import MUST_MATCH, Range, flag
 from utils.output_files import OutputError, read_text, write_text
 
 SPLIT_BY_IMAGE = "image"
@@ -57,12 +58,34 @@ class SplitRule:
     fold: int = 0
     seed: int = SPLIT_SEED
 
-    @classmethod
-    def of_flags(cls, flags: Any) -> SplitRule:
-        """The rule of a command line's split flags: any object with ``split_by``, ``group_pattern``, ``validation``,
-        ``folds`` and ``fold`` (train.py's data section, the dataset check's settings), handed whole; the seed stays
-        ``SPLIT_SEED``."""
-        return cls(flags.split_by, flags.group_pattern, flags.validation, flags.folds, flags.fold)
+
+@dataclass
+class SplitFlags:
+    """The split's flags, declared once for train.py's data section and the dataset check's settings (each field's
+    docstring is its help, ``utils.flags``)."""
+
+    validation: float = flag(
+        10.0,
+        "--validation",
+        "-v",
+        range=Range(0, 100, low_open=True, high_open=True, note=" (a percentage)"),
+        resume=MUST_MATCH,
+    )
+    """Percent of the data used as validation, in (0, 100)."""
+    split_by: str = flag(SPLIT_BY_IMAGE, "--split-by", choices=SPLIT_RULES, resume=MUST_MATCH)
+    """Train/validation split: 'image' (seeded random over images) or 'prefix' (ids sharing the part before the last
+    '_', e.g. a Carvana car's 16 views, stay on one side)."""
+    group_pattern: str | None = flag(None, "--group-pattern", metavar="REGEX", resume=MUST_MATCH)
+    """With --split-by prefix: a regular expression whose first group is an id's group (default: the part before the
+    last '_')."""
+    folds: int = flag(0, "--folds", range=Range(0), resume=MUST_MATCH)
+    """Cross-validation folds (0 = off; N >= 2: fold --fold validates)."""
+    fold: int = flag(0, "--fold", range=Range(0), resume=MUST_MATCH)
+    """The fold that validates, 0..--folds - 1."""
+
+    def split_rule(self) -> SplitRule:
+        """The rule of these flags (checked together by ``check_split_flags``); the seed stays ``SPLIT_SEED``."""
+        return SplitRule(self.split_by, self.group_pattern, self.validation, self.folds, self.fold)
 
 
 @dataclass(frozen=True)

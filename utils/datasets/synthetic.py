@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from utils.cli import parse_size
+from utils.cli import parse_size, print_error
 from utils.datasets.image_files import split_name
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError, UserError
 
@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out_dir, args.n, size, args.seed, force=args.force, views=views, n_classes=args.classes
         )
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_error(err)
         return USER_ERROR_EXIT_CODE
     return 0
 

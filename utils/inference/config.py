@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,11 +23,7 @@ from utils.inference.tiling import DEFAULT_TILE_OVERLAP, TileSettings
 
 # Probability above which a one-logit model's pixel is foreground (milesial's -t default).
 DEFAULT_MASK_THRESHOLD = 0.5
-
-
-def _height_width(text: str) -> tuple[int, int]:
-    width, height = parse_size(text, "--export-size")
-    return height, width
+_export_size = partial(parse_size, flag="--export-size")  # (width, height), as export_model takes it
 
 
 @dataclass
@@ -87,7 +84,7 @@ class PredictConfig(InferenceConfig):
     """average the logits of the image and its flips (4 passes, nnU-Net's TTA)"""
     export: list[str] | None = flag(None, "--export", nargs=2, metavar=("FORMAT", "PATH"))
     """write the model as onnx or torchscript to PATH and check it"""
-    export_size: tuple[int, int] = flag((256, 256), "--export-size", metavar="WxH", value_type=_height_width)
+    export_size: tuple[int, int] = flag((256, 256), "--export-size", metavar="WxH", value_type=_export_size)
     """sample input size for --export (256x256)"""
     overwrite: bool = flag(False, "--overwrite")
     """let --export replace an existing file (never a checkpoint, an input or a training run's file)"""

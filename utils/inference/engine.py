@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from unet import UNet
@@ -34,7 +33,7 @@ from utils.datasets.image_files import FileInfo, image_header, load_image, mode_
 from utils.datasets.pixel_cache import PixelCache
 from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
-from utils.hardware import SharedMemoryGuard, check_room, loader_timeout, pick_device, warn_if_emulated
+from utils.hardware import SharedMemoryGuard, guarded_loader, pick_device, warn_if_emulated
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
 from utils.inference.export import Preprocessing, export_model
 from utils.inference.memory import MemoryPlanner
@@ -111,7 +110,7 @@ def run_export(
 
 @dataclass
 class InputItem:
-    """One decoded input image, or the reason it could not be decoded."""
+    """One decoded input image, or the reason it could not be decoded, and once predicted its classes."""
 
     index: int
     path: Path
@@ -124,125 +123,76 @@ class InputItem:
     error: str | None = None
     converted_from: int | None = None
     """The file's channel count when it was converted to the model's (grey photo for an RGB model, or the reverse)."""
-
-
-@dataclass
-class Prediction:
-    """Class indices ``[H, W]`` for one input at its original size; none when the input could not be read (its
-    ``item.error`` says why)."""
-
-    item: InputItem
     classes: np.ndarray | None = None
+    """Class indices ``[H, W]`` at ``original_size`` (``predict_batch``); none when the input could not be read."""
 
 
 class PredictionInputs(Dataset):
     """Decodes and resizes input files; a file that cannot be used becomes an item with ``error`` set, not a crash.
 
     A grey photo for an RGB model is converted to RGB, a colour photo for a grey model to grey (PIL's luma), as
-    training does; ``predict_items`` warns once with the count of such files.
+    training does; ``predict_items`` warns once with the count of such files. Images are prepared as
+    ``preprocessing`` says (scale, channels); ``config`` adds --viz (the full-size pixels are kept), --tile (any size
+    is read: PIL's pixel limit is for whole images, --tile holds a window's activations at a time) and --pixel-cache.
     """
 
-    def __init__(
-        self,
-        paths: Sequence[Path],
-        scale: float,
-        n_channels: int,
-        keep_original: bool = False,
-        pixel_cache: str | Path | None = None,
-        any_size: bool = False,
-    ) -> None:
+    def __init__(self, paths: Sequence[Path], preprocessing: Preprocessing, config: PredictConfig) -> None:
         self.paths = list(paths)
-        # Past PIL's pixel limit: --tile holds a window's activations at a time, never a whole image's.
-        self.any_size = any_size
-        self.scale = scale
-        self.n_channels = n_channels
-        self.keep_original = keep_original
+        self.scale, self.n_channels = preprocessing.scale, preprocessing.channels
+        self.keep_original, self.any_size = config.viz, config.tile is not None
         # --pixel-cache: the training cache's entries (same scale and channels) are read instead of decoding, and
         # a decoded input is stored for the next run. Not with --viz, which needs the full-size pixels anyway.
         self.pixel_cache = (
-            PixelCache(pixel_cache, scale=scale, channels=n_channels)
-            if pixel_cache is not None and not keep_original and n_channels in (1, 3)
+            PixelCache(config.pixel_cache, scale=self.scale, channels=self.n_channels)
+            if config.pixel_cache is not None and not config.viz and self.n_channels in (1, 3)
             else None
         )
         if self.pixel_cache is not None:
             self.pixel_cache.check_outside(*{path.parent for path in self.paths})
         # The dataset's conversion (grey <-> RGB by PIL mode) exists for 1- and 3-channel models only.
-        self._convert_to = n_channels if n_channels in (1, 3) else None
+        self._convert_to = self.n_channels if self.n_channels in (1, 3) else None
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> InputItem:
         path = self.paths[index]
+        header = original = None  # set when the file is decoded (not on a pixel-cache hit)
+
+        def decode() -> Tensor:
+            nonlocal header, original
+            with load_image(path, any_size=self.any_size) as pil_image:
+                header = pil_image.width, pil_image.height, mode_channels(pil_image.mode)
+                if self.keep_original:
+                    # Full size for --viz, converted like the model's input (palette, 16-bit, ... handled).
+                    original = image_tensor(pil_image, 1.0).mul_(255).round_().to(torch.uint8)
+                # The training pipeline's conversion and resize, so predictions see what the model was trained on.
+                return resized_image(pil_image, self.scale, self._convert_to)
+
         try:
-            read = self._cached if self.pixel_cache is not None else self._decoded
-            image, original_size, own_channels, original = read(path)
+            # --pixel-cache: the entry training stored under the file's record (FileInfo.of), else decoded and stored.
+            image = cached_image(self.pixel_cache, FileInfo.of(path), decode)
+            # On a cache hit the header gives the original size.
+            width, height, own_channels = header or image_header(path)
+            if image.shape[0] != self.n_channels:
+                raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
             return InputItem(index, path, error=f"cannot read image {path}: {str(error) or type(error).__name__}")
         converted_from = own_channels if own_channels != self.n_channels else None
-        return InputItem(index, path, image, original_size, original, converted_from=converted_from)
-
-    def _decoded(self, path: Path) -> tuple[Tensor, tuple[int, int], int, Tensor | None]:
-        with load_image(path, any_size=self.any_size) as pil_image:
-            # The training pipeline's conversion and resize, so predictions see what the model was trained on.
-            image = self._checked(image_tensor(pil_image, self.scale, self._convert_to))
-            # Full size for --viz, converted like the model's input (palette, 16-bit, ... handled).
-            original = image_tensor(pil_image, 1.0).mul_(255).round_().to(torch.uint8) if self.keep_original else None
-            return image, (pil_image.height, pil_image.width), mode_channels(pil_image.mode), original
-
-    def _cached(self, path: Path) -> tuple[Tensor, tuple[int, int], int, None]:
-        """From the pixel cache (the header gives the original size), decoded and stored on a miss."""
-        info = _file_info(path)
-        width, height, own_channels = image_header(path)
-
-        def decode() -> Tensor:
-            with load_image(path, any_size=self.any_size) as pil_image:
-                return resized_image(pil_image, self.scale, self._convert_to)
-
-        pixels = cached_image(self.pixel_cache, info, decode)
-        return unit_float(self._checked(pixels)), (height, width), own_channels, None
-
-    def _checked(self, image: Tensor) -> Tensor:
-        if image.shape[0] != self.n_channels:
-            raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
-        return image
+        return InputItem(index, path, unit_float(image), (height, width), original, converted_from=converted_from)
 
 
-def _file_info(path: Path) -> FileInfo:
-    """The record ``index_folder`` makes for ``path`` (what keys the pixel cache), so training's entries are found."""
-    absolute = os.path.abspath(path)
-    stat = os.stat(absolute)
-    ext = os.path.splitext(absolute)[1].lower()
-    return FileInfo(absolute, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
-
-
-def keep_as_list(items: list[Any]) -> list[Any]:
-    """DataLoader collate function: keep the items apart (images of different sizes cannot be stacked yet).
-
-    It runs in loader worker processes: a module-level function pickles under any start method.
-    """
-    return items
-
-
-def item_loader(
-    dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False, first: Any = None
-) -> SharedMemoryGuard:
-    """predict.py's and evaluate.py's loader: lists of ``batch_size`` items (``keep_as_list``), decoded by ``workers``
-    processes once one item (``first``, else ``dataset[0]``) shows their batches fit in shared memory (``check_room``),
-    and their shared-memory failures as one line (``SharedMemoryGuard``)."""
-    if workers and len(dataset):  # type: ignore[arg-type]
-        check_room(
-            dataset[0] if first is None else first, batch_size=batch_size, workers=workers, workers_fix=WORKERS_FIX
-        )
-    loader = DataLoader(
+def item_loader(dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False) -> SharedMemoryGuard:
+    """predict.py's and evaluate.py's loader (``guarded_loader``): lists of ``batch_size`` items (not stacked:
+    images of different sizes cannot be yet), decoded by ``workers`` processes."""
+    return guarded_loader(
         dataset,
         batch_size=batch_size,
-        num_workers=workers,
-        collate_fn=keep_as_list,
+        workers=workers,
+        workers_fix=WORKERS_FIX,
+        collate_fn=list,  # the items kept apart; a builtin pickles for workers under any start method
         pin_memory=pin_memory,
-        timeout=loader_timeout(workers),
     )
-    return SharedMemoryGuard(loader, WORKERS_FIX)
 
 
 class ShapeBuckets:
@@ -297,7 +247,7 @@ def predict_batch(
     device: torch.device,
     config: PredictConfig,
     memory: MemoryPlanner | None = None,
-) -> list[Prediction]:
+) -> list[InputItem]:
     """Predict a batch of items whose network-input images all have the same shape, as ``config`` says (precision,
     threshold, --tta, --tile: windows run --batch-size at a time).
 
@@ -312,13 +262,11 @@ def predict_batch(
         logits = forward_logits(model, images, config.precision, config.tta)
     else:
         logits = predict_logits_tiled(model, images, tile, config.precision, config.batch_size)
-    return [
-        Prediction(
-            item,
-            logits_to_classes(item_logits, item.original_size, config.mask_threshold).to(torch.uint8).cpu().numpy(),
-        )
-        for item, item_logits in zip(items, logits, strict=True)
-    ]
+    predicted = []
+    for item, item_logits in zip(items, logits, strict=True):
+        classes = logits_to_classes(item_logits, item.original_size, config.mask_threshold)
+        predicted.append(replace(item, classes=classes.to(torch.uint8).cpu().numpy()))
+    return predicted
 
 
 def predict_items(
@@ -327,8 +275,8 @@ def predict_items(
     device: torch.device,
     config: PredictConfig,
     memory: MemoryPlanner | None = None,
-) -> Iterator[Prediction]:
-    """Yield one ``Prediction`` per input (in completion order, not input order); unreadable inputs carry ``error``.
+) -> Iterator[InputItem]:
+    """Yield every input with its ``classes`` (in completion order, not input order); unreadable ones carry ``error``.
 
     ``config`` gives the batch size, the loader workers, the progress bar and what ``predict_batch`` reads. Without
     ``--tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch whose
@@ -340,23 +288,23 @@ def predict_items(
     planner = memory if memory is not None else MemoryPlanner(device=device)
     run = functools.partial(predict_batch, model, device=device, config=config, memory=planner)
 
-    def batches() -> Iterator[list[Prediction]]:
+    def batches() -> Iterator[list[InputItem]]:
         for loaded in loader:
             for item in loaded:
                 if item.error is not None:
-                    yield [Prediction(item)]
+                    yield [item]
                 else:
                     yield from map(run, buckets.add(item))
         yield from map(run, buckets.flush())
 
     converted: dict[int, int] = {}
     with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not config.progress) as bar:
-        for predictions in batches():
-            for prediction in predictions:
-                if prediction.item.converted_from is not None:
-                    converted[prediction.item.converted_from] = converted.get(prediction.item.converted_from, 0) + 1
+        for predicted in batches():
+            for item in predicted:
+                if item.converted_from is not None:
+                    converted[item.converted_from] = converted.get(item.converted_from, 0) + 1
                 bar.update(1)
-                yield prediction
+                yield item
     for channels, count in sorted(converted.items()):
         kind, target = ("grey", "RGB") if channels == 1 else ("colour", "grey")
         logger.warning(

@@ -106,21 +106,20 @@ def export_model(
 ) -> ExportReport:
     """Write ``model`` in ``export_format`` to ``path`` for ``[N, C, H, W]`` float32 input and check it.
 
-    ``sample_size`` is ``(height, width)`` of the sample input used to trace the model; both must be multiples of 16.
-    ``preprocessing`` goes into an ONNX file's ``metadata_props``.
+    ``sample_size`` is ``(width, height)`` of the sample input used to trace the model (``--export-size WxH``); both
+    must be multiples of 16. ``preprocessing`` goes into an ONNX file's ``metadata_props``.
     """
+    width, height = sample_size
     if any(side < DOWNSAMPLING or side % DOWNSAMPLING for side in sample_size):
-        raise ExportError(f"--export-size {sample_size[1]}x{sample_size[0]}: use multiples of {DOWNSAMPLING}")
+        raise ExportError(f"--export-size {width}x{height}: use multiples of {DOWNSAMPLING}")
     path = Path(path)
     # Export a float32 CPU copy in eval mode so the caller's model (maybe on a GPU) is left as it was.
     model = copy.deepcopy(model).float().cpu().eval()
     n_channels = int(model.n_channels)  # a SegmentationNet (unet), as every model this project builds
     generator = torch.Generator().manual_seed(0)
-    sample = torch.rand(1, n_channels, *sample_size, generator=generator)
+    sample = torch.rand(1, n_channels, height, width, generator=generator)
     # A second input with another batch size and shape checks that the exported sizes are not frozen to the sample.
-    other = torch.rand(
-        2, n_channels, sample_size[0] + DOWNSAMPLING, sample_size[1] + 2 * DOWNSAMPLING, generator=generator
-    )
+    other = torch.rand(2, n_channels, height + DOWNSAMPLING, width + 2 * DOWNSAMPLING, generator=generator)
     # Written and checked under a temporary name, then renamed (utils.output_files, which also refuses a folder it
     # cannot write before anything is exported): a file that failed its check is never left to be mistaken for a
     # usable export, and an earlier export at ``path`` stays whole until then.
@@ -147,14 +146,12 @@ def _quiet_loggers(*names: str) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def _reference(model: nn.Module, *inputs: Tensor) -> list[Tensor]:
-    return [model(x) for x in inputs]
-
-
-def _compare(path: Path, expected: list[Tensor], actual: list[Tensor]) -> float:
+def _compare(path: Path, model: nn.Module, inputs: Sequence[Tensor], actual: Sequence[Tensor]) -> float:
+    """The largest difference between the exported model's outputs ``actual`` and ``model``'s on ``inputs``; an
+    ``ExportError`` when one exceeds the tolerance."""
     worst = 0.0
-    for reference, exported in zip(expected, actual, strict=True):
-        exported = torch.as_tensor(exported)
+    for x, exported in zip(inputs, actual, strict=True):
+        reference, exported = model(x), torch.as_tensor(exported)
         if exported.shape != reference.shape:
             raise ExportError(
                 f"exported model {path} returns shape {tuple(exported.shape)}, PyTorch {tuple(reference.shape)}"
@@ -178,8 +175,7 @@ def _export_torchscript(model: nn.Module, path: Path, sample: Tensor, other: Ten
         reloaded = torch.jit.load(str(path), map_location="cpu")
         with torch.inference_mode():
             actual = [reloaded(sample), reloaded(other)]
-    worst = _compare(path, _reference(model, sample, other), actual)
-    return ExportReport(path, "torchscript", "torch.jit.load", worst)
+    return ExportReport(path, "torchscript", "torch.jit.load", _compare(path, model, (sample, other), actual))
 
 
 def _export_onnx(
@@ -292,27 +288,13 @@ def _check_onnx(model: nn.Module, path: Path, sample: Tensor, other: Tensor) -> 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     input_name = session.get_inputs()[0].name
     actual = [torch.from_numpy(session.run(None, {input_name: x.numpy()})[0]) for x in (sample, other)]
-    worst = _compare(path, _reference(model, sample, other), actual)
-    return ExportReport(path, "onnx", "onnxruntime", worst)
+    return ExportReport(path, "onnx", "onnxruntime", _compare(path, model, (sample, other), actual))
 
 
 def needs_external_data(model: nn.Module) -> bool:
     """Whether the model's float32 weights and buffers leave too little room under protobuf's limit for one file."""
     size = sum(tensor.numel() * 4 for tensor in [*model.parameters(), *model.buffers()])
     return size > PROTOBUF_LIMIT_BYTES - PROTOBUF_MARGIN_BYTES
-
-
-def read_preprocessing(path: str | Path) -> dict[str, object]:
-    """The preprocessing record of an exported ONNX file (``Preprocessing.metadata``), values decoded."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    record: dict[str, object] = {}
-    for prop in proto.metadata_props:
-        if prop.key.startswith(METADATA_PREFIX):
-            name = prop.key.removeprefix(METADATA_PREFIX)
-            record[name] = prop.value if name in ("input", "output") else json.loads(prop.value)
-    return record
 
 
 def _weights_file(path: Path) -> Path:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from utils.datasets.dataset import mask_classes
 from utils.datasets.image_files import IMAGE_EXTENSIONS, load_image
+from utils.inference.export import Preprocessing
 from utils.inference.file_plan import MASK_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -52,12 +53,12 @@ TRUTH_SUFFIXES = ("", "_mask", "_masks", "-mask", "_label", "_labels", "_gt")
 MASK_FILE_SUFFIXES = (*MASK_FORMATS, *sorted(IMAGE_EXTENSIONS - set(MASK_FORMATS)))
 
 
-def class_colours(mask_values: Sequence, n_classes: int) -> list[tuple[int, int, int]]:
-    """One RGB colour per class (index 0, background, included for indexing but never drawn)."""
-    if mask_values and all(isinstance(value, Sequence) and len(value) >= 3 for value in mask_values):
+def class_colours(mask_values: Sequence) -> list[tuple[int, int, int]]:
+    """One RGB colour per class, as ``mask_values`` has one value per class (index 0, background, included for
+    indexing but never drawn): the masks' own colours, else the palette."""
+    if all(isinstance(value, Sequence) and len(value) >= 3 for value in mask_values):
         return [tuple(int(channel) for channel in value[:3]) for value in mask_values]
-    count = max(n_classes, 2)
-    return [(0, 0, 0)] + [PALETTE[(k - 1) % len(PALETTE)] for k in range(1, count)]
+    return [(0, 0, 0)] + [PALETTE[(k - 1) % len(PALETTE)] for k in range(1, len(mask_values))]
 
 
 def overlay(image: Tensor, classes: np.ndarray, colours: Sequence[tuple[int, int, int]]) -> Tensor:
@@ -168,19 +169,16 @@ def load_truth_classes(mask_path: Path, mask_values: Sequence, size: tuple[int, 
 
 
 def render_visualization(
-    image: Tensor,
-    predicted: np.ndarray,
-    colours: Sequence[tuple[int, int, int]],
-    truth: np.ndarray | None = None,
-    mask_values: Sequence = (),
-    class_names: Sequence[str] = (),
+    image: Tensor, predicted: np.ndarray, preprocessing: Preprocessing, truth: np.ndarray | None = None
 ) -> Image.Image:
-    """The prediction overlay, or truth | prediction side by side when ``truth`` is given, captioned, with a legend.
+    """The prediction overlay, or truth | prediction side by side when ``truth`` is given, captioned, with a legend:
+    classes in the colours of the checkpoint's mask values (``class_colours``), labelled by its class names or values.
 
     The overlay pixels sit at the top left, as in the image (``[:H, :W]``; the prediction's at ``W + GAP_PIXELS``
     beside the truth's); the captions and legend are below them.
     """
-    legend = legend_entries(colours, mask_values, class_names)
+    colours = class_colours(preprocessing.mask_values)
+    legend = legend_entries(colours, preprocessing.mask_values, preprocessing.class_names)
     predicted_overlay = overlay(image, predicted, colours)
     if truth is None:
         return with_captions([predicted_overlay], CAPTIONS[1:], legend)

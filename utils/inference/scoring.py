@@ -57,20 +57,20 @@ def _comparable(value: object) -> object:
 
 @dataclass(frozen=True)
 class SizeGroupedBatches:
-    """Stacked batches of up to ``batch_size`` items of one image size, from ``engine.item_loader``'s lists of items.
+    """Stacked batches of up to the loader's ``batch_size`` items of one image size, from ``engine.item_loader``'s
+    lists of items.
 
     Images of mixed sizes are grouped by size as ``predict.py`` groups them (``ShapeBuckets``): since the score is a
     mean over images, grouping does not change it.
     """
 
     loader: SharedMemoryGuard
-    batch_size: int
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        buckets = ShapeBuckets(self.batch_size, shape_of=lambda item: tuple(item["image"].shape))
+        buckets = ShapeBuckets(self.loader.batch_size, shape_of=lambda item: tuple(item["image"].shape))
         for items in self.loader:
             for item in items:
                 yield from map(_stack, buckets.add(item))

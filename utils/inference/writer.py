@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from utils.errors import UserError, count
 from utils.inference.config import PredictConfig
-from utils.inference.engine import Prediction
+from utils.inference.engine import InputItem
 from utils.inference.export import Preprocessing
 from utils.inference.file_plan import OutputPlan
 from utils.inference.outputs import mask_to_image
@@ -38,29 +38,28 @@ class Writer:
 
     preprocessing: Preprocessing
     """The checkpoint's mask values and class names."""
-    colours: list[tuple[int, int, int]]
     config: PredictConfig
     """Which files to write (--no-save, --viz) and the true masks beside the overlays (--masks)."""
 
-    def write(self, prediction: Prediction, plan: OutputPlan) -> str | None:
-        """Write one prediction's files; returns an error message instead of raising, except for an
-        ``OutputError`` of the output location (see the module docstring)."""
-        assert prediction.classes is not None
+    def write(self, item: InputItem, plan: OutputPlan) -> str | None:
+        """Write one predicted input's files; returns an error message instead of raising (the input's own when it
+        could not be read), except for an ``OutputError`` of the output location (see the module docstring)."""
+        if item.classes is None:
+            return item.error
         try:
             if not self.config.no_save:
-                mask = mask_to_image(prediction.classes, self.preprocessing.mask_values)
-                write_file(plan.mask, mask.save, f"the mask of {prediction.item.path}")
+                mask = mask_to_image(item.classes, self.preprocessing.mask_values)
+                write_file(plan.mask, mask.save, f"the mask of {item.path}")
             if self.config.viz:
-                self._write_viz(prediction, plan.viz)
+                self._write_viz(item, plan.viz)
         except (OSError, ValueError, UserError) as error:
             if isinstance(error, OutputError) and error.location_failure:
                 raise
-            return f"{prediction.item.path}: could not write its output: {error}"
+            return f"{item.path}: could not write its output: {error}"
         return None
 
-    def _write_viz(self, prediction: Prediction, path: Path) -> None:
-        item = prediction.item
-        assert item.original is not None and prediction.classes is not None
+    def _write_viz(self, item: InputItem, path: Path) -> None:
+        assert item.original is not None and item.classes is not None
         truth = None
         masks_dir = self.config.masks_dir
         mask_values = self.preprocessing.mask_values
@@ -70,13 +69,13 @@ class Writer:
                 logger.warning("no true mask for %s in %s; writing the prediction overlay alone", item.path, masks_dir)
             else:
                 truth = load_truth_classes(truth_path, mask_values, item.original_size)
-        overlay = render_visualization(
-            item.original, prediction.classes, self.colours, truth, mask_values, self.preprocessing.class_names
-        )
+        overlay = render_visualization(item.original, item.classes, self.preprocessing, truth)
         write_file(path, overlay.save, f"the overlay of {item.path}")
 
 
-def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: Sequence[OutputPlan]) -> list[str]:
+def write_predictions(
+    predictions: Generator[InputItem, None, None], writer: Writer, plans: Sequence[OutputPlan]
+) -> list[str]:
     """Write every prediction in ``writer``'s threads; returns the failures (each logged), inputs' and writes'.
 
     At most ``MAX_PENDING_WRITES`` predictions wait for a thread, so a fast model cannot fill memory with them. An
@@ -95,20 +94,14 @@ def write_predictions(predictions: Iterable[Prediction], writer: Writer, plans: 
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer")
     try:
         for prediction in predictions:
-            if prediction.item.error is not None:
-                logger.error("%s", prediction.item.error)
-                failures.append(prediction.item.error)
-                continue
-            pending.append(pool.submit(writer.write, prediction, plans[prediction.item.index]))
+            pending.append(pool.submit(writer.write, prediction, plans[prediction.index]))
             while len(pending) > MAX_PENDING_WRITES:
                 collect(pending.popleft())
         while pending:
             collect(pending.popleft())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        close = getattr(predictions, "close", None)
-        if close is not None:
-            close()
+        predictions.close()
     return failures
 
 

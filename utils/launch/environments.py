@@ -113,9 +113,7 @@ class LaunchEnvironment:
     @classmethod
     def detect(cls, config: TrainConfig, environ: Mapping[str, str]) -> bool:
         """Whether this launcher started the process: by default, whether its rank and world size variables are set."""
-        return (
-            _env_int(environ, cls.rank_variable) is not None and _env_int(environ, cls.world_size_variable) is not None
-        )
+        return all(_env_int(environ, name) is not None for name in (cls.rank_variable, cls.world_size_variable))
 
     def rank(self) -> int:
         return _env_int(self.environ, self.rank_variable) or 0
@@ -124,12 +122,14 @@ class LaunchEnvironment:
         return _env_int(self.environ, self.world_size_variable) or 1
 
     def local_rank(self) -> int:
-        return _first_set(_env_int(self.environ, self.local_rank_variable), self.config.local_rank, 0)
+        # --local-rank: the legacy launcher without --use-env; --rank: a manual launch (one machine, by default).
+        flag = self.config.local_rank if self.config.local_rank is not None else self.config.rank or 0
+        return _env_int(self.environ, self.local_rank_variable, flag)
 
     def local_world_size(self) -> int:
         # Where no launcher says how many ranks share this machine, assuming all of them only makes the per-process
         # CPU thread count smaller, never oversubscribed.
-        return _first_set(_env_int(self.environ, "LOCAL_WORLD_SIZE"), self.world_size())
+        return _env_int(self.environ, "LOCAL_WORLD_SIZE", self.world_size())
 
     def master_address(self) -> str | None:
         return self.environ.get("MASTER_ADDR") or None
@@ -176,13 +176,10 @@ class ManualLaunch(LaunchEnvironment):
     def world_size(self) -> int:
         return self.config.world_size
 
-    def local_rank(self) -> int:
-        return _first_set(_env_int(self.environ, self.local_rank_variable), self.config.local_rank, self.config.rank)
-
     def init_method(self) -> str:
         if self.config.dist_url:
             return self.config.dist_url
-        if "MASTER_ADDR" not in self.environ or "MASTER_PORT" not in self.environ:
+        if self.master_address() is None or self.master_port() is None:
             raise ConfigError(
                 "--rank/--world-size need a rendezvous address: set MASTER_ADDR and MASTER_PORT, or pass "
                 "--dist-url tcp://HOST:PORT (the same on every process)"
@@ -211,7 +208,7 @@ class TorchElastic(LegacyLaunch):
         return "TORCHELASTIC_RUN_ID" in environ and super().detect(config, environ)
 
     def restart_count(self) -> int:
-        return _env_int(self.environ, "TORCHELASTIC_RESTART_COUNT") or 0
+        return _env_int(self.environ, "TORCHELASTIC_RESTART_COUNT", 0)
 
     def store_namespace(self) -> str | None:
         """A store key prefix per attempt, when the workers share the agent's store (see the module docstring)."""
@@ -238,29 +235,28 @@ class SlurmTasks(LaunchEnvironment):
         return tasks_on_first_node(per_node) or self.world_size()
 
     def master_address(self) -> str:
-        host = super().master_address()
-        if host is None:
-            nodelist = self.environ.get("SLURM_STEP_NODELIST") or self.environ.get("SLURM_JOB_NODELIST")
-            if not nodelist:
-                raise ConfigError(
-                    "srun started this task without SLURM_JOB_NODELIST, so rank 0's node is unknown; set MASTER_ADDR"
-                )
-            host = expand_hostlist(nodelist)[0]
-        return host
+        if (host := super().master_address()) is not None:
+            return host
+        nodes = self._needed(
+            "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", why="rank 0's node is unknown; set MASTER_ADDR"
+        )
+        return expand_hostlist(nodes)[0]
 
     def master_port(self) -> int:
-        port = super().master_port()
-        if port is None:
-            job_id = self.environ.get("SLURM_JOB_ID")
-            if not job_id:
-                raise ConfigError(
-                    "srun started this task without SLURM_JOB_ID, so no port can be derived; set MASTER_PORT"
-                )
-            port = derived_port(job_id)
-        return port
+        if (port := super().master_port()) is not None:
+            return port
+        return derived_port(self._needed("SLURM_JOB_ID", why="no port can be derived; set MASTER_PORT"))
 
     def init_method(self) -> str:
         return f"tcp://{self.master_address()}:{self.master_port()}"
+
+    def _needed(self, *names: str, why: str) -> str:
+        """The first of srun's variables ``names`` that is set; without any, a ConfigError naming the last and ``why``
+        it is needed."""
+        value = next((self.environ[name] for name in names if self.environ.get(name)), None)
+        if value is None:
+            raise ConfigError(f"srun started this task without {names[-1]}, so {why}")
+        return value
 
 
 class SingleProcess(LaunchEnvironment):
@@ -285,9 +281,6 @@ def plan_launch(
 ) -> LaunchPlan:
     """Decide single-process or DDP from the flags and the environment (pure: ``environ`` defaults to os.environ)."""
     environ = os.environ if environ is None else environ
-    wrong_srun_launch(config, environ)
-    slurm_job_id = slurm_requeue_id(environ)
-    requeue = None if slurm_job_id is None or config.requeue_signal == "none" else config.requeue_signal
     launcher = next((kind(config, environ) for kind in LAUNCHERS if kind.detect(config, environ)), None)
     if launcher is None:
         shown = shlex.join([arg for arg in argv if not arg.startswith(("--local-rank", "--local_rank"))])
@@ -296,6 +289,11 @@ def plan_launch(
             f"torchrun --nproc_per_node=NUM_GPUS train.py {shown}".rstrip()
             + " (or give each process --rank R --world-size W with --dist-url tcp://HOST:PORT)"
         )
+    wrong_srun_launch(launcher)
+    # The job a requeue names (scontrol requeue): an array job's own task (1234_7), else SLURM_JOB_ID.
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    slurm_job_id = f"{array_job}_{array_task}" if array_job and array_task else environ.get("SLURM_JOB_ID") or None
+    requeue = slurm_job_id is not None and config.requeue_signal != "none"
     warning = launcher.warning()
     distributed = config.ddp_mode or warning is not None
     if distributed:
@@ -315,7 +313,7 @@ def plan_launch(
         restart_count=launcher.restart_count(),
         supervised=launcher.supervised,
         slurm_job_id=slurm_job_id,
-        requeue_signal=None if requeue is None else int(getattr(signal, f"SIG{requeue}")),
+        requeue_signal=int(signal.Signals[f"SIG{config.requeue_signal}"]) if requeue else None,
         address_hint=launcher.address_hint,
     )
 
@@ -325,64 +323,48 @@ def check_launch_values(launcher: LaunchEnvironment) -> None:
     a local rank below 0 or not below the local world size (``LOCAL_WORLD_SIZE`` where the launcher sets it, else
     the world size), or a port outside 1..65535: otherwise the process group would wait its whole --dist-timeout
     for ranks that can never come."""
-    manual = isinstance(launcher, ManualLaunch)
+    environ, manual = launcher.environ, isinstance(launcher, ManualLaunch)
     rank_name = "--rank" if manual else f"environment variable {launcher.rank_variable}"
     world_name = "--world-size" if manual else f"environment variable {launcher.world_size_variable}"
-    world, rank, local_rank = launcher.world_size(), launcher.rank(), launcher.local_rank()
-    if not manual:  # world_size() reads an unset or 0 as 1
-        world = _first_set(_env_int(launcher.environ, launcher.world_size_variable), world)
+    # world_size() reads 0 as 1; a launcher found by its variables has set them (and --world-size is at least 1)
+    world = launcher.world_size() if manual else _env_int(environ, launcher.world_size_variable)
     if world < 1:
         raise LaunchValueError(f"{world_name}={world} is not a number of processes (1 or more); check the launcher")
-    if not 0 <= rank < world:
-        raise LaunchValueError(
-            f"{rank_name}={rank} is outside 0..{world - 1} ({world_name}={world}): every rank must be below the world "
-            "size; check the launcher"
-        )
-    local_world = _env_int(launcher.environ, "LOCAL_WORLD_SIZE")
+    local_world = _env_int(environ, "LOCAL_WORLD_SIZE")
     local_limit, limit_name = (local_world, "LOCAL_WORLD_SIZE") if local_world is not None else (world, world_name)
-    if not 0 <= local_rank < local_limit:
-        if _env_int(launcher.environ, launcher.local_rank_variable) is not None:
-            local_name = f"environment variable {launcher.local_rank_variable}"
-        else:
-            local_name = "--local-rank" if launcher.config.local_rank is not None else rank_name
-        raise LaunchValueError(
-            f"{local_name}={local_rank} is outside 0..{local_limit - 1} ({limit_name}={local_limit}); check the "
-            "launcher"
-        )
-    port = _env_int(launcher.environ, "MASTER_PORT")
+    local_name = "--local-rank" if launcher.config.local_rank is not None else rank_name
+    if _env_int(environ, launcher.local_rank_variable) is not None:
+        local_name = f"environment variable {launcher.local_rank_variable}"
+    ranks = (
+        (rank_name, launcher.rank(), world, world_name),
+        (local_name, launcher.local_rank(), local_limit, limit_name),
+    )
+    for name, value, limit, limit_of in ranks:
+        if not 0 <= value < limit:
+            raise LaunchValueError(f"{name}={value} is outside 0..{limit - 1} ({limit_of}={limit}); check the launcher")
+    port = _env_int(environ, "MASTER_PORT")
     if port is not None and not 0 < port < 65536:
         raise LaunchValueError(f"environment variable MASTER_PORT={port} is not a port (1..65535); choose a free port")
 
 
-def wrong_srun_launch(config: TrainConfig, environ: Mapping[str, str]) -> None:
+def wrong_srun_launch(launcher: LaunchEnvironment) -> None:
     """Refuse what srun started wrongly, on every task: only srun steps set ``SLURM_STEP_NUM_TASKS`` (a batch script's
     own ``python train.py`` sees ``SLURM_NTASKS`` but is one process)."""
-    step_tasks = _env_int(environ, "SLURM_STEP_NUM_TASKS") or 1
+    step_tasks = _env_int(launcher.environ, "SLURM_STEP_NUM_TASKS") or 1
     if step_tasks <= 1:
         return
-    if "TORCHELASTIC_RUN_ID" in environ:
-        world = _env_int(environ, "WORLD_SIZE") or 1
-        if world == (_env_int(environ, "LOCAL_WORLD_SIZE") or world):
-            raise ConfigError(
-                f"srun started {step_tasks} tasks that each run torchrun, and each torchrun formed a group of its own "
-                f"{world} worker(s): run one srun task per node (--ntasks-per-node=1) with torchrun "
-                "--nnodes=$SLURM_NNODES --nproc_per_node=GPUS_PER_NODE --rdzv-backend=c10d "
-                "--rdzv-endpoint=FIRST_HOST:29500, or srun tasks without torchrun (srun python train.py --ddp_mode)"
-            )
-    elif not config.ddp_mode and config.rank is None and "RANK" not in environ:
+    if isinstance(launcher, TorchElastic) and (world := launcher.world_size()) == launcher.local_world_size():
+        raise ConfigError(
+            f"srun started {step_tasks} tasks that each run torchrun, and each torchrun formed a group of its own "
+            f"{world} worker(s): run one srun task per node (--ntasks-per-node=1) with torchrun "
+            "--nnodes=$SLURM_NNODES --nproc_per_node=GPUS_PER_NODE --rdzv-backend=c10d "
+            "--rdzv-endpoint=FIRST_HOST:29500, or srun tasks without torchrun (srun python train.py --ddp_mode)"
+        )
+    if isinstance(launcher, SingleProcess):
         raise ConfigError(
             f"srun started {step_tasks} tasks of train.py without --ddp_mode (each would train alone into the same "
             "run folder): add --ddp_mode so that the tasks train one model together, or run one task (srun --ntasks=1)"
         )
-
-
-def slurm_requeue_id(environ: Mapping[str, str]) -> str | None:
-    """The job ``scontrol requeue`` names: an array job's own task (``1234_7``), else ``SLURM_JOB_ID``; None outside
-    SLURM."""
-    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return environ.get("SLURM_JOB_ID") or None
 
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
@@ -455,18 +437,12 @@ def _bad_hostlist(hostlist: str, reason: str) -> ConfigError:
     )
 
 
-def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+def _env_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    """The integer in variable ``name``, ``default`` where it is unset or empty."""
     raw = environ.get(name)
     if raw is None or raw == "":
-        return None
+        return default
     try:
         return int(raw)
     except ValueError as error:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer; check the launcher") from error
-
-
-def _first_set(*values: int | None) -> int:
-    for value in values:
-        if value is not None:
-            return value
-    raise AssertionError("the last value is always set")

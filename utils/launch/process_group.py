@@ -86,7 +86,13 @@ def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSecti
             else:
                 dist.init_process_group(init_method=plan.init_method, **join)
     except dist.DistError as error:
-        raise ConfigError(_rendezvous_failure(plan, launch.dist_timeout, error)) from error
+        # Where rank 0, or torchrun's agent, listens.
+        address = plan.master_address if plan.init_method == "env://" else plan.init_method.removeprefix("tcp://")
+        raise ConfigError(
+            f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at {address} within "
+            f"--dist-timeout {launch.dist_timeout:g} s ({first_line(error)}); check that {plan.address_hint} names "
+            "rank 0's machine and a free, reachable port, and start every rank within --dist-timeout"
+        ) from error
     # The timeout must be given again: a new group does not inherit it and would wait 30 minutes for a dead rank.
     control_group = dist.new_group(backend="gloo", timeout=timeout)
     return DistributedContext(**vars(plan), device=device, backend=backend, control_group=control_group)
@@ -95,7 +101,7 @@ def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSecti
 @contextlib.contextmanager
 def _native_output_to_debug() -> Iterator[None]:
     """While the ranks meet, what PyTorch's C++ side prints on stderr (each retry, then the failure with some 40 lines
-    of C++ stack frames) goes to the debug log instead: the user gets the one line of ``_rendezvous_failure``. The
+    of C++ stack frames) goes to the debug log instead: the user gets the one line of ``setup``'s ConfigError. The
     level is read once when torch loads (``TORCH_CPP_LOG_LEVEL``), too early to be changed for this step alone."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -113,29 +119,24 @@ def _native_output_to_debug() -> Iterator[None]:
                 logger.debug("PyTorch's output while joining the process group:\n%s", text)
 
 
-def rendezvous_host(plan: LaunchPlan) -> tuple[str, int] | None:
-    """``(host, port)`` where the ranks meet: ``--dist-url tcp://HOST:PORT`` or the launcher's address; else None."""
+def check_rendezvous_host(plan: LaunchPlan) -> None:
+    """Refuse a rendezvous host that does not resolve, in one line, before the process group waits its timeout: that of
+    ``--dist-url tcp://HOST:PORT``, else the launcher's address (none to check: a file store, say)."""
     parsed = urllib.parse.urlsplit(plan.init_method)
     if parsed.scheme == "tcp":
         try:
-            port = parsed.port
+            host, port = parsed.hostname, parsed.port
         except ValueError:
-            port = None
-        if parsed.hostname and port:
-            return parsed.hostname, port
-        raise LaunchValueError(f"--dist-url {plan.init_method} is not tcp://HOST:PORT; name rank 0's host and a port")
-    if plan.master_address is not None:
+            host = port = None
+        if not (host and port):
+            raise LaunchValueError(
+                f"--dist-url {plan.init_method} is not tcp://HOST:PORT; name rank 0's host and a port"
+            )
+    elif plan.master_address is not None:
         host, _, port_text = plan.master_address.rpartition(":")
-        return host.strip("[]"), int(port_text)
-    return None
-
-
-def check_rendezvous_host(plan: LaunchPlan) -> None:
-    """Refuse a rendezvous host that does not resolve, in one line, before the process group waits its timeout."""
-    address = rendezvous_host(plan)
-    if address is None:
+        host, port = host.strip("[]"), int(port_text)
+    else:
         return
-    host, port = address
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as error:
@@ -144,16 +145,6 @@ def check_rendezvous_host(plan: LaunchPlan) -> None:
             f"the rendezvous host {host!r} (from {plan.address_hint}) cannot be resolved ({reason}); give rank 0's "
             "machine name or address"
         ) from error
-
-
-def _rendezvous_failure(plan: LaunchPlan, timeout_s: float, error: Exception) -> str:
-    # Where rank 0, or torchrun's agent, listens.
-    address = plan.master_address if plan.init_method == "env://" else plan.init_method.removeprefix("tcp://")
-    return (
-        f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at {address} "
-        f"within --dist-timeout {timeout_s:g} s ({first_line(error)}); check that {plan.address_hint} names rank 0's "
-        f"machine and a free, reachable port, and start every rank within --dist-timeout"
-    )
 
 
 def teardown(ctx: DistributedContext) -> None:
@@ -238,7 +229,8 @@ class StopAgreement:
     ``max(signal)`` (``InterruptFlag``, which only records it) with a one-integer all-reduce on the control group. The
     all-reduce is started asynchronously and read one step later: the training loop never waits for it, and every rank
     still sees the same answer at the same step, so all of them stop together, rank 0 writes ``INTERRUPTED.pth`` and
-    each process exits with ``128 + signal``.
+    each process exits with ``128 + signal``. Only the first boundary waits for its own answer: a signal that came
+    during start-up or set-up (SLURM's ``--signal`` can) stops the run at its first step, as with one process.
 
     The same all-reduce carries rank 0's wish to save by wall time (--save-every-minutes): only rank 0 reads its
     clock, and every rank learns its decision at the same step boundary, so all of them save at the same step.
@@ -248,6 +240,7 @@ class StopAgreement:
         self._ctx = ctx
         self._flag = flag
         self._pending: tuple[Any, Tensor] | None = None
+        self._first = True
         self.save_agreed = False
         """Set by ``poll``: whether a rank asked to save (``save_due``) at the boundary whose answer arrived."""
 
@@ -264,6 +257,9 @@ class StopAgreement:
         local = torch.tensor([self._flag.signum, int(save_due)], dtype=torch.int32)
         work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
         self._pending = (work, local)
+        if self._first:
+            self._first = False
+            return self._collect()
         return agreed
 
     def finish(self) -> int:

@@ -9,7 +9,7 @@ orphaned worker. Standard library only: the entry scripts import this before tor
   Such a signal is remembered and the first ``InterruptFlag.install`` takes it (the run stops at its first step
   boundary: saved, requeued). Once training is over they are ignored (``InterruptFlag.restore``): the work is done,
   and a requeue would train nothing, so the job ends with the run's own status (COMPLETED 0:0 after "Training
-  complete").
+  complete"), and soon: train.py skips Python's finalisation (``utils.launch.runner.leave``).
 * Graceful stop: the handler only records the signal (saving inside a handler can hang, Lightning #21406); the ranks
   agree on the step to stop at (``utils.launch.process_group.StopAgreement``), rank 0 writes ``INTERRUPTED.pth`` and
   every process exits with ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).

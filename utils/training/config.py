@@ -8,16 +8,17 @@ the flag and say what to change; argparse's own errors are turned into the same 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from unet import ENCODERS
 from utils.cli import device_flag
-from utils.datasets.splits import SPLIT_BY_IMAGE, SPLIT_RULES, check_split_flags
+from utils.datasets.splits import SplitFlags, check_split_flags
 from utils.errors import ConfigError
 from utils.flags import (
+    MUST_MATCH,
+    NEW_PLAN,
     FlagParser,
     Range,
     add_flags,
@@ -26,13 +27,14 @@ from utils.flags import (
     flag,
     flag_fields,
     flat_values,
+    given_flags,
     parse_class_names,
-    parse_known_flags,
+    per_class,
     require_number,
     section,
 )
 from utils.hardware import PRECISIONS, check_model_fits, check_threads, check_workers
-from utils.training.config_file import add_config_flag, apply_config_file
+from utils.training.config_file import ConfigFileFlag, apply_config_file
 
 WANDB_MODES = ("online", "offline", "disabled")
 VAL_MODES = ("rank0", "sharded")
@@ -55,20 +57,10 @@ SCHEDULERS = ("cosine", "poly", "plateau")
 CLASS_WEIGHTS_AUTO = "auto"  # --class-weights auto (utils.training.objective computes them)
 
 
-# How a resumed run treats each flag (utils.training.setup.check_resume_flags), marked on the flag as ``resume=``.
-MUST_MATCH = "must match"
-"""The run's value or none: a resume asking for another is refused, naming the flag and ``--load`` (what the loss
-measures, which images train and validate, the optimizer's and the averages' state, the model's arguments)."""
-MAY_CHANGE = "may change"
-"""The default: takes this command's value; a value other than the run's is said in one line at the resume
-(``old -> new``)."""
-NEW_PLAN = "new plan"
-"""How a run starts: a resume keeps the run's recorded plan (another plan is a new run, ``--load``)."""
-
-
 @dataclass
-class DataSection:
-    """Where the images are, how they are prepared and split (``utils.training.data``)."""
+class DataSection(SplitFlags):
+    """Where the images are, how they are prepared and split (``utils.training.data``); the split's flags are
+    ``SplitFlags``', which the dataset check shares."""
 
     imgs: str = flag("data/imgs", "--imgs")
     """Folder of input images."""
@@ -76,14 +68,6 @@ class DataSection:
     """Folder of masks (Carvana '<id>_mask' naming is detected)."""
     scale: float = flag(0.5, "--scale", "-s", range=Range(0, 1, True), resume=MUST_MATCH)
     """Downscaling factor of the images, in (0, 1]."""
-    validation: float = flag(
-        10.0,
-        "--validation",
-        "-v",
-        range=Range(0, 100, low_open=True, high_open=True, note=" (a percentage)"),
-        resume=MUST_MATCH,
-    )
-    """Percent of the data used as validation, in (0, 100)."""
     augment: bool = flag(False, "--augment", resume=MUST_MATCH)
     """Random flips, scaled crops and colour jitter of training images."""
     ignore_values: list[int] = flag(
@@ -96,16 +80,6 @@ class DataSection:
     """Fraction in [0, 1] of each process's images taken from images with a non-background class."""
     seed: int = flag(0, "--seed", range=Range(0, MAX_SEED), resume=MUST_MATCH)
     """Seed of initialisation, data order and augmentation (0..4294967295)."""
-    split_by: str = flag(SPLIT_BY_IMAGE, "--split-by", choices=SPLIT_RULES, resume=MUST_MATCH)
-    """Train/validation split: 'image' (seeded random over images) or 'prefix' (ids sharing the part before the last
-    '_', e.g. a Carvana car's 16 views, stay on one side)."""
-    group_pattern: str | None = flag(None, "--group-pattern", metavar="REGEX", resume=MUST_MATCH)
-    """With --split-by prefix: a regular expression whose first group is an id's group (default: the part before the
-    last '_')."""
-    folds: int = flag(0, "--folds", range=Range(0), resume=MUST_MATCH)
-    """Cross-validation folds (0 = off; N >= 2: fold --fold validates)."""
-    fold: int = flag(0, "--fold", range=Range(0), resume=MUST_MATCH)
-    """The fold that validates, 0..--folds - 1."""
     class_names: str | None = flag(None, "--class-names", metavar="NAME,NAME,...")
     """One name per class, background first (two for --classes 1); predict's legends and evaluate's table show them."""
 
@@ -333,17 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
         # "--epoch 1" must not pass for --epochs: a typo gets a suggestion instead (parse_config).
         allow_abbrev=False,
     )
-    add_config_flag(parser)
+    add_flags(parser, ConfigFileFlag)
     add_flags(parser, TrainConfig)
     return parser
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse ``argv`` (default: sys.argv[1:]) into a validated TrainConfig; ``--config FILE`` under the flags."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
-    namespace = parse_known_flags(parser, argv)
-    config = TrainConfig.from_dict(apply_config_file(parser, argv, vars(namespace), TrainConfig))
+    config = TrainConfig.from_dict(apply_config_file(given_flags(build_parser(), argv), TrainConfig))
     validate_config(config)
     return config
 
@@ -411,16 +382,11 @@ def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
     """--class-weights as numbers, or None for 'auto' (computed from the training masks); ConfigError if malformed."""
     if text.strip().lower() == CLASS_WEIGHTS_AUTO:
         return None
-    expected = 2 if classes == 1 else classes
     try:
         weights = tuple(float(part) for part in text.split(","))
     except ValueError:
         raise ConfigError(f"--class-weights must be 'auto' or numbers separated by commas, got {text!r}") from None
-    _require(
-        len(weights) == expected,
-        f"--class-weights {text} gives {len(weights)} weight(s) but --classes {classes} needs {expected} (one per "
-        f"class{', background and foreground' if classes == 1 else ''})",
-    )
+    per_class(text, classes, "--class-weights", "weight")
     for weight in weights:
         require_number(weight, "--class-weights", Range(0, low_open=True))
     return weights

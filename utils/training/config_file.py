@@ -21,22 +21,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from utils.errors import ConfigError, shortened
-from utils.flags import FlagField, build_config, check_ranges, flag_fields
+from utils.flags import FlagField, build_config, check_ranges, did_you_mean, flag, flag_fields
 from utils.output_files import read_text, write_text
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FLAG = "--config"
-CONFIG_DEST = "config_file"
+CONFIG_DEST = "config_file"  # ConfigFileFlag's field
 HEADER = (
     "# The resolved flags of this run (keys: train.py's flags). Rerun or vary it with\n"
     "#   python train.py --config {path} --exp_name NEW_NAME [more flags]\n"
@@ -47,31 +47,24 @@ MAX_DEPTH = 16
 MAX_NODES = 100_000
 
 
-def add_config_flag(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE``; the parser's result keeps it under ``CONFIG_DEST`` (not a TrainConfig field)."""
-    parser.add_argument(
-        CONFIG_FLAG,
-        dest=CONFIG_DEST,
-        metavar="FILE",
-        default=None,
-        help="Read flags from a YAML file (a run's config.yaml); flags on the command line override it",
-    )
+@dataclass
+class ConfigFileFlag:
+    """``--config FILE`` (``utils.flags``), apart from ``TrainConfig``: a run's config.yaml does not name itself."""
+
+    config_file: str | None = flag(None, CONFIG_FLAG, metavar="FILE")
+    """Read flags from a YAML file (a run's config.yaml); flags on the command line override it"""
 
 
-def apply_config_file(
-    parser: argparse.ArgumentParser, argv: Sequence[str], values: dict[str, Any], config_class: type
-) -> dict[str, Any]:
-    """``values`` (the parser's result for ``argv``) with ``values[CONFIG_DEST]``'s file under the command line.
+def apply_config_file(given: Mapping[str, Any], config_class: type) -> dict[str, Any]:
+    """The flags the command line ``given`` (``utils.flags.given_flags``) over the file of ``given[CONFIG_DEST]``.
 
-    Returns the keyword arguments of ``config_class`` (``CONFIG_DEST`` removed).
+    Returns ``config_class`` field values (``CONFIG_DEST`` removed); a flag in neither takes its default.
     """
-    values = dict(values)
-    path = values.pop(CONFIG_DEST, None)
+    given = dict(given)
+    path = given.pop(CONFIG_DEST, None)
     if path is None:
-        return values
+        return given
     from_file = read_config_file(Path(path), config_class)
-    given = _given_on_command_line(parser, argv)
-    given.pop(CONFIG_DEST, None)
     overridden = [
         f"{key} {shortened(from_file[key])} -> {shortened(value)}"
         for key, value in given.items()
@@ -79,7 +72,7 @@ def apply_config_file(
     ]
     if overridden:
         logger.warning("%s %s: the command line overrides %s", CONFIG_FLAG, path, ", ".join(overridden))
-    return {**values, **from_file, **given}
+    return {**from_file, **given}
 
 
 def read_config_file(path: Path, config_class: type) -> dict[str, Any]:
@@ -94,10 +87,9 @@ def read_config_file(path: Path, config_class: type) -> dict[str, Any]:
     for key, value in document.items():
         name = str(key).replace("-", "_")
         if name not in fields:
-            close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(
-                f"{CONFIG_FLAG} {path}: unknown key {shortened(key)}{hint} (keys are train.py's flag names)"
+                f"{CONFIG_FLAG} {path}: unknown key {shortened(key)}{did_you_mean(name, fields)} (keys are train.py's "
+                "flag names)"
             )
         values[name] = _checked_value(fields[name], value, f"{CONFIG_FLAG} {path}: {key}")
     try:
@@ -203,19 +195,6 @@ def write_config_file(path: Path, run_args: Mapping[str, Any], summary: str = ""
     text = HEADER.format(path=path) + comments + flags
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, text, "the run's config.yaml")
-
-
-def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, Any]:
-    """Only the flags ``argv`` names, parsed: every default suppressed, so absent flags leave no attribute."""
-    saved = [(action, action.default) for action in parser._actions]
-    try:
-        for action, _ in saved:
-            action.default = argparse.SUPPRESS
-        namespace, _ = parser.parse_known_args(list(argv))
-    finally:
-        for action, default in saved:
-            action.default = default
-    return vars(namespace)
 
 
 def _checked_value(item: FlagField, value: Any, where: str) -> Any:

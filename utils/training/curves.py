@@ -54,18 +54,16 @@ def read_series(metrics_path: Path) -> Series:
     """The curves in ``metrics_path``; lines cut short by a crash (see ``output_files.open_for_append``) are skipped."""
     train: dict[int, dict] = {}
     val: dict[int, dict] = {}
+    events_of = {"train": train, "val": val}
     with open(metrics_path, encoding="utf-8") as handle:
         for line in handle:
             try:
                 event = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if not isinstance(event, dict):  # a torn line can still parse (as a number, say)
-                continue
-            if event.get("event") == "train":
-                train[int(event["global_step"])] = event
-            elif event.get("event") == "val":
-                val[int(event["global_step"])] = event
+            # A torn line can still parse (as a number, say).
+            if isinstance(event, dict) and event.get("event") in events_of:
+                events_of[event["event"]][int(event["global_step"])] = event
     series = Series()
     for step in sorted(train):
         event = train[step]
@@ -74,13 +72,11 @@ def read_series(metrics_path: Path) -> Series:
             series.learning_rate.append((step, float(event["lr"])))
         if "images_per_s" in event:
             series.images_per_s.append((step, float(event["images_per_s"])))
-    per_class: dict[int, Points] = defaultdict(list)
     for step in sorted(val):
         event = val[step]
         series.dice.append((step, float(event["dice"])))
         for index, dice in enumerate(event.get("per_class_dice") or []):
-            per_class[index].append((step, float(dice)))
-    series.per_class_dice = dict(per_class)
+            series.per_class_dice.setdefault(index, []).append((step, float(dice)))
     series.epoch_seconds = _epoch_seconds([train[step] for step in sorted(train)])
     return series
 
@@ -136,9 +132,15 @@ def build_figure(series: Series) -> Figure:
 
     _plot(panel(grid[0, :3], "Training loss", "loss"), series.loss, "training loss", LOSS_COLOUR)
     dice_axes = panel(grid[0, 3:], "Validation Dice", "validation Dice")
-    for index, points in class_lines(series):
-        _plot(dice_axes, points, f"class {index}", None, alpha=0.6, linestyle="--")
-    _plot(dice_axes, series.dice, mean_label(series), DICE_COLOUR)
+    # A class whose line is the foreground mean at every point (the one foreground class of a binary task) would hide
+    # under the mean's line: the mean's label names it instead.
+    mean_label = "mean (foreground)"
+    for index, points in sorted(series.per_class_dice.items()):
+        if points == series.dice:
+            mean_label += f" = class {index}"
+        else:
+            _plot(dice_axes, points, f"class {index}", None, alpha=0.6, linestyle="--")
+    _plot(dice_axes, series.dice, mean_label, DICE_COLOUR)
     if series.dice or series.per_class_dice:
         dice_axes.legend(loc="lower right", fontsize="small")
     _plot(panel(grid[1, :2], "Learning rate", "learning rate"), series.learning_rate, "learning rate", "#2ca02c")
@@ -148,18 +150,6 @@ def build_figure(series: Series) -> Figure:
     _plot(epoch_axes, series.epoch_seconds, "epoch time", "#8c564b")
     epoch_axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     return figure
-
-
-def class_lines(series: Series) -> list[tuple[int, Points]]:
-    """The per-class Dice lines worth drawing: not one that is the foreground mean at every point (the one foreground
-    class of a binary task), which would hide under the mean's line; the mean's label names it instead."""
-    return [(index, points) for index, points in sorted(series.per_class_dice.items()) if points != series.dice]
-
-
-def mean_label(series: Series) -> str:
-    """``mean (foreground)``, or ``mean (foreground) = class 1`` where that class's line is the mean's."""
-    same = [f"class {index}" for index, points in sorted(series.per_class_dice.items()) if points == series.dice]
-    return "mean (foreground)" + "".join(f" = {name}" for name in same)
 
 
 def _plot(axes, points: Points, label: str, colour: str | None, *, alpha: float = 1.0, linestyle: str = "-") -> None:

@@ -14,13 +14,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset, Subset
 
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import (
     SPLIT_BY_IMAGE,
     SplitRecord,
-    SplitRule,
     empty_side_fix,
     group_count,
     groups_across,
@@ -34,8 +33,7 @@ from utils.evaluation import shard_range
 from utils.hardware import (
     SharedMemoryGuard,
     available_cpus,
-    check_room,
-    loader_timeout,
+    guarded_loader,
     reuse_large_buffers,
     threads_per_process,
 )
@@ -118,7 +116,7 @@ def build_data(config: TrainConfig) -> TrainData:
 def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int], SplitRecord]:
     """(train, validation) positions of the dataset's ids under the split flags, and their record (``split.json``);
     a ConfigError when a side is empty."""
-    rule = SplitRule.of_flags(config)
+    rule = config.split_rule()
     train, validation = split_positions(ids, rule)
     # More folds than images (or groups) leave a fold empty, whichever --fold this run is.
     if not train or not validation or (rule.folds and rule.folds > group_count(ids, rule)):
@@ -171,8 +169,8 @@ def default_num_workers(
 @dataclass
 class Loaders:
     sampler: ResumableDistributedSampler
-    train: DataLoader | SharedMemoryGuard
-    val: DataLoader | SharedMemoryGuard | None
+    train: SharedMemoryGuard
+    val: SharedMemoryGuard | None
     """Global rank 0 only; every rank its part with --val-mode sharded."""
     val_sharded: bool
     """--val-mode sharded with several processes: every rank validates its part, the scores are all-reduced."""
@@ -197,39 +195,27 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
         foreground=data.train_foreground,
         oversample_foreground=oversample,
     )
+    cuda = ctx.device.type == "cuda"
     num_workers = config.performance.num_workers
     if num_workers is None:
         # The cost per item is measured (two items decoded) only where the default uses it: on CUDA.
-        item_seconds, item_pixels = data.item_cost if ctx.device.type == "cuda" else (None, None)
+        item_seconds, item_pixels = data.item_cost if cuda else (None, None)
         num_workers = default_num_workers(
             ctx.device.type, threads_per_process(available_cpus(), ctx.local_world_size), item_seconds, item_pixels
         )
-    if num_workers and len(data.train_set):  # the ranks of this machine share its /dev/shm
-        check_room(
-            data.train_set[0],
-            batch_size=config.optimisation.batch_size,
-            workers=num_workers,
-            workers_fix=WORKERS_FIX,
-            processes=ctx.local_world_size,
-        )
-    pin = ctx.device.type == "cuda"
-    train = build_loader(data.train_set, config, num_workers=num_workers, pin=pin, sampler=sampler)
+    # The ranks of this machine share its /dev/shm; pinned batches copy to a GPU without blocking.
+    loader = functools.partial(
+        build_loader, config=config, num_workers=num_workers, pin=cuda, processes=ctx.local_world_size
+    )
+    train = loader(data.train_set, sampler=sampler)
     val = None
     sharded = config.launch.val_mode == "sharded" and ctx.is_distributed
     if sharded:
         # Every rank validates its own part (utils.evaluation.shard_range); the scores are all-reduced.
-        shard = Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size))
-        val = build_loader(shard, config, num_workers=num_workers, pin=pin)
+        val = loader(Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size)))
     elif ctx.is_main:
-        val = build_loader(data.val_set, config, num_workers=num_workers, pin=pin)
-    # A worker that cannot share its batch (a small /dev/shm) becomes one Error: line naming the fix.
-    return Loaders(
-        sampler=sampler,
-        train=SharedMemoryGuard(train, WORKERS_FIX),
-        val=SharedMemoryGuard(val, WORKERS_FIX) if val is not None else None,
-        val_sharded=sharded,
-        num_workers=num_workers,
-    )
+        val = loader(data.val_set)
+    return Loaders(sampler=sampler, train=train, val=val, val_sharded=sharded, num_workers=num_workers)
 
 
 def build_loader(
@@ -238,21 +224,25 @@ def build_loader(
     *,
     num_workers: int,
     pin: bool,
+    processes: int = 1,
     sampler: ResumableDistributedSampler | None = None,
-) -> DataLoader:
-    """The training loader (with ``sampler``) or a validation one: every image, in a fixed order without a sampler.
+) -> SharedMemoryGuard:
+    """The training loader (with ``sampler``) or a validation one: every image, in a fixed order without a sampler
+    (``guarded_loader``: the room in /dev/shm for the workers of ``processes`` ranks, the timeout, one line for a
+    shared-memory failure).
 
     No drop_last (milesial's dropped the last partial batch). Workers copy the dataset when an epoch's iterator
     starts, so they are never persistent: persistent ones would keep an old epoch's augmentation.
     """
-    return DataLoader(
+    return guarded_loader(
         dataset,
         batch_size=config.optimisation.batch_size,
+        workers=num_workers,
+        workers_fix=WORKERS_FIX,
+        processes=processes,
         sampler=sampler,
-        num_workers=num_workers,
         pin_memory=pin,
         worker_init_fn=_init_loader_worker if num_workers else None,
-        timeout=loader_timeout(num_workers),  # a batch lost in /dev/shm is an error, not a hang (shared_memory)
         # A private generator: creating an iterator draws a base seed, which must not consume the global RNG.
         generator=torch.Generator().manual_seed(config.data.seed),
     )

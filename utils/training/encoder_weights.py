@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from utils.checkpoint.files import read_model_weights
@@ -32,8 +31,9 @@ HOW_TO_GET = (
 )
 
 
-def read_encoder_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The encoder tensors of the torchvision state dict in ``path`` (``fc.*`` dropped)."""
+def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str) -> None:
+    """Copy the torchvision state dict in ``path`` (``fc.*`` dropped) into ``encoder`` (a
+    ``unet.resnet_unet.ResNetEncoder``), refusing any mismatch."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--encoder-weights {path}: no such file; {HOW_TO_GET}")
@@ -46,25 +46,19 @@ def read_encoder_weights(path: str | Path) -> dict[str, torch.Tensor]:
         ) from None
     weights = {key: value for key, value in weights.items() if not key.startswith(DROPPED_PREFIXES)}
     check_weight_values(weights, path, source="--encoder-weights", fix=f"make the file again: {HOW_TO_GET}")
-    return weights
-
-
-def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str) -> None:
-    """Copy the file's weights into ``encoder`` (a ``unet.resnet_unet.ResNetEncoder``), refusing any mismatch."""
-    weights = read_encoder_weights(path)
     own = encoder.state_dict()
     missing, unexpected, mismatched = key_differences(own, weights)
     if missing or unexpected or mismatched:
+        hint = ""
         if mismatched:
             key = mismatched[0]
             detail = f"{key} is {tuple(weights[key].shape)} in the file but {tuple(own[key].shape)} in the model"
+            if key == "conv1.weight":
+                hint = " (ImageNet weights are for 3-channel images)"
         elif missing:
             detail = f"{len(missing)} encoder keys are missing, e.g. {missing[0]}"
         else:
             detail = f"{len(unexpected)} keys are not the encoder's, e.g. {unexpected[0]}"
-        hint = ""
-        if mismatched and mismatched[0] == "conv1.weight":
-            hint = " (ImageNet weights are for 3-channel images)"
         raise ConfigError(
             f"--encoder-weights {path} does not fit --encoder {encoder_name}: {detail}{hint}; pass the weights of "
             f"a torchvision {encoder_name}, or the --encoder the file was made for"

@@ -52,21 +52,20 @@ def segmentation_loss(logits: Tensor, masks: Tensor, n_classes: int, class_weigh
     """
     valid = masks != IGNORE_INDEX
     labels = masks.masked_fill(~valid, 0)
+    # Void pixels count as neither prediction nor truth of any class in the Dice term.
     if n_classes == 1:
         binary_logits = logits[:, 0].float()
         target = labels.float()
         per_pixel = F.binary_cross_entropy_with_logits(binary_logits, target, reduction="none")
-        cross_entropy = _per_image_mean(per_pixel, labels, valid, class_weights)
-        probabilities, target = binary_logits.sigmoid() * valid, target * valid
-        return cross_entropy + 1 - dice_coeff(probabilities, target, reduce_batch_first=False)
-    logits = logits.float()
-    per_pixel = F.cross_entropy(logits, labels, reduction="none")
-    cross_entropy = _per_image_mean(per_pixel, labels, valid, class_weights)
-    # Void pixels count as neither prediction nor truth of any class in the Dice term.
-    keep = valid.unsqueeze(1).to(logits.dtype)
-    probabilities = logits.softmax(dim=1) * keep
-    one_hot = F.one_hot(labels, n_classes).permute(0, 3, 1, 2).to(probabilities.dtype) * keep
-    return cross_entropy + 1 - multiclass_dice_coeff(probabilities, one_hot, reduce_batch_first=False)
+        dice = dice_coeff(binary_logits.sigmoid() * valid, target * valid, reduce_batch_first=False)
+    else:
+        logits = logits.float()
+        per_pixel = F.cross_entropy(logits, labels, reduction="none")
+        keep = valid.unsqueeze(1).to(logits.dtype)
+        probabilities = logits.softmax(dim=1) * keep
+        one_hot = F.one_hot(labels, n_classes).permute(0, 3, 1, 2).to(probabilities.dtype) * keep
+        dice = multiclass_dice_coeff(probabilities, one_hot, reduce_batch_first=False)
+    return _per_image_mean(per_pixel, labels, valid, class_weights) + 1 - dice
 
 
 def deep_supervision_weights(levels: int) -> list[float]:
@@ -138,19 +137,19 @@ def class_weights_of(config: TrainConfig, train_class_pixels: Sequence[int]) -> 
     return weights
 
 
+def _progress(step: int, total_steps: int) -> float:
+    """How far ``step`` is through a plan of ``total_steps``, in [0, 1]; 0 for no plan (a constant schedule)."""
+    return min(step, total_steps) / total_steps if total_steps > 0 else 0.0
+
+
 def cosine_lr_factor(step: int, total_steps: int) -> float:
     """Multiplier of the peak learning rate after ``step`` optimizer steps: 1 at step 0, falling to 0 at ``total``."""
-    if total_steps <= 0:
-        return 1.0
-    progress = min(step, total_steps) / total_steps
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 0.5 * (1.0 + math.cos(math.pi * _progress(step, total_steps)))
 
 
 def poly_lr_factor(step: int, total_steps: int, exponent: float = POLY_EXPONENT) -> float:
     """nnU-Net's poly schedule: ``(1 - step / total) ** exponent``, 1 at step 0 and 0 at ``total_steps``."""
-    if total_steps <= 0:
-        return 1.0
-    return (1.0 - min(step, total_steps) / total_steps) ** exponent
+    return (1.0 - _progress(step, total_steps)) ** exponent
 
 
 def warmup_lr_factor(step: int, warmup_steps: int) -> float:
@@ -175,19 +174,14 @@ def planned_lr_factor(step: int, *, shape: str, total_steps: int, warmup_steps: 
 
 
 def build_optimizer(config: OptimisationSection, parameters: Iterable[torch.nn.Parameter]) -> optim.Optimizer:
+    both = {"lr": config.learning_rate, "weight_decay": config.weight_decay}
     if config.optimizer == "rmsprop":
-        return optim.RMSprop(
-            parameters,
-            lr=config.learning_rate,
-            weight_decay=config.weight_decay,
-            momentum=config.momentum,
-            foreach=True,
-        )
+        return optim.RMSprop(parameters, momentum=config.momentum, foreach=True, **both)
     parameters = list(parameters)
     # The fused kernel updates each tensor in one pass instead of a dozen: on CPU about 3x faster than the default
     # per-tensor loop for the 31M-parameter UNet, and as exact and deterministic. It exists for CPU and CUDA tensors.
     fused = all(p.device.type in ("cpu", "cuda") for p in parameters)
-    return optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay, fused=fused or None)
+    return optim.AdamW(parameters, fused=fused or None, **both)
 
 
 @dataclass
@@ -213,19 +207,16 @@ class PlateauAfterWarmup:
     """
 
     def __init__(self, optimizer: optim.Optimizer, warmup_steps: int) -> None:
-        self.warmup_steps = warmup_steps
         self.warmup = optim.lr_scheduler.LambdaLR(optimizer, StepSchedule(0, warmup_steps))
         self.plateau = optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=PLATEAU_PATIENCE)
 
-    @property
-    def warming_up(self) -> bool:
-        return self.warmup.last_epoch < self.warmup_steps
-
     def step(self, metrics: float | None = None) -> None:
+        # The warmup's own plan (a StepSchedule, restored with its state) says when it is over.
+        warming_up = self.warmup.last_epoch < self.warmup.lr_lambdas[0].warmup_steps
         if metrics is None:
-            if self.warming_up:
+            if warming_up:
                 self.warmup.step()
-        elif not self.warming_up:
+        elif not warming_up:
             self.plateau.step(metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -246,11 +237,6 @@ def build_scheduler(config: OptimisationSection, optimizer: optim.Optimizer, tot
         return optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=PLATEAU_PATIENCE)
     schedule = StepSchedule(total_steps, warmup_steps=config.warmup_steps, shape=config.scheduler)
     return optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def steps_every_update(config: OptimisationSection) -> bool:
-    """Whether the scheduler steps after every optimizer update (all but a plain plateau schedule do)."""
-    return config.scheduler != "plateau" or config.warmup_steps > 0
 
 
 @dataclass

@@ -30,9 +30,7 @@ def epoch_order(dataset_len: int, *, seed: int, epoch: int, shuffle: bool = True
     """The global order of one epoch: DistributedSampler's permutation for ``seed + epoch``."""
     if not shuffle:
         return list(range(dataset_len))
-    generator = torch.Generator()
-    generator.manual_seed(seed + epoch)
-    return torch.randperm(dataset_len, generator=generator).tolist()
+    return torch.randperm(dataset_len, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
 def oversampled_order(
@@ -48,8 +46,7 @@ def oversampled_order(
     ``fraction`` in [0, 1] and, above 0, at least one ``foreground`` image: checked where the flag is parsed
     (``Range``) and where the loaders are built (``build_loaders`` names the flag).
     """
-    generator = torch.Generator()
-    generator.manual_seed(seed + epoch)
+    generator = torch.Generator().manual_seed(seed + epoch)
     base = torch.randperm(dataset_len, generator=generator).tolist()  # epoch_order's permutation
     cycle = [foreground[k] for k in torch.randperm(len(foreground), generator=generator).tolist()]
     order, next_base, next_foreground = [], 0, 0
@@ -191,7 +188,7 @@ class ResumableDistributedSampler(DistributedSampler):
         super().set_epoch(epoch)
         self._consumed = consumed
 
-    def indices(self) -> list[int]:
+    def __iter__(self) -> Iterator[int]:
         if self.oversample_foreground and self.shuffle:
             order = oversampled_order(
                 len(self.dataset),
@@ -203,10 +200,7 @@ class ResumableDistributedSampler(DistributedSampler):
             )
         else:
             order = epoch_order(len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
-        return shard_indices(order, rank=self.rank, world_size=self.num_replicas, consumed=self._consumed)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices())
+        return iter(shard_indices(order, rank=self.rank, world_size=self.num_replicas, consumed=self._consumed))
 
     def __len__(self) -> int:
         return images_per_rank(len(self.dataset), world_size=self.num_replicas, consumed=self._consumed)

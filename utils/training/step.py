@@ -20,7 +20,7 @@ from utils.launch.process_group import DistributedContext
 from utils.training.config import TrainConfig
 from utils.training.model import wrap_for_training
 from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
-from utils.training.objective import Optimization, steps_every_update, supervised_loss
+from utils.training.objective import Optimization, supervised_loss
 
 
 class TrainStep:
@@ -50,8 +50,10 @@ class TrainStep:
         self.model = wrap_for_training(model, ctx, compile_model=config.performance.compile)
         self.raw_model = model
         self.optimizer = optimization.optimizer
-        # ReduceLROnPlateau steps on validation Dice, in the loop; only its warmup (if any) steps after every update.
-        self.scheduler = optimization.scheduler if steps_every_update(config.optimisation) else None
+        # ReduceLROnPlateau steps on validation Dice, in the loop; only its warmup (PlateauAfterWarmup, if any) and the
+        # other schedules step after every update.
+        plateau = isinstance(optimization.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        self.scheduler = None if plateau else optimization.scheduler
         self.scaler = optimization.scaler
         self.device = device = ctx.device
         # The DDP wrapper, if any (--compile compiles the blocks inside it: utils.training.compiled).
