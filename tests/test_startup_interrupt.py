@@ -126,3 +126,30 @@ def test_signals_after_the_training_are_ignored() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=child_env(), capture_output=True,
                           text=True, timeout=60, preexec_fn=_sigint_as_from_a_terminal)  # fmt: skip
     assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "still here 0 True", "")
+
+
+def test_torchruns_sigterm_during_start_up_ends_a_rank_that_leaves_the_error_to_rank_0(tmp_path: Path) -> None:
+    """torchrun stops the other ranks with SIGTERM once rank 0 has printed a bad flag and exited; a rank still
+    importing then only remembers it, and must not sleep out its wait for that SIGTERM (torchrun's SIGKILL, 30 s
+    later, would be reported as "Unable to shutdown process")."""
+    from utils.launch import runner
+
+    env = child_env() | {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "test"}  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "train.py", "--ddp_mode", "--scale", "0", "--checkpoint-dir", str(tmp_path / "out")],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not _importing_torch(process.pid) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)  # during the imports: the start-up handler remembers it
+    # Well inside the wait that a rank without torchrun's SIGTERM keeps before leaving.
+    out, err = process.communicate(timeout=runner.QUIET_EXIT_BEFORE_JOINING_S / 2)
+    assert process.returncode == 2, (process.returncode, err[-3000:])
+    assert "Error:" not in err, "rank 0 prints the error, not this rank"
+    assert not (tmp_path / "out").exists()

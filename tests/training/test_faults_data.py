@@ -39,7 +39,7 @@ def _copy_with_a_truncated_image(
     if trained_by_rank_of_two is not None:
         shard = ResumableDistributedSampler(len(subset), rank=trained_by_rank_of_two, world_size=2, seed=0)
         shard.set_epoch(0)
-        position = shard.indices()[-1]
+        position = list(shard)[-1]
     image_id = built.train_dataset.ids[subset.indices[position]]
     victim = next(copy.imgs.glob(f"{image_id}.*"))
     assert victim.suffix == ".jpg"

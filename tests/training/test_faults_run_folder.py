@@ -69,9 +69,12 @@ def test_two_runs_on_one_folder_one_runs_the_other_stops_and_nothing_live_is_tou
 
     # kill -9 leaves no stale lock: the kernel releases it, and --resume auto continues the newest folder of the
     # series (same-2) - or, asked for this one by path, this one, removing what the killed write left.
+    deadline = time.monotonic() + 120  # the starts above can take less than the live run's first epoch
+    while not (run_dir / "last.pth").is_file() and winner.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     winner.send_signal(signal.SIGKILL)
     finish(winner)
-    target = load_checkpoint(run_dir / "last.pth")["global_step"] + 2  # epoch 1 ended long ago
+    target = load_checkpoint(run_dir / "last.pth")["global_step"] + 2
     assert runner.main("same", *LONG, "--max-steps", str(target), "--resume", str(run_dir / "last.pth")) == 0
     assert not in_progress.exists()
     assert load_checkpoint(run_dir / "last.pth")["global_step"] == target

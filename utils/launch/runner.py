@@ -31,7 +31,7 @@ from utils.cli import print_error, setup_logging
 from utils.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from utils.launch.environments import LaunchValueError
 from utils.launch.process_group import DistributedContext, barrier, is_raised_on_every_rank
-from utils.launch.signals import signal_exit_code, startup_done
+from utils.launch.signals import signal_exit_code, startup_done, stopped_during_startup
 
 LOST_CONTACT_EXIT_CODE = 1
 
@@ -150,5 +150,7 @@ def report_user_error(error: UserError, stage: RunStage) -> None:
     if quiet:
         # torchrun stops the others with SIGTERM once rank 0 has exited; the stop handler installed at the start would
         # take it as a request to save and sleep on, until torchrun's SIGKILL 30 s later.
+        # Its SIGTERM may have come already, while the start-up handler only remembered it: then leave at once.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        time.sleep(QUIET_EXIT_DELAY_S if ctx is not None else QUIET_EXIT_BEFORE_JOINING_S)
+        if not stopped_during_startup():
+            time.sleep(QUIET_EXIT_DELAY_S if ctx is not None else QUIET_EXIT_BEFORE_JOINING_S)

@@ -93,6 +93,11 @@ def catch_signals_from_start() -> None:
             signal.signal(signum, _remember)
 
 
+def stopped_during_startup() -> bool:
+    """Whether SIGTERM reached ``catch_signals_from_start``'s handler and no ``InterruptFlag`` took it yet."""
+    return _EarlySignals.signum == signal.SIGTERM
+
+
 def startup_done() -> None:
     """Give SIGINT back to Python (KeyboardInterrupt) once the imports are over: from then on the script may have
     written something, and its own handling says what. Leaves any other handler alone (a test, a parent's choice)."""
