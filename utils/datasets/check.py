@@ -49,7 +49,7 @@ from utils.datasets.splits import (
     split_positions,
 )
 from utils.errors import USER_ERROR_EXIT_CODE, UserError, count
-from utils.flags import FlagParser, Range, flag, parse_flags
+from utils.flags import FlagParser, flag, parse_flags
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +65,13 @@ class CheckSettings(SplitFlags):
     """folder of images"""
     masks: Path = flag(None, "--masks", metavar="DIR", required=True)
     """folder of masks"""
-    classes: int | None = flag(None, "--classes", range=Range(1, note=" (1 = binary with one logit)"))
+    classes: int | None = flag(None, "--classes", range="[1, inf)")
     """the --classes training will use (checks the mask values)"""
     ignore_values: list[int] = flag([], "--ignore-value", metavar="V")
     """void mask value"""
     split_by: str | None = flag(None, "--split-by", choices=SPLIT_RULES)  # type: ignore[assignment]
     """also check duplicates against this split ('image' or 'prefix', as train.py's --split-by)"""
-    workers: int | None = flag(None, "--workers", range=Range(1))
+    workers: int | None = flag(None, "--workers", range="[1, inf)")
     """reader processes (default: CPUs, at most 8)"""
     cache_dir: Path | None = flag(None, "--cache-dir")
     """mask-value cache folder (default: the one training uses)"""

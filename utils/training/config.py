@@ -20,41 +20,26 @@ from utils.flags import (
     MUST_MATCH,
     NEW_PLAN,
     FlagParser,
-    Range,
     add_flags,
     build_config,
-    check_ranges,
+    check_range,
     flag,
     flag_fields,
     flat_values,
-    given_flags,
     parse_class_names,
     per_class,
-    require_number,
     section,
 )
 from utils.hardware import PRECISIONS, check_model_fits, check_threads, check_workers
-from utils.training.config_file import ConfigFileFlag, apply_config_file
+from utils.training.config_file import add_config_flag, apply_config_file
 
-WANDB_MODES = ("online", "offline", "disabled")
-VAL_MODES = ("rank0", "sharded")
-REQUEUE_SIGNALS = ("USR1", "USR2", "none")
 RESUME_AUTO = "auto"
-
-
-# Upper bounds of the numeric flags that have no natural one: far above any value that trains (AdamW and RMSprop
-# diverge long before a learning rate of 1) but low enough that an absurd value is refused instead of silently
-# destroying the weights.
-MAX_LEARNING_RATE = 1.0
-MAX_WEIGHT_DECAY = 1.0
-MAX_DIST_TIMEOUT_S = 7 * 24 * 3600.0
-MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit
-MAX_MASK_VALUE = 2**32 - 1  # 32-bit grey masks are the widest the data loader reads
-
-
-OPTIMIZERS = ("adamw", "rmsprop")
-SCHEDULERS = ("cosine", "poly", "plateau")
 CLASS_WEIGHTS_AUTO = "auto"  # --class-weights auto (utils.training.objective computes them)
+
+# The upper bounds of the numeric flags that have no natural one (--learning-rate, --weight-decay, --dist-timeout: a
+# week) are far above any value that trains (AdamW and RMSprop diverge long before a learning rate of 1) but low
+# enough that an absurd value is refused instead of silently destroying the weights. --seed: numpy's seeds are
+# 32-bit; --ignore-value: 32-bit grey masks are the widest the data loader reads.
 
 
 @dataclass
@@ -66,19 +51,15 @@ class DataSection(SplitFlags):
     """Folder of input images."""
     masks: str = flag("data/masks", "--masks")
     """Folder of masks (Carvana '<id>_mask' naming is detected)."""
-    scale: float = flag(0.5, "--scale", "-s", range=Range(0, 1, True), resume=MUST_MATCH)
+    scale: float = flag(0.5, "--scale", "-s", range="(0, 1]", resume=MUST_MATCH)
     """Downscaling factor of the images, in (0, 1]."""
     augment: bool = flag(False, "--augment", resume=MUST_MATCH)
     """Random flips, scaled crops and colour jitter of training images."""
-    ignore_values: list[int] = flag(
-        [], "--ignore-value", metavar="V", range=Range(0, MAX_MASK_VALUE, what="a mask value"), resume=MUST_MATCH
-    )
+    ignore_values: list[int] = flag([], "--ignore-value", metavar="V", range="[0, 4294967295]", resume=MUST_MATCH)
     """Void mask value, not a class: left out of the loss and the metrics (repeatable; e.g. 255)."""
-    oversample_foreground: float = flag(
-        0.0, "--oversample-foreground", metavar="P", range=Range(0, 1), resume=MUST_MATCH
-    )
+    oversample_foreground: float = flag(0.0, "--oversample-foreground", metavar="P", range="[0, 1]", resume=MUST_MATCH)
     """Fraction in [0, 1] of each process's images taken from images with a non-background class."""
-    seed: int = flag(0, "--seed", range=Range(0, MAX_SEED), resume=MUST_MATCH)
+    seed: int = flag(0, "--seed", range="[0, 4294967295]", resume=MUST_MATCH)
     """Seed of initialisation, data order and augmentation (0..4294967295)."""
     class_names: str | None = flag(None, "--class-names", metavar="NAME,NAME,...")
     """One name per class, background first (two for --classes 1); predict's legends and evaluate's table show them."""
@@ -88,11 +69,11 @@ class DataSection(SplitFlags):
 class ModelSection:
     """The network a new run builds (``utils.training.model``); a resumed run's comes from its checkpoint."""
 
-    classes: int = flag(2, "--classes", "-c", range=Range(1, note=" (1 = binary with one logit)"), resume=MUST_MATCH)
+    classes: int = flag(2, "--classes", "-c", range="[1, inf)", resume=MUST_MATCH)
     """Number of classes (1 = binary, sigmoid)."""
     bilinear: bool = flag(False, "--bilinear", resume=MUST_MATCH)
     """Use bilinear upsampling."""
-    base_channels: int = flag(64, "--base-channels", range=Range(1), resume=MUST_MATCH)
+    base_channels: int = flag(64, "--base-channels", range="[1, inf)", resume=MUST_MATCH)
     """Width of the first UNet block."""
     encoder: str = flag("unet", "--encoder", choices=ENCODERS, resume=MUST_MATCH)
     """unet (milesial's UNet) or a torchvision ResNet encoder under a UNet decoder (inputs normalised with ImageNet
@@ -100,7 +81,7 @@ class ModelSection:
     encoder_weights: str | None = flag(None, "--encoder-weights", metavar="PATH")
     """Local torchvision state dict for the ResNet encoder (e.g. resnet34-b627a593.pth; fc.* is dropped; never
     downloaded)."""
-    freeze_encoder_epochs: int = flag(0, "--freeze-encoder-epochs", range=Range(0, zero="off"))
+    freeze_encoder_epochs: int = flag(0, "--freeze-encoder-epochs", range="[0, inf)")
     """Train the decoder alone for the first N epochs (the ResNet encoder's weights stay as loaded)."""
     deep_supervision: bool = flag(False, "--deep-supervision", resume=MUST_MATCH)
     """Also supervise decoder outputs at 1/2 and 1/4 resolution (nnU-Net weights 1, 0.5, 0.25; training only)."""
@@ -111,45 +92,41 @@ class OptimisationSection:
     """The loss, optimizer, schedule and step (``utils.training.objective``, ``utils.training.step``), and when the
     run stops."""
 
-    epochs: int = flag(5, "--epochs", "-e", range=Range(1), resume=NEW_PLAN)
+    epochs: int = flag(5, "--epochs", "-e", range="[1, inf)", resume=NEW_PLAN)
     """Number of epochs to train (numbered --start_from .. --start_from + epochs - 1)."""
-    batch_size: int = flag(1, "--batch-size", "-b", range=Range(1))
+    batch_size: int = flag(1, "--batch-size", "-b", range="[1, inf)")
     """Batch size per process."""
-    learning_rate: float = flag(
-        1e-5, "--learning-rate", "-l", range=Range(0, MAX_LEARNING_RATE, low_open=True), resume=MUST_MATCH
-    )
+    learning_rate: float = flag(1e-5, "--learning-rate", "-l", range="(0, 1]", resume=MUST_MATCH)
     """Peak learning rate, in (0, 1]."""
-    optimizer: str = flag("adamw", "--optimizer", choices=OPTIMIZERS, resume=MUST_MATCH)
+    optimizer: str = flag("adamw", "--optimizer", choices=("adamw", "rmsprop"), resume=MUST_MATCH)
     """Optimizer."""
-    scheduler: str = flag("cosine", "--scheduler", choices=SCHEDULERS, resume=MUST_MATCH)
+    scheduler: str = flag("cosine", "--scheduler", choices=("cosine", "poly", "plateau"), resume=MUST_MATCH)
     """cosine annealing per step, poly (nnU-Net: (1 - t/T)^0.9 per step), or ReduceLROnPlateau on validation Dice."""
-    weight_decay: float = flag(1e-8, "--weight-decay", range=Range(0, MAX_WEIGHT_DECAY), resume=MUST_MATCH)
+    weight_decay: float = flag(1e-8, "--weight-decay", range="[0, 1]", resume=MUST_MATCH)
     """Weight decay, in [0, 1]."""
-    momentum: float = flag(0.999, "--momentum", range=Range(0, 1, high_open=True), resume=MUST_MATCH)
+    momentum: float = flag(0.999, "--momentum", range="[0, 1)", resume=MUST_MATCH)
     """RMSprop momentum, in [0, 1)."""
-    grad_clip: float = flag(1.0, "--grad-clip", range=Range(0, note=" (0 = off)"))
+    grad_clip: float = flag(1.0, "--grad-clip", range="[0, inf)")
     """Max global gradient norm (0 = no clipping)."""
-    grad_accum: int = flag(1, "--grad-accum", range=Range(1))
+    grad_accum: int = flag(1, "--grad-accum", range="[1, inf)")
     """Micro-batches per optimizer step."""
-    max_steps: int = flag(0, "--max-steps", range=Range(0, zero="no limit"))
+    max_steps: int = flag(0, "--max-steps", range="[0, inf)")
     """Stop after N optimizer steps in total (0 = no limit)."""
-    max_nonfinite_steps: int = flag(5, "--max-nonfinite-steps", range=Range(0, zero="never stop"))
+    max_nonfinite_steps: int = flag(5, "--max-nonfinite-steps", range="[0, inf)")
     """Stop after N optimizer steps in a row with NaN/inf gradients, each skipped (0 = never stop)."""
     deterministic: bool = flag(False, "--deterministic")
     """Deterministic algorithms (bit-exact resume on CPU)."""
     class_weights: str | None = flag(None, "--class-weights", metavar="auto|W,W,...", resume=MUST_MATCH)
     """Cross-entropy class weights: 'auto' (inverse pixel frequency of the training images, clipped at 10x the most
     frequent class, mean 1) or one number per class (two for --classes 1)."""
-    warmup_steps: int = flag(0, "--warmup-steps", metavar="N", range=Range(0, zero="none"), resume=MUST_MATCH)
+    warmup_steps: int = flag(0, "--warmup-steps", metavar="N", range="[0, inf)", resume=MUST_MATCH)
     """Optimizer steps of linear warmup from ~0 to the learning rate, before any --scheduler (0 = none)."""
-    ema: float | None = flag(
-        None, "--ema", metavar="DECAY", range=Range(0, 1, low_open=True, high_open=True), resume=MUST_MATCH
-    )
+    ema: float | None = flag(None, "--ema", metavar="DECAY", range="(0, 1)", resume=MUST_MATCH)
     """Keep an exponential moving average of the weights with this decay in (0, 1), e.g. 0.999; validation, best.pth and
     predict use it."""
-    patience: int = flag(0, "--patience", metavar="N", range=Range(0, zero="off"))
+    patience: int = flag(0, "--patience", metavar="N", range="[0, inf)")
     """Stop after N validations without an improvement of validation Dice by more than --min-delta (0 = off)."""
-    min_delta: float = flag(0.0, "--min-delta", metavar="D", range=Range(0, 1, high_open=True))
+    min_delta: float = flag(0.0, "--min-delta", metavar="D", range="[0, 1)")
     """With --patience: the validation Dice improvement that counts, in [0, 1)."""
 
 
@@ -162,21 +139,19 @@ class LaunchSection:
     """DistributedDataParallel training."""
     sync_bn: bool = flag(False, "--sync-bn")
     """Synchronise BatchNorm across processes."""
-    dist_timeout: float = flag(
-        1800.0, "--dist-timeout", range=Range(0, MAX_DIST_TIMEOUT_S, low_open=True, note=" seconds")
-    )
+    dist_timeout: float = flag(1800.0, "--dist-timeout", range="(0, 604800]")
     """Seconds before a collective waiting for a dead rank fails, in (0, 604800]."""
     rank: int | None = flag(None, "--rank")
     """Global rank (manual launch without torchrun)."""
-    world_size: int | None = flag(None, "--world-size", range=Range(1))
+    world_size: int | None = flag(None, "--world-size", range="[1, inf)")
     """Number of processes (manual launch)."""
     dist_url: str | None = flag(None, "--dist-url")
     """tcp://HOST:PORT (manual launch)."""
-    local_rank: int | None = flag(None, "--local-rank", "--local_rank", range=Range(0))
+    local_rank: int | None = flag(None, "--local-rank", "--local_rank", range="[0, inf)")
     """Set by torch.distributed.launch (LOCAL_RANK from the environment wins)."""
-    val_mode: str = flag("rank0", "--val-mode", choices=VAL_MODES)
+    val_mode: str = flag("rank0", "--val-mode", choices=("rank0", "sharded"))
     """Validate on global rank 0 (rank0) or split across ranks (sharded, same scores)."""
-    requeue_signal: str = flag("USR1", "--requeue-signal", choices=REQUEUE_SIGNALS)
+    requeue_signal: str = flag("USR1", "--requeue-signal", choices=("USR1", "USR2", "none"))
     """Under SLURM: the signal (#SBATCH --signal=SIG@SECONDS) that saves, requeues the job and exits."""
 
 
@@ -190,22 +165,20 @@ class CheckpointSection:
     """Parent folder of run folders (<checkpoint-dir>/<exp_name>/)."""
     load: str | None = flag(None, "--load", "-f", resume=NEW_PLAN)
     """Start from the weights in this file (fresh optimizer)."""
-    start_from: int = flag(
-        1, "--start_from", "--start-from", range=Range(1, note=" (epochs are numbered from 1)"), resume=NEW_PLAN
-    )
+    start_from: int = flag(1, "--start_from", "--start-from", range="[1, inf)", resume=NEW_PLAN)
     """Number of the first epoch (with --load: continue the numbering of the run it came from)."""
-    resume: str | None = flag(None, "--resume", const=RESUME_AUTO, metavar="auto|PATH", resume=NEW_PLAN)
+    resume: str | None = flag(None, "--resume", nargs="?", const=RESUME_AUTO, metavar="auto|PATH", resume=NEW_PLAN)
     """Resume a run: 'auto' = newest complete checkpoint of the run folder (a new run if there is none), or a checkpoint
     path."""
-    save_every: int = flag(1, "--save_every", "--save-every", range=Range(0, zero="never"))
+    save_every: int = flag(1, "--save_every", "--save-every", range="[0, inf)")
     """Write checkpoint_epoch{N}.pth when epoch N is a multiple of this (0 = never)."""
-    keep_last: int = flag(0, "--keep-last", range=Range(0, zero="keep all"))
+    keep_last: int = flag(0, "--keep-last", range="[0, inf)")
     """Keep only the newest K checkpoint_epoch files (0 = all)."""
-    save_every_minutes: float = flag(0.0, "--save-every-minutes", range=Range(0, note=" (0 = off)"))
+    save_every_minutes: float = flag(0.0, "--save-every-minutes", range="[0, inf)")
     """Also write last.pth when M minutes have passed since the last save (0 = off)."""
-    keep_best: int = flag(0, "--keep-best", range=Range(0, zero="best.pth only"))
+    keep_best: int = flag(0, "--keep-best", range="[0, inf)")
     """Keep the K best states by validation Dice as best-1.pth .. best-K.pth (0 = best.pth only)."""
-    save_every_steps: int = flag(0, "--save-every-steps", range=Range(0, zero="off"))
+    save_every_steps: int = flag(0, "--save-every-steps", range="[0, inf)")
     """Also write last.pth every N optimizer steps (0 = off)."""
 
 
@@ -213,13 +186,13 @@ class CheckpointSection:
 class LoggingSection:
     """What the run reports, and how often it validates (``utils.training.run_log``, ``utils.training.validation``)."""
 
-    val_every: int = flag(1, "--val-every", range=Range(1))
+    val_every: int = flag(1, "--val-every", range="[1, inf)")
     """Validate every N epochs."""
-    log_every: int = flag(10, "--log-every", range=Range(1))
+    log_every: int = flag(10, "--log-every", range="[1, inf)")
     """Log every N optimizer steps."""
     no_progress: bool = flag(False, "--no-progress")
     """Log lines instead of progress bars (also when not a terminal)."""
-    wandb: str = flag("disabled", "--wandb", choices=WANDB_MODES)
+    wandb: str = flag("disabled", "--wandb", choices=("online", "offline", "disabled"))
     """Weights & Biases mode."""
     tensorboard: bool = flag(False, "--tensorboard")
     """Write TensorBoard events (the metrics.jsonl scalars, a few validation images) to <run>/tensorboard/."""
@@ -229,19 +202,19 @@ class LoggingSection:
 class PerformanceSection:
     """Device, precision and speed (none of these changes what is trained)."""
 
-    device: str = flag("auto", "--device", value_type=device_flag)
+    device: str = flag("auto", "--device", type=device_flag)
     """auto, cpu, cuda, cuda:N or mps (auto: cuda:LOCAL_RANK if there is CUDA, else mps for one process, else cpu)."""
     amp: bool = flag(False, "--amp")
     """Mixed precision (fp16 + grad scaler on CUDA, bf16 on CPU)."""
     precision: str | None = flag(None, "--precision", choices=PRECISIONS)
     """Autocast precision (default: fp32, or --amp's)."""
-    num_workers: int | None = flag(None, "--num-workers", range=Range(0))
+    num_workers: int | None = flag(None, "--num-workers", range="[0, inf)")
     """DataLoader workers per process (default: 0 on CPU; on GPU from the measured cost per item, up to min(16, cpus per
     process - 1))."""
     pixel_cache: str | None = flag(None, "--pixel-cache", metavar="DIR")
     """Cache decoded, resized images and masks in DIR (outside the data folders; filled during the first epoch, or up
     front with python -m utils.datasets.pixel_cache build-cache)."""
-    threads: int = flag(0, "--threads", range=Range(0, zero="automatic"))
+    threads: int = flag(0, "--threads", range="[0, inf)")
     """CPU threads per process (0 = cores / processes on this machine)."""
     channels_last: bool = flag(False, "--channels-last")
     """channels_last memory format."""
@@ -307,21 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
         # "--epoch 1" must not pass for --epochs: a typo gets a suggestion instead (parse_config).
         allow_abbrev=False,
     )
-    add_flags(parser, ConfigFileFlag)
+    add_config_flag(parser)
     add_flags(parser, TrainConfig)
     return parser
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse ``argv`` (default: sys.argv[1:]) into a validated TrainConfig; ``--config FILE`` under the flags."""
-    config = TrainConfig.from_dict(apply_config_file(given_flags(build_parser(), argv), TrainConfig))
+    config = TrainConfig.from_dict(apply_config_file(build_parser(), argv, TrainConfig))
     validate_config(config)
     return config
 
 
 def validate_config(config: TrainConfig) -> None:
     """Reject impossible values before anything is built; every message names the flag to change."""
-    check_ranges(config)  # each flag's own range, declared with its field
     data, model, launch = config.data, config.model, config.launch
     # The bounds this machine sets (utils.hardware), checked before a run folder or a model exists.
     check_threads(config.performance.threads)
@@ -388,7 +360,7 @@ def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
         raise ConfigError(f"--class-weights must be 'auto' or numbers separated by commas, got {text!r}") from None
     per_class(text, classes, "--class-weights", "weight")
     for weight in weights:
-        require_number(weight, "--class-weights", Range(0, low_open=True))
+        check_range(weight, "--class-weights", "(0, inf)")
     return weights
 
 
