@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import difflib
 import functools
@@ -68,9 +69,8 @@ class Flag:
 def flag(default: Any, *names: str, range: str | None = None, resume: str = MAY_CHANGE, **options: Any) -> Any:
     """A dataclass field with ``default`` that is the flag ``names`` (``options``: argparse's, ``Flag.options``)."""
     record = Flag(names, range, resume, options)
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"flag": record})
-    return dataclasses.field(default=default, metadata={"flag": record})
+    # Made by a factory, so that no two configs share a list (``--ignore-value``).
+    return dataclasses.field(default_factory=lambda: copy.copy(default), metadata={"flag": record})
 
 
 def section(section_class: type, title: str) -> Any:
@@ -90,14 +90,12 @@ class FlagField:
     default: Any
     flag: Flag
     help: str
-    section: str | None = None
-    """The section field holding it (``optimisation``), None in a flat config."""
     title: str | None = None
-    """The section's help title."""
+    """The help title of the section holding it (``optimisation``), None in a flat config."""
 
 
 @functools.cache
-def flag_fields(config_class: type, section: str | None = None, title: str | None = None) -> tuple[FlagField, ...]:
+def flag_fields(config_class: type, title: str | None = None) -> tuple[FlagField, ...]:
     """The flags of ``config_class`` and of its sections, in field order."""
     hints = typing.get_type_hints(config_class)
     docs: dict[str, str] = {}
@@ -107,12 +105,11 @@ def flag_fields(config_class: type, section: str | None = None, title: str | Non
     items: list[FlagField] = []
     for field in dataclasses.fields(config_class):
         if "section" in field.metadata:
-            items += flag_fields(hints[field.name], field.name, field.metadata["section"])
+            items += flag_fields(hints[field.name], field.metadata["section"])
         elif "flag" in field.metadata:
             kind, repeatable = _value_type(hints[field.name])
-            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-            record, help_text = field.metadata["flag"], docs[field.name]
-            items.append(FlagField(field.name, kind, repeatable, default, record, help_text, section, title))
+            default, record, help_text = field.default_factory(), field.metadata["flag"], docs[field.name]
+            items.append(FlagField(field.name, kind, repeatable, default, record, help_text, title))
     return tuple(items)
 
 
@@ -197,15 +194,6 @@ def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
     return config_class(**arguments)
 
 
-def flat_values(config: Any) -> dict[str, Any]:
-    """The flags of ``config`` as one flat ``{dest: value}``, in field order (the inverse of ``build_config``)."""
-    values = {}
-    for item in flag_fields(type(config)):
-        holder = getattr(config, item.section) if item.section is not None else config
-        values[item.dest] = getattr(holder, item.dest)
-    return values
-
-
 class FlagParser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage and exiting, so every error is one line."""
 
@@ -256,9 +244,9 @@ def command_name(prog: str, argv0: str | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# --class-names
+# --class-names and --class-weights: one value per class
 
-CLASS_NAMES_FLAG = "--class-names"
+CLASS_WEIGHTS_AUTO = "auto"  # --class-weights auto (utils.training.objective computes them)
 
 
 def split_class_names(text: str) -> tuple[str, ...]:
@@ -282,9 +270,21 @@ def per_class(text: str, classes: int, flag_name: str, what: str) -> tuple[str, 
 
 def parse_class_names(text: str, classes: int) -> tuple[str, ...]:
     """``text`` (names separated by commas) as one name per class; ConfigError naming the flag if it does not fit."""
-    names = per_class(text, classes, CLASS_NAMES_FLAG, "name")
+    names = per_class(text, classes, "--class-names", "name")
     if not all(names):
-        raise ConfigError(f"{CLASS_NAMES_FLAG} {text!r} has an empty name; give every class a name")
+        raise ConfigError(f"--class-names {text!r} has an empty name; give every class a name")
     if len(set(names)) != len(names):
-        raise ConfigError(f"{CLASS_NAMES_FLAG} {text} names two classes the same; give each class its own name")
+        raise ConfigError(f"--class-names {text} names two classes the same; give each class its own name")
     return names
+
+
+def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
+    """--class-weights as numbers, or None for 'auto' (computed from the training masks); ConfigError if malformed."""
+    if text.strip().lower() == CLASS_WEIGHTS_AUTO:
+        return None
+    try:
+        weights = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--class-weights must be 'auto' or numbers separated by commas, got {text!r}") from None
+    per_class(text, classes, "--class-weights", "weight")
+    return tuple(check_range(weight, "--class-weights", "(0, inf)") for weight in weights)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from unet import ENCODERS
@@ -22,19 +22,16 @@ from utils.flags import (
     FlagParser,
     add_flags,
     build_config,
-    check_range,
     flag,
     flag_fields,
-    flat_values,
     parse_class_names,
-    per_class,
+    parse_class_weights,
     section,
 )
 from utils.hardware import PRECISIONS, check_model_fits, check_threads, check_workers
 from utils.training.config_file import add_config_flag, apply_config_file
 
 RESUME_AUTO = "auto"
-CLASS_WEIGHTS_AUTO = "auto"  # --class-weights auto (utils.training.objective computes them)
 
 # The upper bounds of the numeric flags that have no natural one (--learning-rate, --weight-decay, --dist-timeout: a
 # week) are far above any value that trains (AdamW and RMSprop diverge long before a learning rate of 1) but low
@@ -245,7 +242,7 @@ class TrainConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """Flat ``{flag field: value}`` (only str/int/float/bool/None and lists), as checkpoints store it (``args``)."""
-        return flat_values(self)
+        return {dest: value for part in asdict(self).values() for dest, value in part.items()}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
@@ -306,67 +303,36 @@ def validate_config(config: TrainConfig) -> None:
         parse_class_weights(config.optimisation.class_weights, model.classes)
     if data.class_names is not None:
         parse_class_names(data.class_names, model.classes)
-    exp_name = config.checkpoint.exp_name
-    _require(
-        bool(exp_name) and "/" not in exp_name and exp_name not in (".", ".."),
-        f"--exp_name {exp_name!r} must be a plain folder name (no '/')",
-    )
-    _require(
-        not (config.performance.amp and config.performance.precision == "fp32"),
-        "--amp asks for mixed precision but --precision fp32 forbids it; drop one of the two",
-    )
-    _require(
-        model.encoder != "unet" or not (model.encoder_weights or model.freeze_encoder_epochs),
-        "--encoder-weights and --freeze-encoder-epochs need a ResNet encoder; add --encoder resnet34 (or resnet18, "
-        "resnet50, matching the weights file)",
-    )
-    _require(
-        not (model.encoder_weights and config.checkpoint.load),
-        "--load sets every weight, the encoder's too, so --encoder-weights would be ignored; pass only one of them",
-    )
-    _require(
-        not (model.encoder != "unet" and model.bilinear),
-        f"--bilinear applies to --encoder unet only; drop it with --encoder {model.encoder}",
-    )
-    _require(
-        not (model.encoder != "unet" and config.performance.checkpointing),
-        f"--checkpointing is implemented for --encoder unet only; drop it with --encoder {model.encoder}",
-    )
-    _require(
-        not (config.checkpoint.load and config.checkpoint.resume),
-        "--load starts a new run from weights and --resume continues a run; pass only one of them",
-    )
-    _require(
-        (launch.rank is None) == (launch.world_size is None),
-        "--rank and --world-size go together (manual launch: one process per rank)",
-    )
-    _require(
-        launch.dist_url is None or launch.rank is not None,
-        "--dist-url is for manual launches and needs --rank and --world-size (torchrun sets the address itself)",
-    )
-    _require(
-        launch.dist_url is None or launch.dist_url.startswith(("tcp://", "file://", "env://")),
-        f"--dist-url must look like tcp://HOST:PORT, got {launch.dist_url!r}",
-    )
-
-
-def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
-    """--class-weights as numbers, or None for 'auto' (computed from the training masks); ConfigError if malformed."""
-    if text.strip().lower() == CLASS_WEIGHTS_AUTO:
-        return None
-    try:
-        weights = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--class-weights must be 'auto' or numbers separated by commas, got {text!r}") from None
-    per_class(text, classes, "--class-weights", "weight")
-    for weight in weights:
-        check_range(weight, "--class-weights", "(0, inf)")
-    return weights
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
+    exp_name, load = config.checkpoint.exp_name, config.checkpoint.load
+    if not exp_name or "/" in exp_name or exp_name in (".", ".."):
+        raise ConfigError(f"--exp_name {exp_name!r} must be a plain folder name (no '/')")
+    if config.performance.amp and config.performance.precision == "fp32":
+        raise ConfigError("--amp asks for mixed precision but --precision fp32 forbids it; drop one of the two")
+    if model.encoder == "unet" and (model.encoder_weights or model.freeze_encoder_epochs):
+        raise ConfigError(
+            "--encoder-weights and --freeze-encoder-epochs need a ResNet encoder; add --encoder resnet34 (or resnet18, "
+            "resnet50, matching the weights file)"
+        )
+    if model.encoder_weights and load:
+        raise ConfigError(
+            "--load sets every weight, the encoder's too, so --encoder-weights would be ignored; pass only one of them"
+        )
+    if model.bilinear and model.encoder != "unet":
+        raise ConfigError(f"--bilinear applies to --encoder unet only; drop it with --encoder {model.encoder}")
+    if config.performance.checkpointing and model.encoder != "unet":
+        raise ConfigError(
+            f"--checkpointing is implemented for --encoder unet only; drop it with --encoder {model.encoder}"
+        )
+    if load and config.checkpoint.resume:
+        raise ConfigError("--load starts a new run from weights and --resume continues a run; pass only one of them")
+    if (launch.rank is None) != (launch.world_size is None):
+        raise ConfigError("--rank and --world-size go together (manual launch: one process per rank)")
+    if launch.dist_url is not None and launch.rank is None:
+        raise ConfigError(
+            "--dist-url is for manual launches and needs --rank and --world-size (torchrun sets the address itself)"
+        )
+    if launch.dist_url is not None and not launch.dist_url.startswith(("tcp://", "file://", "env://")):
+        raise ConfigError(f"--dist-url must look like tcp://HOST:PORT, got {launch.dist_url!r}")
 
 
 def describe_flag(flag: str, value: Any) -> str:
