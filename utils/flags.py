@@ -3,9 +3,9 @@
 A field is declared as ``epochs: int = flag(5, "--epochs", "-e", range="[1, inf)")`` followed by its docstring: its
 name, type (the annotation), default, spellings and allowed range are in that line, and the docstring is its help
 text. A config is either flat (``PredictConfig``) or made of sections (``TrainConfig.optimisation``, declared with
-``section``), whose flags are listed under the section's help title. ``add_flags`` makes the argparse arguments, each
+``section``), whose flags are listed under the section's help title. ``FlagParser`` makes the argparse arguments, each
 value parsed and range-checked by argparse as it is read (``check_range``); ``build_config`` makes the config from the
-flags given (``given_flags``). train.py's flags table in docs/TRAINING.md is tested against the same fields
+flags given (``FlagParser.given_flags``). train.py's flags table in docs/TRAINING.md is tested against the same fields
 (``tests/test_readme_flags.py``).
 
 Class names (``train.py --class-names background,car``) are checked here too, once, and recorded in checkpoints for
@@ -30,7 +30,7 @@ import textwrap
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from utils.errors import ConfigError
 
@@ -136,21 +136,47 @@ def _value_type(hint: Any) -> tuple[type, bool]:
     return hint, False
 
 
-def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
-    """Add every flag of ``config_class`` to ``parser``, each section's under its help title."""
-    groups: dict[str | None, Any] = {None: parser}
-    for item in flag_fields(config_class):
-        options: dict[str, Any] = {"dest": item.dest, "help": item.help.replace("%", "%%"), **item.flag.options}
-        if item.kind is bool:
-            options["action"] = "store_true"
-        else:
-            options["type"] = _value_parser(options.get("type", item.kind), item.flag)
-            options["default"] = item.default  # shown by --help; a parse never hands it out (given_flags)
-            if item.repeatable and "nargs" not in options:
-                options["action"] = "append"
-        if item.title not in groups:
-            groups[item.title] = parser.add_argument_group(item.title)
-        groups[item.title].add_argument(*item.flag.names, **options)
+class FlagParser(argparse.ArgumentParser):
+    """argparse for every flag of ``config_class``, each section's under its help title; it raises ConfigError
+    instead of printing usage and exiting, so every error is one line."""
+
+    def __init__(self, config_class: type, **options: Any) -> None:
+        super().__init__(**options)
+        self.config_class = config_class
+        groups: dict[str | None, Any] = {None: self}
+        for item in flag_fields(config_class):
+            flag_options = {"dest": item.dest, "help": item.help.replace("%", "%%"), **item.flag.options}
+            if item.kind is bool:
+                flag_options["action"] = "store_true"
+            else:
+                flag_options["type"] = _value_parser(flag_options.get("type", item.kind), item.flag)
+                flag_options["default"] = item.default  # shown by --help; a parse never hands it out (given_flags)
+                if item.repeatable and "nargs" not in flag_options:
+                    flag_options["action"] = "append"
+            if item.title not in groups:
+                groups[item.title] = self.add_argument_group(item.title)
+            groups[item.title].add_argument(*item.flag.names, **flag_options)
+
+    def error(self, message: str) -> NoReturn:
+        """One line, ending ``(see unet-train --help)``: the program as the user started it (``command_name``)."""
+        raise ConfigError(f"{message} (see {command_name(self.prog)} --help)")
+
+    def parse(self, argv: Sequence[str] | None) -> Any:
+        """The config from ``argv`` (default: sys.argv[1:]), each value inside its range."""
+        return build_config(self.config_class, self.given_flags(argv))
+
+    def given_flags(self, argv: Sequence[str] | None) -> dict[str, Any]:
+        """``{dest: value}`` of the flags ``argv`` gives, parsed (a flag not given has no key: ``build_config`` gives
+        it its field's default); an unknown flag is a ConfigError naming the closest real one."""
+        # Every destination starts as None, which no parsed value is, so argparse fills in no default (its defaults
+        # are for --help): what is left not None was given.
+        unset = argparse.Namespace(**{action.dest: None for action in self._actions})
+        namespace, unknown = self.parse_known_args(argv, unset)
+        if unknown:
+            flags = [option for action in self._actions for option in action.option_strings]
+            typo = next((argument.split("=", 1)[0] for argument in unknown if argument.startswith("-")), None)
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{did_you_mean(typo, flags) if typo else ''}")
+        return {dest: value for dest, value in vars(namespace).items() if value is not None}
 
 
 def _value_parser(parse: Any, record: Flag) -> Any:
@@ -182,7 +208,7 @@ def check_range(value: Any, flag_name: str, interval: str) -> Any:
 
 
 def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
-    """``config_class`` from a flat ``{dest: value}`` (``given_flags``, a checkpoint's ``args``); a missing
+    """``config_class`` from a flat ``{dest: value}`` (``FlagParser.given_flags``, a checkpoint's ``args``); a missing
     value takes its default, a key that is no flag is left out."""
     hints = typing.get_type_hints(config_class)
     arguments = {}
@@ -194,43 +220,10 @@ def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
     return config_class(**arguments)
 
 
-class FlagParser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage and exiting, so every error is one line."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} {help_hint(self.prog)}")
-
-
-def parse_flags(parser: argparse.ArgumentParser, config_class: type, argv: Sequence[str] | None) -> Any:
-    """``config_class`` from ``argv`` (default: sys.argv[1:]) through ``parser``, each value inside its range."""
-    add_flags(parser, config_class)
-    return build_config(config_class, given_flags(parser, argv))
-
-
-def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> dict[str, Any]:
-    """``{dest: value}`` of the flags ``argv`` gives, parsed (a flag not given has no key: ``build_config`` gives it
-    its field's default); an unknown flag is a ConfigError naming the closest real one."""
-    # Every destination starts as None, which no parsed value is, so argparse fills in no default (its defaults are
-    # for --help): what is left not None was given.
-    unset = argparse.Namespace(**{action.dest: None for action in parser._actions})
-    namespace, unknown = parser.parse_known_args(argv, unset)
-    if not unknown:
-        return {dest: value for dest, value in vars(namespace).items() if value is not None}
-    flags = [option for action in parser._actions for option in action.option_strings]
-    typo = next((argument.split("=", 1)[0] for argument in unknown if argument.startswith("-")), None)
-    hint = did_you_mean(typo, flags) if typo else ""
-    raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}{hint} {help_hint(parser.prog)}")
-
-
 def did_you_mean(name: str, names: Iterable[str]) -> str:
     """``; did you mean --epochs?``: the one of ``names`` closest to a misspelt ``name``, or "" if none is close."""
     close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
-
-
-def help_hint(prog: str) -> str:
-    """``(see unet-train --help)``: the program as the user started it (``command_name``)."""
-    return f"(see {command_name(prog)} --help)"
 
 
 def command_name(prog: str, argv0: str | None = None) -> str:

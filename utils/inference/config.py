@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from utils.cli import device_flag, parse_size, stderr_is_terminal
 from utils.errors import ConfigError
-from utils.flags import FlagParser, flag, parse_flags
+from utils.flags import FlagParser, flag
 from utils.hardware import PRECISIONS, check_workers
 from utils.inference.export import EXPORT_FORMATS
 from utils.inference.file_plan import MASK_FORMATS
@@ -54,7 +54,7 @@ class InferenceConfig:
         return not self.no_progress and stderr_is_terminal()
 
     def validate(self) -> None:
-        """The rules between flags and the machine's bounds (each flag's range is checked by ``parse_flags``)."""
+        """The rules between flags and the machine's bounds (each flag's range is checked as it is parsed)."""
         check_workers(self.workers, "--workers")
 
 
@@ -142,16 +142,12 @@ class EvaluateConfig(InferenceConfig):
 ConfigT = TypeVar("ConfigT", bound=InferenceConfig)
 
 
-def parse_inference_config(
-    config_class: type[ConfigT], prog: str, argv: Sequence[str] | None, doc: str, *, examples: bool = False
-) -> ConfigT:
+def parse_inference_config(config_class: type[ConfigT], prog: str, argv: Sequence[str] | None, doc: str) -> ConfigT:
     """``prog``'s flags as a checked ``config_class``; ``doc`` is the script's docstring: its first paragraph is the
-    help's summary, its second (with ``examples``) the help's examples."""
-    summary, *paragraphs = doc.split("\n\n")
-    parser = FlagParser(prog=prog, description=summary)
-    if examples:
-        parser.epilog = f"examples:\n{paragraphs[0]}"
-        parser.formatter_class = argparse.RawTextHelpFormatter
-    config = parse_flags(parser, config_class, argv)
+    help's summary, its second (the script's command lines) the help's examples."""
+    summary, examples = doc.split("\n\n")[:2]
+    parser = FlagParser(config_class, prog=prog, description=summary, epilog=f"examples:\n{examples}")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the examples' lines as they are
+    config = parser.parse(argv)
     config.validate()
     return config

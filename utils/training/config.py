@@ -20,7 +20,6 @@ from utils.flags import (
     MUST_MATCH,
     NEW_PLAN,
     FlagParser,
-    add_flags,
     build_config,
     flag,
     flag_fields,
@@ -271,6 +270,7 @@ class TrainConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
+        TrainConfig,
         prog="train.py",
         description="Train a UNet for semantic segmentation on one device or with DistributedDataParallel.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -278,13 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add_config_flag(parser)
-    add_flags(parser, TrainConfig)
     return parser
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse ``argv`` (default: sys.argv[1:]) into a validated TrainConfig; ``--config FILE`` under the flags."""
-    config = TrainConfig.from_dict(apply_config_file(build_parser(), argv, TrainConfig))
+    config = TrainConfig.from_dict(apply_config_file(build_parser(), argv))
     validate_config(config)
     return config
 

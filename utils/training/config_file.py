@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from utils.errors import ConfigError, shortened
-from utils.flags import FlagField, did_you_mean, flag_fields, given_flags
+from utils.flags import FlagField, FlagParser, did_you_mean, flag_fields
 from utils.output_files import read_text, write_text
 
 logger = logging.getLogger(__name__)
@@ -51,14 +51,14 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(CONFIG_FLAG, dest=CONFIG_DEST, metavar="FILE", help=help_text)
 
 
-def apply_config_file(parser: argparse.ArgumentParser, argv: Any, config_class: type) -> dict[str, Any]:
-    """The flags ``argv`` gives (``utils.flags.given_flags``) over those of the file its ``--config`` names, as
-    ``config_class`` field values; a flag in neither takes its default."""
-    given = given_flags(parser, argv)
+def apply_config_file(parser: FlagParser, argv: Sequence[str] | None) -> dict[str, Any]:
+    """The flags ``argv`` gives (``FlagParser.given_flags``) over those of the file its ``--config`` names, as
+    ``parser.config_class`` field values; a flag in neither takes its default."""
+    given = parser.given_flags(argv)
     path = given.pop(CONFIG_DEST, None)
     if path is None:
         return given
-    from_file = read_config_file(Path(path), parser, config_class)
+    from_file = read_config_file(Path(path), parser)
     overridden = [
         f"{key} {shortened(from_file[key])} -> {shortened(value)}"
         for key, value in given.items()
@@ -69,9 +69,9 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: Any, config_class: 
     return {**from_file, **given}
 
 
-def read_config_file(path: Path, parser: argparse.ArgumentParser, config_class: type) -> dict[str, Any]:
-    """The flags in ``path``, each parsed by ``parser`` as the command line's are, as ``config_class`` field values;
-    ConfigError naming the file (and the key)."""
+def read_config_file(path: Path, parser: FlagParser) -> dict[str, Any]:
+    """The flags in ``path``, each parsed by ``parser`` as the command line's are, as ``parser.config_class`` field
+    values; ConfigError naming the file (and the key)."""
     where = f"{CONFIG_FLAG} {path}"
     text = read_text(path, where, MAX_CONFIG_BYTES, f"{MAX_CONFIG_BYTES // 1024} KiB; a run's config.yaml is a few KB")
     loader = _FlatLoader(text)
@@ -87,7 +87,7 @@ def read_config_file(path: Path, parser: argparse.ArgumentParser, config_class: 
         return {}
     if not isinstance(document, Mapping):
         raise ConfigError(f"{where} must map flag names to values (like a run's config.yaml)")
-    fields = {item.dest: item for item in flag_fields(config_class)}
+    fields = {item.dest: item for item in flag_fields(parser.config_class)}
     values: dict[str, Any] = {}
     for key, value in document.items():
         name = str(key).replace("-", "_")
@@ -96,7 +96,7 @@ def read_config_file(path: Path, parser: argparse.ArgumentParser, config_class: 
                 f"{where}: unknown key {shortened(key)}{did_you_mean(name, fields)} (keys are train.py's flag names)"
             )
         try:
-            values.update(given_flags(parser, _as_arguments(fields[name], value)))
+            values.update(parser.given_flags(_as_arguments(fields[name], value)))
         except ConfigError as error:
             raise ConfigError(f"{where}: {key}: {error}") from None
     return values
