@@ -23,7 +23,6 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import itertools
 import math
 import sys
 import textwrap
@@ -119,7 +118,7 @@ def _field_docstrings(config_class: type) -> dict[str, str]:
     return {
         # A docstring is a sentence; the help line is not (argparse appends "(default: ...)").
         statement.target.id: " ".join(following.value.value.split()).removesuffix(".")
-        for statement, following in itertools.pairwise(body)
+        for statement, following in zip(body, body[1:], strict=False)
         if isinstance(statement, ast.AnnAssign)
         and isinstance(following, ast.Expr)
         and isinstance(following.value, ast.Constant)
@@ -261,16 +260,6 @@ def per_class(text: str, classes: int, flag_name: str, what: str) -> tuple[str, 
     return parts
 
 
-def parse_class_names(text: str, classes: int) -> tuple[str, ...]:
-    """``text`` (names separated by commas) as one name per class; ConfigError naming the flag if it does not fit."""
-    names = per_class(text, classes, "--class-names", "name")
-    if not all(names):
-        raise ConfigError(f"--class-names {text!r} has an empty name; give every class a name")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--class-names {text} names two classes the same; give each class its own name")
-    return names
-
-
 def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
     """--class-weights as numbers, or None for 'auto' (computed from the training masks); ConfigError if malformed."""
     if text.strip().lower() == CLASS_WEIGHTS_AUTO:
@@ -281,3 +270,17 @@ def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
         raise ConfigError(f"--class-weights must be 'auto' or numbers separated by commas, got {text!r}") from None
     per_class(text, classes, "--class-weights", "weight")
     return tuple(check_range(weight, "--class-weights", "(0, inf)") for weight in weights)
+
+
+def check_class_flags(class_names: str | None, class_weights: str | None, classes: int) -> None:
+    """``--class-names`` (one name per class, each its own) and ``--class-weights``, each fitting ``--classes``;
+    ConfigError naming the flag if one does not."""
+    if class_weights is not None:
+        parse_class_weights(class_weights, classes)
+    if class_names is None:
+        return
+    names = per_class(class_names, classes, "--class-names", "name")
+    if not all(names):
+        raise ConfigError(f"--class-names {class_names!r} has an empty name; give every class a name")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--class-names {class_names} names two classes the same; give each class its own name")

@@ -16,17 +16,7 @@ from unet import ENCODERS
 from utils.cli import device_flag
 from utils.datasets.splits import SplitFlags, check_split_flags
 from utils.errors import ConfigError
-from utils.flags import (
-    MUST_MATCH,
-    NEW_PLAN,
-    FlagParser,
-    build_config,
-    flag,
-    flag_fields,
-    parse_class_names,
-    parse_class_weights,
-    section,
-)
+from utils.flags import MUST_MATCH, NEW_PLAN, FlagParser, build_config, check_class_flags, flag, flag_fields, section
 from utils.hardware import PRECISIONS, check_model_fits, check_threads, check_workers
 from utils.training.config_file import add_config_flag, apply_config_file
 
@@ -298,10 +288,7 @@ def validate_config(config: TrainConfig) -> None:
     # The photos' channels are not known yet: 3 (the first layer's share of the weights is negligible).
     check_model_fits(3, model.classes, bilinear=model.bilinear, base_channels=model.base_channels)
     check_split_flags(data.split_by, data.group_pattern, data.folds, data.fold)
-    if config.optimisation.class_weights is not None:
-        parse_class_weights(config.optimisation.class_weights, model.classes)
-    if data.class_names is not None:
-        parse_class_names(data.class_names, model.classes)
+    check_class_flags(data.class_names, config.optimisation.class_weights, model.classes)
     exp_name, load = config.checkpoint.exp_name, config.checkpoint.load
     if not exp_name or "/" in exp_name or exp_name in (".", ".."):
         raise ConfigError(f"--exp_name {exp_name!r} must be a plain folder name (no '/')")
@@ -337,10 +324,7 @@ def validate_config(config: TrainConfig) -> None:
 def describe_flag(flag: str, value: Any) -> str:
     """``--seed 0``, ``--ignore-value 0 --ignore-value 255``, ``--augment``; an unset flag as ``no --class-weights``:
     a flag's value as the command line would give it."""
-    if value is None or value is False or (isinstance(value, list | tuple) and not value):
+    values = list(value) if isinstance(value, list | tuple) else [value]
+    if value is None or value is False or not values:
         return f"no {flag}"
-    if value is True:
-        return flag
-    if isinstance(value, list | tuple):
-        return " ".join(f"{flag} {one}" for one in value)
-    return f"{flag} {value}"
+    return flag if value is True else " ".join(f"{flag} {one}" for one in values)

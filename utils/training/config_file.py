@@ -148,5 +148,4 @@ def write_config_file(path: Path, run_args: Mapping[str, Any], summary: str = ""
     comments = "".join(f"# {line}\n" for line in summary.splitlines())
     flags = yaml.safe_dump(dict(run_args), sort_keys=False, default_flow_style=False)
     text = HEADER.format(path=path) + comments + flags
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text(path, text, "the run's config.yaml")
+    write_text(path, text, "the run's config.yaml")  # its folder too, if missing
