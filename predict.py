@@ -96,7 +96,7 @@ def run(config: PredictConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_single_process(
-        lambda: run(parse_inference_config(PredictConfig, "predict.py", argv, __doc__, examples=True)), oom_fix=OOM_FIX
+        lambda: run(parse_inference_config(PredictConfig, "predict.py", argv, __doc__)), oom_fix=OOM_FIX
     )
 
 

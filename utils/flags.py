@@ -1,22 +1,24 @@
 """How a config field becomes a command-line flag: declared once, beside the field, for every entry script.
 
-A field is declared as ``epochs: int = flag(5, "--epochs", "-e", range=Range(1))`` followed by its docstring: its
+A field is declared as ``epochs: int = flag(5, "--epochs", "-e", range="[1, inf)")`` followed by its docstring: its
 name, type (the annotation), default, spellings and allowed range are in that line, and the docstring is its help
 text. A config is either flat (``PredictConfig``) or made of sections (``TrainConfig.optimisation``, declared with
-``section``), whose flags are listed under the section's help title. ``add_flags`` makes the argparse arguments,
-``build_config`` the config from the flags given (``given_flags``), ``check_ranges`` the range errors; train.py's
-flags table in docs/TRAINING.md is tested against the same fields (``tests/test_readme_flags.py``).
+``section``), whose flags are listed under the section's help title. ``FlagParser`` makes the argparse arguments, each
+value parsed and range-checked by argparse as it is read (``check_range``); ``build_config`` makes the config from the
+flags given (``FlagParser.given_flags``). train.py's flags table in docs/TRAINING.md is tested against the same fields
+(``tests/test_readme_flags.py``).
 
 Class names (``train.py --class-names background,car``) are checked here too, once, and recorded in checkpoints for
 the legends: a name per class, background first, as ``--class-weights`` counts them (two for ``--classes 1``).
-Predict's overlay
-legends and evaluate's table show them beside the mask values; a checkpoint without names shows the values alone.
+Predict's overlay legends and evaluate's table show them beside the mask values; a checkpoint without names shows the
+values alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import difflib
 import functools
@@ -25,30 +27,11 @@ import math
 import sys
 import textwrap
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from utils.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a number may take; the error names the flag, the bounds and the value.
-
-    Floats must also be finite. ``note`` follows the bounds in the message (" seconds", " (0 = off)"); ``zero`` says
-    what 0 means for a count whose 0 is a setting ("--keep-last must be 0 (keep all) or positive"); ``what`` names the
-    kind of value for a bounded integer ("a mask value").
-    """
-
-    low: float
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    note: str = ""
-    zero: str = ""
-    what: str = ""
-
 
 # How a resumed training run treats each flag (utils.training.setup.check_resume_flags), marked on it as ``resume=``.
 MUST_MATCH = "must match"
@@ -67,18 +50,14 @@ class Flag:
     field's docstring)."""
 
     names: tuple[str, ...]
-    range: Range | None = None
-    choices: tuple[str, ...] | None = None
-    metavar: str | tuple[str, ...] | None = None
-    const: str | None = None
-    """The value of the flag given without one (``--resume`` alone means ``auto``)."""
-    value_type: Callable[[str], Any] | None = None
-    """A parser for the value other than the annotation's type (``--device``)."""
-    nargs: str | int | None = None
-    """For a list field: its values follow the flag (``-i a.jpg b.jpg``) instead of repeating it."""
-    required: bool = False
-    resume: str = MAY_CHANGE
+    range: str | None
+    """The interval a number lies in, as ``check_range`` reads it (``"(0, 1]"``, ``"[1, inf)"``)."""
+    resume: str
     """How a resumed training run treats the flag: ``MUST_MATCH``, ``MAY_CHANGE`` or ``NEW_PLAN`` (train.py's)."""
+    options: Mapping[str, Any]
+    """argparse's own options, as given: ``choices``, ``metavar``, ``required``, ``type`` (a parser other than the
+    annotation's type, ``--device``), ``nargs`` and ``const`` (``--resume`` alone means ``auto``); a list field with
+    ``nargs`` takes its values after one flag (``-i a.jpg b.jpg``) instead of repeating it."""
 
     @property
     def name(self) -> str:
@@ -86,12 +65,11 @@ class Flag:
         return self.names[0]
 
 
-def flag(default: Any, *names: str, **options: Any) -> Any:
-    """A dataclass field with ``default`` that is the flag ``names`` (``options``: the other ``Flag`` fields)."""
-    record = Flag(names=names, **options)
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"flag": record})
-    return dataclasses.field(default=default, metadata={"flag": record})
+def flag(default: Any, *names: str, range: str | None = None, resume: str = MAY_CHANGE, **options: Any) -> Any:
+    """A dataclass field with ``default`` that is the flag ``names`` (``options``: argparse's, ``Flag.options``)."""
+    record = Flag(names, range, resume, options)
+    # Made by a factory, so that no two configs share a list (``--ignore-value``).
+    return dataclasses.field(default_factory=lambda: copy.copy(default), metadata={"flag": record})
 
 
 def section(section_class: type, title: str) -> Any:
@@ -111,56 +89,41 @@ class FlagField:
     default: Any
     flag: Flag
     help: str
-    section: str | None
-    """The section field holding it (``optimisation``), None in a flat config."""
-    title: str | None
-    """The section's help title."""
-
-
-def flag_fields(config_class: type) -> Iterator[FlagField]:
-    """The flags of ``config_class`` and of its sections, in field order."""
-    for field in dataclasses.fields(config_class):
-        if "section" in field.metadata:
-            section_class = typing.get_type_hints(config_class)[field.name]
-            for item in _own_flags(section_class):
-                yield dataclasses.replace(item, section=field.name, title=field.metadata["section"])
-    yield from _own_flags(config_class)
+    title: str | None = None
+    """The help title of the section holding it (``optimisation``), None in a flat config."""
 
 
 @functools.cache
-def _own_flags(config_class: type) -> tuple[FlagField, ...]:
+def flag_fields(config_class: type, title: str | None = None) -> tuple[FlagField, ...]:
+    """The flags of ``config_class`` and of its sections, in field order."""
     hints = typing.get_type_hints(config_class)
     docs: dict[str, str] = {}
     for klass in reversed(config_class.__mro__):  # a field declared in a base class has its docstring there
         if dataclasses.is_dataclass(klass):
             docs.update(_field_docstrings(klass))
-    items = []
+    items: list[FlagField] = []
     for field in dataclasses.fields(config_class):
-        record = field.metadata.get("flag")
-        if record is None:
-            continue
-        kind, repeatable = _value_type(hints[field.name])
-        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-        items.append(FlagField(field.name, kind, repeatable, default, record, docs[field.name], None, None))
+        if "section" in field.metadata:
+            items += flag_fields(hints[field.name], field.metadata["section"])
+        elif "flag" in field.metadata:
+            kind, repeatable = _value_type(hints[field.name])
+            default, record, help_text = field.default_factory(), field.metadata["flag"], docs[field.name]
+            items.append(FlagField(field.name, kind, repeatable, default, record, help_text, title))
     return tuple(items)
 
 
 def _field_docstrings(config_class: type) -> dict[str, str]:
     """``{field: its docstring on one line}``: the string under each annotated field of the class's source."""
     body = ast.parse(textwrap.dedent(inspect.getsource(config_class))).body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for statement, following in zip(body, body[1:], strict=False):
-        if (
-            isinstance(statement, ast.AnnAssign)
-            and isinstance(statement.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            text = " ".join(following.value.value.split())
-            # A docstring is a sentence; the help line is not (argparse appends "(default: ...)").
-            docs[statement.target.id] = text.removesuffix(".")
-    return docs
+    return {
+        # A docstring is a sentence; the help line is not (argparse appends "(default: ...)").
+        statement.target.id: " ".join(following.value.value.split()).removesuffix(".")
+        for statement, following in zip(body, body[1:], strict=False)
+        if isinstance(statement, ast.AnnAssign)
+        and isinstance(following, ast.Expr)
+        and isinstance(following.value, ast.Constant)
+        and isinstance(following.value.value, str)
+    }
 
 
 def _value_type(hint: Any) -> tuple[type, bool]:
@@ -172,36 +135,79 @@ def _value_type(hint: Any) -> tuple[type, bool]:
     return hint, False
 
 
-def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
-    """Add every flag of ``config_class`` to ``parser``, each section's under its help title."""
-    groups: dict[str, Any] = {}
-    for item in flag_fields(config_class):
-        record = item.flag
-        options: dict[str, Any] = {"dest": item.dest, "help": item.help.replace("%", "%%")}
-        if item.kind is bool:
-            options["action"] = "store_true"
-        else:
-            options["type"] = record.value_type or item.kind
-            options["default"] = item.default  # shown by --help; a parse never hands it out (given_flags)
-            if record.nargs is not None:
-                options["nargs"] = record.nargs
-            elif item.repeatable:
-                options["action"] = "append"
-            if record.choices is not None:
-                options["choices"] = record.choices
-            if record.metavar is not None:
-                options["metavar"] = record.metavar
-            if record.const is not None:
-                options["nargs"], options["const"] = "?", record.const
-            if record.required:
-                options["required"] = True
-        if item.title is not None and item.title not in groups:
-            groups[item.title] = parser.add_argument_group(item.title)
-        (groups[item.title] if item.title is not None else parser).add_argument(*record.names, **options)
+class FlagParser(argparse.ArgumentParser):
+    """argparse for every flag of ``config_class``, each section's under its help title; it raises ConfigError
+    instead of printing usage and exiting, so every error is one line."""
+
+    def __init__(self, config_class: type, **options: Any) -> None:
+        super().__init__(**options)
+        self.config_class = config_class
+        groups: dict[str | None, Any] = {None: self}
+        for item in flag_fields(config_class):
+            flag_options = {"dest": item.dest, "help": item.help.replace("%", "%%"), **item.flag.options}
+            if item.kind is bool:
+                flag_options["action"] = "store_true"
+            else:
+                flag_options["type"] = _value_parser(flag_options.get("type", item.kind), item.flag)
+                flag_options["default"] = item.default  # shown by --help; a parse never hands it out (given_flags)
+                if item.repeatable and "nargs" not in flag_options:
+                    flag_options["action"] = "append"
+            if item.title not in groups:
+                groups[item.title] = self.add_argument_group(item.title)
+            groups[item.title].add_argument(*item.flag.names, **flag_options)
+
+    def error(self, message: str) -> NoReturn:
+        """One line, ending ``(see unet-train --help)``: the program as the user started it (``command_name``)."""
+        raise ConfigError(f"{message} (see {command_name(self.prog)} --help)")
+
+    def parse(self, argv: Sequence[str] | None) -> Any:
+        """The config from ``argv`` (default: sys.argv[1:]), each value inside its range."""
+        return build_config(self.config_class, self.given_flags(argv))
+
+    def given_flags(self, argv: Sequence[str] | None) -> dict[str, Any]:
+        """``{dest: value}`` of the flags ``argv`` gives, parsed (a flag not given has no key: ``build_config`` gives
+        it its field's default); an unknown flag is a ConfigError naming the closest real one."""
+        # Every destination starts as None, which no parsed value is, so argparse fills in no default (its defaults
+        # are for --help): what is left not None was given.
+        unset = argparse.Namespace(**{action.dest: None for action in self._actions})
+        namespace, unknown = self.parse_known_args(argv, unset)
+        if unknown:
+            flags = [option for action in self._actions for option in action.option_strings]
+            typo = next((argument.split("=", 1)[0] for argument in unknown if argument.startswith("-")), None)
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{did_you_mean(typo, flags) if typo else ''}")
+        return {dest: value for dest, value in vars(namespace).items() if value is not None}
+
+
+def _value_parser(parse: Any, record: Flag) -> Any:
+    """``parse``, then the value checked against the flag's range: a value out of range is refused as it is read."""
+    if record.range is None:
+        return parse
+
+    def parse_in_range(text: str) -> Any:
+        return check_range(parse(text), record.name, record.range)  # type: ignore[arg-type]
+
+    parse_in_range.__name__ = parse.__name__  # argparse's "invalid int value" names the type
+    return parse_in_range
+
+
+def check_range(value: Any, flag_name: str, interval: str) -> Any:
+    """``value`` when it is finite and inside ``interval`` (``"(0, 1]"``: a parenthesis leaves its bound out, a
+    bracket keeps it; ``"[1, inf)"``: no upper bound), else one ConfigError naming the flag, the bounds and the
+    value."""
+    low_text, high_text = (bound.strip() for bound in interval[1:-1].split(","))
+    low, high = float(low_text), float(high_text)
+    above_low = value > low if interval[0] == "(" else value >= low
+    below_high = value < high if interval[-1] == ")" else value <= high
+    if math.isfinite(value) and above_low and below_high:
+        return value
+    where = f"in {interval}" if math.isfinite(high) else f"{'above' if interval[0] == '(' else 'at least'} {low_text}"
+    if isinstance(value, float):
+        raise ConfigError(f"{flag_name} must be a finite number {where}, got {value:g}")
+    raise ConfigError(f"{flag_name} must be {where}, got {value}")
 
 
 def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
-    """``config_class`` from a flat ``{dest: value}`` (``given_flags``, a checkpoint's ``args``); a missing
+    """``config_class`` from a flat ``{dest: value}`` (``FlagParser.given_flags``, a checkpoint's ``args``); a missing
     value takes its default, a key that is no flag is left out."""
     hints = typing.get_type_hints(config_class)
     arguments = {}
@@ -213,45 +219,10 @@ def build_config(config_class: type, values: Mapping[str, Any]) -> Any:
     return config_class(**arguments)
 
 
-class FlagParser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage and exiting, so every error is one line."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} {help_hint(self.prog)}")
-
-
-def parse_flags(parser: argparse.ArgumentParser, config_class: type, argv: Sequence[str] | None) -> Any:
-    """``config_class`` from ``argv`` (default: sys.argv[1:]) through ``parser``, each value inside its range."""
-    add_flags(parser, config_class)
-    config = build_config(config_class, given_flags(parser, argv))
-    check_ranges(config)
-    return config
-
-
-def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> dict[str, Any]:
-    """``{dest: value}`` of the flags ``argv`` gives, parsed (a flag not given has no key: ``build_config`` gives it
-    its field's default); an unknown flag is a ConfigError naming the closest real one."""
-    # Every destination starts as None, which no parsed value is, so argparse fills in no default (its defaults are
-    # for --help): what is left not None was given.
-    unset = argparse.Namespace(**{action.dest: None for action in parser._actions})
-    namespace, unknown = parser.parse_known_args(argv, unset)
-    if not unknown:
-        return {dest: value for dest, value in vars(namespace).items() if value is not None}
-    flags = [option for action in parser._actions for option in action.option_strings]
-    typo = next((argument.split("=", 1)[0] for argument in unknown if argument.startswith("-")), None)
-    hint = did_you_mean(typo, flags) if typo else ""
-    raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}{hint} {help_hint(parser.prog)}")
-
-
 def did_you_mean(name: str, names: Iterable[str]) -> str:
     """``; did you mean --epochs?``: the one of ``names`` closest to a misspelt ``name``, or "" if none is close."""
     close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
-
-
-def help_hint(prog: str) -> str:
-    """``(see unet-train --help)``: the program as the user started it (``command_name``)."""
-    return f"(see {command_name(prog)} --help)"
 
 
 def command_name(prog: str, argv0: str | None = None) -> str:
@@ -264,63 +235,10 @@ def command_name(prog: str, argv0: str | None = None) -> str:
     return prog if prog.startswith("python ") else f"python {prog}"
 
 
-def flat_values(config: Any) -> dict[str, Any]:
-    """The flags of ``config`` as one flat ``{dest: value}``, in field order (the inverse of ``build_config``)."""
-    values = {}
-    for item in flag_fields(type(config)):
-        holder = getattr(config, item.section) if item.section is not None else config
-        values[item.dest] = getattr(holder, item.dest)
-    return values
-
-
-def check_ranges(config: Any) -> None:
-    """Every value of ``config`` inside its flag's ``Range``, else one ``ConfigError`` naming the flag."""
-    values = flat_values(config)
-    for item in flag_fields(type(config)):
-        if item.flag.range is None:
-            continue
-        value = values[item.dest]
-        for one in value if item.repeatable else [value]:
-            if one is None:
-                continue
-            if item.kind is float:
-                require_number(one, item.flag.name, item.flag.range)
-            else:
-                _require_count(one, item.flag.name, item.flag.range)
-
-
-def require_number(value: float, flag_name: str, bounds: Range) -> None:
-    """``value`` is finite and inside ``bounds``, else one error naming the flag, the interval and the value."""
-    low, high = bounds.low, bounds.high
-    above_low = value > low if bounds.low_open else value >= low
-    below_high = value < high if bounds.high_open else value <= high
-    if math.isfinite(value) and above_low and below_high:
-        return
-    if math.isinf(high):
-        where = f"{'above' if bounds.low_open else 'at least'} {low:g}"
-    else:
-        where = f"in {'(' if bounds.low_open else '['}{low:g}, {high:g}{')' if bounds.high_open else ']'}"
-    raise ConfigError(f"{flag_name} must be a finite number {where}{bounds.note}, got {value:g}")
-
-
-def _require_count(value: int, flag_name: str, bounds: Range) -> None:
-    if bounds.low <= value <= bounds.high:
-        return
-    low, high = int(bounds.low), bounds.high
-    if not math.isinf(high):
-        what = f"{bounds.what} " if bounds.what else ""
-        raise ConfigError(f"{flag_name} must be {what}in {low}..{int(high)}, got {value}")
-    if bounds.zero:
-        raise ConfigError(f"{flag_name} must be 0 ({bounds.zero}) or positive")
-    if low == 0:
-        raise ConfigError(f"{flag_name} must not be negative, got {value}")
-    raise ConfigError(f"{flag_name} must be at least {low}{bounds.note}")
-
-
 # ----------------------------------------------------------------------------------------------------
-# --class-names
+# --class-names and --class-weights: one value per class
 
-CLASS_NAMES_FLAG = "--class-names"
+CLASS_WEIGHTS_AUTO = "auto"  # --class-weights auto (utils.training.objective computes them)
 
 
 def split_class_names(text: str) -> tuple[str, ...]:
@@ -342,11 +260,27 @@ def per_class(text: str, classes: int, flag_name: str, what: str) -> tuple[str, 
     return parts
 
 
-def parse_class_names(text: str, classes: int) -> tuple[str, ...]:
-    """``text`` (names separated by commas) as one name per class; ConfigError naming the flag if it does not fit."""
-    names = per_class(text, classes, CLASS_NAMES_FLAG, "name")
+def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
+    """--class-weights as numbers, or None for 'auto' (computed from the training masks); ConfigError if malformed."""
+    if text.strip().lower() == CLASS_WEIGHTS_AUTO:
+        return None
+    try:
+        weights = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--class-weights must be 'auto' or numbers separated by commas, got {text!r}") from None
+    per_class(text, classes, "--class-weights", "weight")
+    return tuple(check_range(weight, "--class-weights", "(0, inf)") for weight in weights)
+
+
+def check_class_flags(class_names: str | None, class_weights: str | None, classes: int) -> None:
+    """``--class-names`` (one name per class, each its own) and ``--class-weights``, each fitting ``--classes``;
+    ConfigError naming the flag if one does not."""
+    if class_weights is not None:
+        parse_class_weights(class_weights, classes)
+    if class_names is None:
+        return
+    names = per_class(class_names, classes, "--class-names", "name")
     if not all(names):
-        raise ConfigError(f"{CLASS_NAMES_FLAG} {text!r} has an empty name; give every class a name")
+        raise ConfigError(f"--class-names {class_names!r} has an empty name; give every class a name")
     if len(set(names)) != len(names):
-        raise ConfigError(f"{CLASS_NAMES_FLAG} {text} names two classes the same; give each class its own name")
-    return names
+        raise ConfigError(f"--class-names {class_names} names two classes the same; give each class its own name")

@@ -85,13 +85,13 @@ def test_legacy_launcher_local_rank_argument(flag: str) -> None:
         (["--momentum", "nan"], r"--momentum must be a finite number in \[0, 1\), got nan"),
         (["--momentum", "1"], "--momentum must be a finite number"),
         (["--grad-clip", "inf"], "--grad-clip must be a finite number at least 0"),
-        (["--dist-timeout", "inf"], r"--dist-timeout must be a finite number in \(0, 604800\] seconds"),
+        (["--dist-timeout", "inf"], r"--dist-timeout must be a finite number in \(0, 604800\], got inf"),
         (["--dist-timeout", "0"], "--dist-timeout must be a finite number"),
         (["--scale", "nan"], "--scale must be a finite number in"),
         (["-v", "inf"], "--validation must be a finite number in"),
-        (["--seed", "-1"], r"--seed must be in 0\.\.4294967295, got -1"),
-        (["--seed", "4294967296"], r"--seed must be in 0\.\.4294967295, got 4294967296"),
-        (["--local-rank", "-1"], "--local-rank must not be negative"),
+        (["--seed", "-1"], r"--seed must be in \[0, 4294967295\], got -1"),
+        (["--seed", "4294967296"], r"--seed must be in \[0, 4294967295\], got 4294967296"),
+        (["--local-rank", "-1"], "--local-rank must be at least 0, got -1"),
     ],
 )
 def test_invalid_flags_name_the_flag(argv: list[str], match: str) -> None:
@@ -183,7 +183,9 @@ def test_each_flag_sits_in_the_section_of_its_help_group_and_as_dict_is_the_flat
     config = parse_config(NON_DEFAULT_ARGV)
     items = list(flag_fields(TrainConfig))
     titles = {"launch": "distributed", "checkpoint": "checkpoints"}
-    assert all(titles.get(item.section, item.section) == item.title for item in items)
+    for field in dataclasses.fields(TrainConfig):
+        in_section = {item.dest for item in flag_fields(type(getattr(config, field.name)))}
+        assert {item.title for item in items if item.dest in in_section} == {titles.get(field.name, field.name)}
     assert (config.optimisation.batch_size, config.data.seed, config.launch.val_mode) == (3, 7, "sharded")
     # Checkpoints store one flat dict keyed by field name (old checkpoints and config.yaml files are read by it).
     flat = config.as_dict()

@@ -24,7 +24,7 @@ from tests.helpers import one_error_line, paint_void_borders
 from utils.datasets.mask_values import IGNORE_INDEX
 from utils.errors import ConfigError
 from utils.evaluation import SegmentationMetrics
-from utils.training.config import parse_class_weights
+from utils.flags import parse_class_weights
 from utils.training.objective import auto_class_weights, segmentation_loss
 from utils.training.sampler import epoch_order, oversampled_order, shard_indices
 

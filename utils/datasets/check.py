@@ -49,7 +49,7 @@ from utils.datasets.splits import (
     split_positions,
 )
 from utils.errors import USER_ERROR_EXIT_CODE, UserError, count
-from utils.flags import FlagParser, Range, flag, parse_flags
+from utils.flags import FlagParser, flag
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +65,13 @@ class CheckSettings(SplitFlags):
     """folder of images"""
     masks: Path = flag(None, "--masks", metavar="DIR", required=True)
     """folder of masks"""
-    classes: int | None = flag(None, "--classes", range=Range(1, note=" (1 = binary with one logit)"))
+    classes: int | None = flag(None, "--classes", range="[1, inf)")
     """the --classes training will use (checks the mask values)"""
     ignore_values: list[int] = flag([], "--ignore-value", metavar="V")
     """void mask value"""
     split_by: str | None = flag(None, "--split-by", choices=SPLIT_RULES)  # type: ignore[assignment]
     """also check duplicates against this split ('image' or 'prefix', as train.py's --split-by)"""
-    workers: int | None = flag(None, "--workers", range=Range(1))
+    workers: int | None = flag(None, "--workers", range="[1, inf)")
     """reader processes (default: CPUs, at most 8)"""
     cache_dir: Path | None = flag(None, "--cache-dir")
     """mask-value cache folder (default: the one training uses)"""
@@ -80,7 +80,7 @@ class CheckSettings(SplitFlags):
 
     def split(self) -> SplitRule | None:
         """With --split-by: the split whose train/validation line duplicates must not cross, its flags checked
-        together (each value's range is its flag's, checked by ``parse_flags``)."""
+        together (each value's range is its flag's, checked by ``FlagParser``)."""
         if self.split_by is None:
             return None
         check_split_flags(self.split_by, self.group_pattern, self.folds, self.fold)
@@ -218,13 +218,14 @@ def format_report(report: CheckReport, settings: CheckSettings) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = FlagParser(
+        CheckSettings,
         prog="-m utils.datasets.check",
         description="Check images and masks before training: pairing, readability, sizes, mask values, EXIF "
         "rotations, duplicates. Exit 0 when training would start, 1 with one line per problem.",
     )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
-        settings = parse_flags(parser, CheckSettings, argv)
+        settings = parser.parse(argv)
         report = check_dataset(settings)
     except UserError as error:
         print_error(error)

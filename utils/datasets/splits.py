@@ -32,7 +32,7 @@ from typing import Any
 
 from utils.datasets.image_files import format_examples
 from utils.errors import ConfigError, DatasetError, shortened
-from utils.flags import MUST_MATCH, Range, flag
+from utils.flags import MUST_MATCH, flag
 from utils.output_files import OutputError, read_text, write_text
 
 SPLIT_BY_IMAGE = "image"
@@ -64,13 +64,7 @@ class SplitFlags:
     """The split's flags, declared once for train.py's data section and the dataset check's settings (each field's
     docstring is its help, ``utils.flags``)."""
 
-    validation: float = flag(
-        10.0,
-        "--validation",
-        "-v",
-        range=Range(0, 100, low_open=True, high_open=True, note=" (a percentage)"),
-        resume=MUST_MATCH,
-    )
+    validation: float = flag(10.0, "--validation", "-v", range="(0, 100)", resume=MUST_MATCH)
     """Percent of the data used as validation, in (0, 100)."""
     split_by: str = flag(SPLIT_BY_IMAGE, "--split-by", choices=SPLIT_RULES, resume=MUST_MATCH)
     """Train/validation split: 'image' (seeded random over images) or 'prefix' (ids sharing the part before the last
@@ -78,9 +72,9 @@ class SplitFlags:
     group_pattern: str | None = flag(None, "--group-pattern", metavar="REGEX", resume=MUST_MATCH)
     """With --split-by prefix: a regular expression whose first group is an id's group (default: the part before the
     last '_')."""
-    folds: int = flag(0, "--folds", range=Range(0), resume=MUST_MATCH)
+    folds: int = flag(0, "--folds", range="[0, inf)", resume=MUST_MATCH)
     """Cross-validation folds (0 = off; N >= 2: fold --fold validates)."""
-    fold: int = flag(0, "--fold", range=Range(0), resume=MUST_MATCH)
+    fold: int = flag(0, "--fold", range="[0, inf)", resume=MUST_MATCH)
     """The fold that validates, 0..--folds - 1."""
 
     def split_rule(self) -> SplitRule:

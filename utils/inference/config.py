@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from utils.cli import device_flag, parse_size, stderr_is_terminal
 from utils.errors import ConfigError
-from utils.flags import FlagParser, Range, flag, parse_flags
+from utils.flags import FlagParser, flag
 from utils.hardware import PRECISIONS, check_workers
 from utils.inference.export import EXPORT_FORMATS
 from utils.inference.file_plan import MASK_FORMATS
@@ -32,19 +32,19 @@ class InferenceConfig:
 
     model: Path = flag(Path("MODEL.pth"), "--model", "-m", metavar="FILE")
     """checkpoint to load (MODEL.pth)"""
-    scale: float | None = flag(None, "--scale", "-s", range=Range(0, 1, low_open=True))
+    scale: float | None = flag(None, "--scale", "-s", range="(0, 1]")
     """downscaling factor of the images (default: the checkpoint's training scale; 0.5 if it records none)"""
     bilinear: bool = flag(False, "--bilinear")
     """expect bilinear upsampling (the checkpoint decides; a mismatch is an error)"""
-    classes: int | None = flag(None, "--classes", "-c", range=Range(1, note=" (1 = binary with one logit)"))
+    classes: int | None = flag(None, "--classes", "-c", range="[1, inf)")
     """expected number of classes (the checkpoint decides; a mismatch is an error)"""
-    batch_size: int = flag(4, "--batch-size", "-b", range=Range(1))
+    batch_size: int = flag(4, "--batch-size", "-b", range="[1, inf)")
     """images per forward pass (4); images of different sizes go into different batches"""
     precision: str = flag("fp32", "--precision", choices=tuple(sorted(PRECISIONS)))
     """forward-pass precision"""
-    device: str = flag("auto", "--device", value_type=device_flag)
+    device: str = flag("auto", "--device", type=device_flag)
     """auto, cpu, cuda, cuda:N or mps (auto: cuda:LOCAL_RANK if there is CUDA, else mps for one process, else cpu)"""
-    workers: int = flag(2, "--workers", "-j", range=Range(0))
+    workers: int = flag(2, "--workers", "-j", range="[0, inf)")
     """worker processes that read and decode the images (2; 0: in the main process)"""
     no_progress: bool = flag(False, "--no-progress")
     """no progress bar (there is none when stderr is not a terminal)"""
@@ -54,7 +54,7 @@ class InferenceConfig:
         return not self.no_progress and stderr_is_terminal()
 
     def validate(self) -> None:
-        """The rules between flags and the machine's bounds (each flag's range is checked by ``parse_flags``)."""
+        """The rules between flags and the machine's bounds (each flag's range is checked as it is parsed)."""
         check_workers(self.workers, "--workers")
 
 
@@ -74,7 +74,7 @@ class PredictConfig(InferenceConfig):
     """true masks: --viz shows truth | prediction side by side"""
     no_save: bool = flag(False, "--no-save", "-n")
     """do not write the masks (with --viz)"""
-    mask_threshold: float = flag(DEFAULT_MASK_THRESHOLD, "--mask-threshold", "-t", range=Range(0, 1))
+    mask_threshold: float = flag(DEFAULT_MASK_THRESHOLD, "--mask-threshold", "-t", range="[0, 1]")
     """probability above which a pixel is foreground (one-logit models; 0.5)"""
     tile: int | None = flag(None, "--tile", metavar="SIZE")
     """sliding-window inference with SIZE x SIZE windows (network pixels, multiple of 16)"""
@@ -84,7 +84,7 @@ class PredictConfig(InferenceConfig):
     """average the logits of the image and its flips (4 passes, nnU-Net's TTA)"""
     export: list[str] | None = flag(None, "--export", nargs=2, metavar=("FORMAT", "PATH"))
     """write the model as onnx or torchscript to PATH and check it"""
-    export_size: tuple[int, int] = flag((256, 256), "--export-size", metavar="WxH", value_type=_export_size)
+    export_size: tuple[int, int] = flag((256, 256), "--export-size", metavar="WxH", type=_export_size)
     """sample input size for --export (256x256)"""
     overwrite: bool = flag(False, "--overwrite")
     """let --export replace an existing file (never a checkpoint, an input or a training run's file)"""
@@ -142,16 +142,12 @@ class EvaluateConfig(InferenceConfig):
 ConfigT = TypeVar("ConfigT", bound=InferenceConfig)
 
 
-def parse_inference_config(
-    config_class: type[ConfigT], prog: str, argv: Sequence[str] | None, doc: str, *, examples: bool = False
-) -> ConfigT:
+def parse_inference_config(config_class: type[ConfigT], prog: str, argv: Sequence[str] | None, doc: str) -> ConfigT:
     """``prog``'s flags as a checked ``config_class``; ``doc`` is the script's docstring: its first paragraph is the
-    help's summary, its second (with ``examples``) the help's examples."""
-    summary, *paragraphs = doc.split("\n\n")
-    parser = FlagParser(prog=prog, description=summary)
-    if examples:
-        parser.epilog = f"examples:\n{paragraphs[0]}"
-        parser.formatter_class = argparse.RawTextHelpFormatter
-    config = parse_flags(parser, config_class, argv)
+    help's summary, its second (the script's command lines) the help's examples."""
+    summary, examples = doc.split("\n\n")[:2]
+    parser = FlagParser(config_class, prog=prog, description=summary, epilog=f"examples:\n{examples}")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the examples' lines as they are
+    config = parser.parse(argv)
     config.validate()
     return config

@@ -9,52 +9,23 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from unet import ENCODERS
 from utils.cli import device_flag
 from utils.datasets.splits import SplitFlags, check_split_flags
 from utils.errors import ConfigError
-from utils.flags import (
-    MUST_MATCH,
-    NEW_PLAN,
-    FlagParser,
-    Range,
-    add_flags,
-    build_config,
-    check_ranges,
-    flag,
-    flag_fields,
-    flat_values,
-    given_flags,
-    parse_class_names,
-    per_class,
-    require_number,
-    section,
-)
+from utils.flags import MUST_MATCH, NEW_PLAN, FlagParser, build_config, check_class_flags, flag, flag_fields, section
 from utils.hardware import PRECISIONS, check_model_fits, check_threads, check_workers
-from utils.training.config_file import ConfigFileFlag, apply_config_file
+from utils.training.config_file import add_config_flag, apply_config_file
 
-WANDB_MODES = ("online", "offline", "disabled")
-VAL_MODES = ("rank0", "sharded")
-REQUEUE_SIGNALS = ("USR1", "USR2", "none")
 RESUME_AUTO = "auto"
 
-
-# Upper bounds of the numeric flags that have no natural one: far above any value that trains (AdamW and RMSprop
-# diverge long before a learning rate of 1) but low enough that an absurd value is refused instead of silently
-# destroying the weights.
-MAX_LEARNING_RATE = 1.0
-MAX_WEIGHT_DECAY = 1.0
-MAX_DIST_TIMEOUT_S = 7 * 24 * 3600.0
-MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit
-MAX_MASK_VALUE = 2**32 - 1  # 32-bit grey masks are the widest the data loader reads
-
-
-OPTIMIZERS = ("adamw", "rmsprop")
-SCHEDULERS = ("cosine", "poly", "plateau")
-CLASS_WEIGHTS_AUTO = "auto"  # --class-weights auto (utils.training.objective computes them)
+# The upper bounds of the numeric flags that have no natural one (--learning-rate, --weight-decay, --dist-timeout: a
+# week) are far above any value that trains (AdamW and RMSprop diverge long before a learning rate of 1) but low
+# enough that an absurd value is refused instead of silently destroying the weights. --seed: numpy's seeds are
+# 32-bit; --ignore-value: 32-bit grey masks are the widest the data loader reads.
 
 
 @dataclass
@@ -66,19 +37,15 @@ class DataSection(SplitFlags):
     """Folder of input images."""
     masks: str = flag("data/masks", "--masks")
     """Folder of masks (Carvana '<id>_mask' naming is detected)."""
-    scale: float = flag(0.5, "--scale", "-s", range=Range(0, 1, True), resume=MUST_MATCH)
+    scale: float = flag(0.5, "--scale", "-s", range="(0, 1]", resume=MUST_MATCH)
     """Downscaling factor of the images, in (0, 1]."""
     augment: bool = flag(False, "--augment", resume=MUST_MATCH)
     """Random flips, scaled crops and colour jitter of training images."""
-    ignore_values: list[int] = flag(
-        [], "--ignore-value", metavar="V", range=Range(0, MAX_MASK_VALUE, what="a mask value"), resume=MUST_MATCH
-    )
+    ignore_values: list[int] = flag([], "--ignore-value", metavar="V", range="[0, 4294967295]", resume=MUST_MATCH)
     """Void mask value, not a class: left out of the loss and the metrics (repeatable; e.g. 255)."""
-    oversample_foreground: float = flag(
-        0.0, "--oversample-foreground", metavar="P", range=Range(0, 1), resume=MUST_MATCH
-    )
+    oversample_foreground: float = flag(0.0, "--oversample-foreground", metavar="P", range="[0, 1]", resume=MUST_MATCH)
     """Fraction in [0, 1] of each process's images taken from images with a non-background class."""
-    seed: int = flag(0, "--seed", range=Range(0, MAX_SEED), resume=MUST_MATCH)
+    seed: int = flag(0, "--seed", range="[0, 4294967295]", resume=MUST_MATCH)
     """Seed of initialisation, data order and augmentation (0..4294967295)."""
     class_names: str | None = flag(None, "--class-names", metavar="NAME,NAME,...")
     """One name per class, background first (two for --classes 1); predict's legends and evaluate's table show them."""
@@ -88,11 +55,11 @@ class DataSection(SplitFlags):
 class ModelSection:
     """The network a new run builds (``utils.training.model``); a resumed run's comes from its checkpoint."""
 
-    classes: int = flag(2, "--classes", "-c", range=Range(1, note=" (1 = binary with one logit)"), resume=MUST_MATCH)
+    classes: int = flag(2, "--classes", "-c", range="[1, inf)", resume=MUST_MATCH)
     """Number of classes (1 = binary, sigmoid)."""
     bilinear: bool = flag(False, "--bilinear", resume=MUST_MATCH)
     """Use bilinear upsampling."""
-    base_channels: int = flag(64, "--base-channels", range=Range(1), resume=MUST_MATCH)
+    base_channels: int = flag(64, "--base-channels", range="[1, inf)", resume=MUST_MATCH)
     """Width of the first UNet block."""
     encoder: str = flag("unet", "--encoder", choices=ENCODERS, resume=MUST_MATCH)
     """unet (milesial's UNet) or a torchvision ResNet encoder under a UNet decoder (inputs normalised with ImageNet
@@ -100,7 +67,7 @@ class ModelSection:
     encoder_weights: str | None = flag(None, "--encoder-weights", metavar="PATH")
     """Local torchvision state dict for the ResNet encoder (e.g. resnet34-b627a593.pth; fc.* is dropped; never
     downloaded)."""
-    freeze_encoder_epochs: int = flag(0, "--freeze-encoder-epochs", range=Range(0, zero="off"))
+    freeze_encoder_epochs: int = flag(0, "--freeze-encoder-epochs", range="[0, inf)")
     """Train the decoder alone for the first N epochs (the ResNet encoder's weights stay as loaded)."""
     deep_supervision: bool = flag(False, "--deep-supervision", resume=MUST_MATCH)
     """Also supervise decoder outputs at 1/2 and 1/4 resolution (nnU-Net weights 1, 0.5, 0.25; training only)."""
@@ -111,45 +78,41 @@ class OptimisationSection:
     """The loss, optimizer, schedule and step (``utils.training.objective``, ``utils.training.step``), and when the
     run stops."""
 
-    epochs: int = flag(5, "--epochs", "-e", range=Range(1), resume=NEW_PLAN)
+    epochs: int = flag(5, "--epochs", "-e", range="[1, inf)", resume=NEW_PLAN)
     """Number of epochs to train (numbered --start_from .. --start_from + epochs - 1)."""
-    batch_size: int = flag(1, "--batch-size", "-b", range=Range(1))
+    batch_size: int = flag(1, "--batch-size", "-b", range="[1, inf)")
     """Batch size per process."""
-    learning_rate: float = flag(
-        1e-5, "--learning-rate", "-l", range=Range(0, MAX_LEARNING_RATE, low_open=True), resume=MUST_MATCH
-    )
+    learning_rate: float = flag(1e-5, "--learning-rate", "-l", range="(0, 1]", resume=MUST_MATCH)
     """Peak learning rate, in (0, 1]."""
-    optimizer: str = flag("adamw", "--optimizer", choices=OPTIMIZERS, resume=MUST_MATCH)
+    optimizer: str = flag("adamw", "--optimizer", choices=("adamw", "rmsprop"), resume=MUST_MATCH)
     """Optimizer."""
-    scheduler: str = flag("cosine", "--scheduler", choices=SCHEDULERS, resume=MUST_MATCH)
+    scheduler: str = flag("cosine", "--scheduler", choices=("cosine", "poly", "plateau"), resume=MUST_MATCH)
     """cosine annealing per step, poly (nnU-Net: (1 - t/T)^0.9 per step), or ReduceLROnPlateau on validation Dice."""
-    weight_decay: float = flag(1e-8, "--weight-decay", range=Range(0, MAX_WEIGHT_DECAY), resume=MUST_MATCH)
+    weight_decay: float = flag(1e-8, "--weight-decay", range="[0, 1]", resume=MUST_MATCH)
     """Weight decay, in [0, 1]."""
-    momentum: float = flag(0.999, "--momentum", range=Range(0, 1, high_open=True), resume=MUST_MATCH)
+    momentum: float = flag(0.999, "--momentum", range="[0, 1)", resume=MUST_MATCH)
     """RMSprop momentum, in [0, 1)."""
-    grad_clip: float = flag(1.0, "--grad-clip", range=Range(0, note=" (0 = off)"))
+    grad_clip: float = flag(1.0, "--grad-clip", range="[0, inf)")
     """Max global gradient norm (0 = no clipping)."""
-    grad_accum: int = flag(1, "--grad-accum", range=Range(1))
+    grad_accum: int = flag(1, "--grad-accum", range="[1, inf)")
     """Micro-batches per optimizer step."""
-    max_steps: int = flag(0, "--max-steps", range=Range(0, zero="no limit"))
+    max_steps: int = flag(0, "--max-steps", range="[0, inf)")
     """Stop after N optimizer steps in total (0 = no limit)."""
-    max_nonfinite_steps: int = flag(5, "--max-nonfinite-steps", range=Range(0, zero="never stop"))
+    max_nonfinite_steps: int = flag(5, "--max-nonfinite-steps", range="[0, inf)")
     """Stop after N optimizer steps in a row with NaN/inf gradients, each skipped (0 = never stop)."""
     deterministic: bool = flag(False, "--deterministic")
     """Deterministic algorithms (bit-exact resume on CPU)."""
     class_weights: str | None = flag(None, "--class-weights", metavar="auto|W,W,...", resume=MUST_MATCH)
     """Cross-entropy class weights: 'auto' (inverse pixel frequency of the training images, clipped at 10x the most
     frequent class, mean 1) or one number per class (two for --classes 1)."""
-    warmup_steps: int = flag(0, "--warmup-steps", metavar="N", range=Range(0, zero="none"), resume=MUST_MATCH)
+    warmup_steps: int = flag(0, "--warmup-steps", metavar="N", range="[0, inf)", resume=MUST_MATCH)
     """Optimizer steps of linear warmup from ~0 to the learning rate, before any --scheduler (0 = none)."""
-    ema: float | None = flag(
-        None, "--ema", metavar="DECAY", range=Range(0, 1, low_open=True, high_open=True), resume=MUST_MATCH
-    )
+    ema: float | None = flag(None, "--ema", metavar="DECAY", range="(0, 1)", resume=MUST_MATCH)
     """Keep an exponential moving average of the weights with this decay in (0, 1), e.g. 0.999; validation, best.pth and
     predict use it."""
-    patience: int = flag(0, "--patience", metavar="N", range=Range(0, zero="off"))
+    patience: int = flag(0, "--patience", metavar="N", range="[0, inf)")
     """Stop after N validations without an improvement of validation Dice by more than --min-delta (0 = off)."""
-    min_delta: float = flag(0.0, "--min-delta", metavar="D", range=Range(0, 1, high_open=True))
+    min_delta: float = flag(0.0, "--min-delta", metavar="D", range="[0, 1)")
     """With --patience: the validation Dice improvement that counts, in [0, 1)."""
 
 
@@ -162,21 +125,19 @@ class LaunchSection:
     """DistributedDataParallel training."""
     sync_bn: bool = flag(False, "--sync-bn")
     """Synchronise BatchNorm across processes."""
-    dist_timeout: float = flag(
-        1800.0, "--dist-timeout", range=Range(0, MAX_DIST_TIMEOUT_S, low_open=True, note=" seconds")
-    )
+    dist_timeout: float = flag(1800.0, "--dist-timeout", range="(0, 604800]")
     """Seconds before a collective waiting for a dead rank fails, in (0, 604800]."""
     rank: int | None = flag(None, "--rank")
     """Global rank (manual launch without torchrun)."""
-    world_size: int | None = flag(None, "--world-size", range=Range(1))
+    world_size: int | None = flag(None, "--world-size", range="[1, inf)")
     """Number of processes (manual launch)."""
     dist_url: str | None = flag(None, "--dist-url")
     """tcp://HOST:PORT (manual launch)."""
-    local_rank: int | None = flag(None, "--local-rank", "--local_rank", range=Range(0))
+    local_rank: int | None = flag(None, "--local-rank", "--local_rank", range="[0, inf)")
     """Set by torch.distributed.launch (LOCAL_RANK from the environment wins)."""
-    val_mode: str = flag("rank0", "--val-mode", choices=VAL_MODES)
+    val_mode: str = flag("rank0", "--val-mode", choices=("rank0", "sharded"))
     """Validate on global rank 0 (rank0) or split across ranks (sharded, same scores)."""
-    requeue_signal: str = flag("USR1", "--requeue-signal", choices=REQUEUE_SIGNALS)
+    requeue_signal: str = flag("USR1", "--requeue-signal", choices=("USR1", "USR2", "none"))
     """Under SLURM: the signal (#SBATCH --signal=SIG@SECONDS) that saves, requeues the job and exits."""
 
 
@@ -190,22 +151,20 @@ class CheckpointSection:
     """Parent folder of run folders (<checkpoint-dir>/<exp_name>/)."""
     load: str | None = flag(None, "--load", "-f", resume=NEW_PLAN)
     """Start from the weights in this file (fresh optimizer)."""
-    start_from: int = flag(
-        1, "--start_from", "--start-from", range=Range(1, note=" (epochs are numbered from 1)"), resume=NEW_PLAN
-    )
+    start_from: int = flag(1, "--start_from", "--start-from", range="[1, inf)", resume=NEW_PLAN)
     """Number of the first epoch (with --load: continue the numbering of the run it came from)."""
-    resume: str | None = flag(None, "--resume", const=RESUME_AUTO, metavar="auto|PATH", resume=NEW_PLAN)
+    resume: str | None = flag(None, "--resume", nargs="?", const=RESUME_AUTO, metavar="auto|PATH", resume=NEW_PLAN)
     """Resume a run: 'auto' = newest complete checkpoint of the run folder (a new run if there is none), or a checkpoint
     path."""
-    save_every: int = flag(1, "--save_every", "--save-every", range=Range(0, zero="never"))
+    save_every: int = flag(1, "--save_every", "--save-every", range="[0, inf)")
     """Write checkpoint_epoch{N}.pth when epoch N is a multiple of this (0 = never)."""
-    keep_last: int = flag(0, "--keep-last", range=Range(0, zero="keep all"))
+    keep_last: int = flag(0, "--keep-last", range="[0, inf)")
     """Keep only the newest K checkpoint_epoch files (0 = all)."""
-    save_every_minutes: float = flag(0.0, "--save-every-minutes", range=Range(0, note=" (0 = off)"))
+    save_every_minutes: float = flag(0.0, "--save-every-minutes", range="[0, inf)")
     """Also write last.pth when M minutes have passed since the last save (0 = off)."""
-    keep_best: int = flag(0, "--keep-best", range=Range(0, zero="best.pth only"))
+    keep_best: int = flag(0, "--keep-best", range="[0, inf)")
     """Keep the K best states by validation Dice as best-1.pth .. best-K.pth (0 = best.pth only)."""
-    save_every_steps: int = flag(0, "--save-every-steps", range=Range(0, zero="off"))
+    save_every_steps: int = flag(0, "--save-every-steps", range="[0, inf)")
     """Also write last.pth every N optimizer steps (0 = off)."""
 
 
@@ -213,13 +172,13 @@ class CheckpointSection:
 class LoggingSection:
     """What the run reports, and how often it validates (``utils.training.run_log``, ``utils.training.validation``)."""
 
-    val_every: int = flag(1, "--val-every", range=Range(1))
+    val_every: int = flag(1, "--val-every", range="[1, inf)")
     """Validate every N epochs."""
-    log_every: int = flag(10, "--log-every", range=Range(1))
+    log_every: int = flag(10, "--log-every", range="[1, inf)")
     """Log every N optimizer steps."""
     no_progress: bool = flag(False, "--no-progress")
     """Log lines instead of progress bars (also when not a terminal)."""
-    wandb: str = flag("disabled", "--wandb", choices=WANDB_MODES)
+    wandb: str = flag("disabled", "--wandb", choices=("online", "offline", "disabled"))
     """Weights & Biases mode."""
     tensorboard: bool = flag(False, "--tensorboard")
     """Write TensorBoard events (the metrics.jsonl scalars, a few validation images) to <run>/tensorboard/."""
@@ -229,19 +188,19 @@ class LoggingSection:
 class PerformanceSection:
     """Device, precision and speed (none of these changes what is trained)."""
 
-    device: str = flag("auto", "--device", value_type=device_flag)
+    device: str = flag("auto", "--device", type=device_flag)
     """auto, cpu, cuda, cuda:N or mps (auto: cuda:LOCAL_RANK if there is CUDA, else mps for one process, else cpu)."""
     amp: bool = flag(False, "--amp")
     """Mixed precision (fp16 + grad scaler on CUDA, bf16 on CPU)."""
     precision: str | None = flag(None, "--precision", choices=PRECISIONS)
     """Autocast precision (default: fp32, or --amp's)."""
-    num_workers: int | None = flag(None, "--num-workers", range=Range(0))
+    num_workers: int | None = flag(None, "--num-workers", range="[0, inf)")
     """DataLoader workers per process (default: 0 on CPU; on GPU from the measured cost per item, up to min(16, cpus per
     process - 1))."""
     pixel_cache: str | None = flag(None, "--pixel-cache", metavar="DIR")
     """Cache decoded, resized images and masks in DIR (outside the data folders; filled during the first epoch, or up
     front with python -m utils.datasets.pixel_cache build-cache)."""
-    threads: int = flag(0, "--threads", range=Range(0, zero="automatic"))
+    threads: int = flag(0, "--threads", range="[0, inf)")
     """CPU threads per process (0 = cores / processes on this machine)."""
     channels_last: bool = flag(False, "--channels-last")
     """channels_last memory format."""
@@ -272,7 +231,7 @@ class TrainConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """Flat ``{flag field: value}`` (only str/int/float/bool/None and lists), as checkpoints store it (``args``)."""
-        return flat_values(self)
+        return {dest: value for part in asdict(self).values() for dest, value in part.items()}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
@@ -301,27 +260,26 @@ class TrainConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
+        TrainConfig,
         prog="train.py",
         description="Train a UNet for semantic segmentation on one device or with DistributedDataParallel.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         # "--epoch 1" must not pass for --epochs: a typo gets a suggestion instead (parse_config).
         allow_abbrev=False,
     )
-    add_flags(parser, ConfigFileFlag)
-    add_flags(parser, TrainConfig)
+    add_config_flag(parser)
     return parser
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse ``argv`` (default: sys.argv[1:]) into a validated TrainConfig; ``--config FILE`` under the flags."""
-    config = TrainConfig.from_dict(apply_config_file(given_flags(build_parser(), argv), TrainConfig))
+    config = TrainConfig.from_dict(apply_config_file(build_parser(), argv))
     validate_config(config)
     return config
 
 
 def validate_config(config: TrainConfig) -> None:
     """Reject impossible values before anything is built; every message names the flag to change."""
-    check_ranges(config)  # each flag's own range, declared with its field
     data, model, launch = config.data, config.model, config.launch
     # The bounds this machine sets (utils.hardware), checked before a run folder or a model exists.
     check_threads(config.performance.threads)
@@ -330,80 +288,43 @@ def validate_config(config: TrainConfig) -> None:
     # The photos' channels are not known yet: 3 (the first layer's share of the weights is negligible).
     check_model_fits(3, model.classes, bilinear=model.bilinear, base_channels=model.base_channels)
     check_split_flags(data.split_by, data.group_pattern, data.folds, data.fold)
-    if config.optimisation.class_weights is not None:
-        parse_class_weights(config.optimisation.class_weights, model.classes)
-    if data.class_names is not None:
-        parse_class_names(data.class_names, model.classes)
-    exp_name = config.checkpoint.exp_name
-    _require(
-        bool(exp_name) and "/" not in exp_name and exp_name not in (".", ".."),
-        f"--exp_name {exp_name!r} must be a plain folder name (no '/')",
-    )
-    _require(
-        not (config.performance.amp and config.performance.precision == "fp32"),
-        "--amp asks for mixed precision but --precision fp32 forbids it; drop one of the two",
-    )
-    _require(
-        model.encoder != "unet" or not (model.encoder_weights or model.freeze_encoder_epochs),
-        "--encoder-weights and --freeze-encoder-epochs need a ResNet encoder; add --encoder resnet34 (or resnet18, "
-        "resnet50, matching the weights file)",
-    )
-    _require(
-        not (model.encoder_weights and config.checkpoint.load),
-        "--load sets every weight, the encoder's too, so --encoder-weights would be ignored; pass only one of them",
-    )
-    _require(
-        not (model.encoder != "unet" and model.bilinear),
-        f"--bilinear applies to --encoder unet only; drop it with --encoder {model.encoder}",
-    )
-    _require(
-        not (model.encoder != "unet" and config.performance.checkpointing),
-        f"--checkpointing is implemented for --encoder unet only; drop it with --encoder {model.encoder}",
-    )
-    _require(
-        not (config.checkpoint.load and config.checkpoint.resume),
-        "--load starts a new run from weights and --resume continues a run; pass only one of them",
-    )
-    _require(
-        (launch.rank is None) == (launch.world_size is None),
-        "--rank and --world-size go together (manual launch: one process per rank)",
-    )
-    _require(
-        launch.dist_url is None or launch.rank is not None,
-        "--dist-url is for manual launches and needs --rank and --world-size (torchrun sets the address itself)",
-    )
-    _require(
-        launch.dist_url is None or launch.dist_url.startswith(("tcp://", "file://", "env://")),
-        f"--dist-url must look like tcp://HOST:PORT, got {launch.dist_url!r}",
-    )
-
-
-def parse_class_weights(text: str, classes: int) -> tuple[float, ...] | None:
-    """--class-weights as numbers, or None for 'auto' (computed from the training masks); ConfigError if malformed."""
-    if text.strip().lower() == CLASS_WEIGHTS_AUTO:
-        return None
-    try:
-        weights = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--class-weights must be 'auto' or numbers separated by commas, got {text!r}") from None
-    per_class(text, classes, "--class-weights", "weight")
-    for weight in weights:
-        require_number(weight, "--class-weights", Range(0, low_open=True))
-    return weights
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
+    check_class_flags(data.class_names, config.optimisation.class_weights, model.classes)
+    exp_name, load = config.checkpoint.exp_name, config.checkpoint.load
+    if not exp_name or "/" in exp_name or exp_name in (".", ".."):
+        raise ConfigError(f"--exp_name {exp_name!r} must be a plain folder name (no '/')")
+    if config.performance.amp and config.performance.precision == "fp32":
+        raise ConfigError("--amp asks for mixed precision but --precision fp32 forbids it; drop one of the two")
+    if model.encoder == "unet" and (model.encoder_weights or model.freeze_encoder_epochs):
+        raise ConfigError(
+            "--encoder-weights and --freeze-encoder-epochs need a ResNet encoder; add --encoder resnet34 (or resnet18, "
+            "resnet50, matching the weights file)"
+        )
+    if model.encoder_weights and load:
+        raise ConfigError(
+            "--load sets every weight, the encoder's too, so --encoder-weights would be ignored; pass only one of them"
+        )
+    if model.bilinear and model.encoder != "unet":
+        raise ConfigError(f"--bilinear applies to --encoder unet only; drop it with --encoder {model.encoder}")
+    if config.performance.checkpointing and model.encoder != "unet":
+        raise ConfigError(
+            f"--checkpointing is implemented for --encoder unet only; drop it with --encoder {model.encoder}"
+        )
+    if load and config.checkpoint.resume:
+        raise ConfigError("--load starts a new run from weights and --resume continues a run; pass only one of them")
+    if (launch.rank is None) != (launch.world_size is None):
+        raise ConfigError("--rank and --world-size go together (manual launch: one process per rank)")
+    if launch.dist_url is not None and launch.rank is None:
+        raise ConfigError(
+            "--dist-url is for manual launches and needs --rank and --world-size (torchrun sets the address itself)"
+        )
+    if launch.dist_url is not None and not launch.dist_url.startswith(("tcp://", "file://", "env://")):
+        raise ConfigError(f"--dist-url must look like tcp://HOST:PORT, got {launch.dist_url!r}")
 
 
 def describe_flag(flag: str, value: Any) -> str:
     """``--seed 0``, ``--ignore-value 0 --ignore-value 255``, ``--augment``; an unset flag as ``no --class-weights``:
     a flag's value as the command line would give it."""
-    if value is None or value is False or (isinstance(value, list | tuple) and not value):
+    values = list(value) if isinstance(value, list | tuple) else [value]
+    if value is None or value is False or not values:
         return f"no {flag}"
-    if value is True:
-        return flag
-    if isinstance(value, list | tuple):
-        return " ".join(f"{flag} {one}" for one in value)
-    return f"{flag} {value}"
+    return flag if value is True else " ".join(f"{flag} {one}" for one in values)

@@ -32,7 +32,8 @@ from torch import Tensor, optim
 from utils.datasets.mask_values import IGNORE_INDEX
 from utils.errors import ConfigError
 from utils.evaluation import dice_coeff, multiclass_dice_coeff
-from utils.training.config import OptimisationSection, TrainConfig, parse_class_weights
+from utils.flags import parse_class_weights
+from utils.training.config import OptimisationSection, TrainConfig
 
 logger = logging.getLogger(__name__)
 
