@@ -12,7 +12,7 @@ from unet import UNet, build_model
 from unet.resnet_unet import IMAGENET_MEAN, IMAGENET_STD, ResNetUNet
 from utils.checkpoint.model import load_model
 from utils.errors import ConfigError
-from utils.training.encoder_weights import load_encoder_weights
+from utils.training.model import load_encoder_weights
 from utils.training.objective import segmentation_loss, supervised_loss
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
