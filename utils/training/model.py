@@ -33,6 +33,8 @@ from utils.training.data import TrainData
 
 logger = logging.getLogger(__name__)
 
+# The model section's fields that carry these names are the model's arguments as they are.
+UNET_ARG_NAMES = {item.name for item in dataclasses.fields(UNetArgs)}
 # The classifier of torchvision's ResNets: no counterpart in a segmentation encoder.
 DROPPED_PREFIXES = ("fc.",)
 HOW_TO_GET = (
@@ -42,15 +44,10 @@ HOW_TO_GET = (
 
 
 def unet_args_of(config: TrainConfig, data: TrainData) -> UNetArgs:
-    """The model the flags and the images describe."""
-    return UNetArgs(
-        n_channels=data.n_channels,
-        n_classes=config.model.classes,
-        bilinear=config.model.bilinear,
-        base_channels=config.model.base_channels,
-        encoder=config.model.encoder,
-        deep_supervision=config.model.deep_supervision,
-    )
+    """The model the flags and the images describe: the channels of the images, --classes, and the model section's
+    fields that carry ``UNetArgs``'s names (--bilinear, --base-channels, --encoder, --deep-supervision)."""
+    named = {key: value for key, value in dataclasses.asdict(config.model).items() if key in UNET_ARG_NAMES}
+    return UNetArgs(n_channels=data.n_channels, n_classes=config.model.classes, **named)
 
 
 def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, path: str) -> None:
@@ -66,13 +63,8 @@ def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, pat
             f"or start a new run from its weights with --load {path}"
         )
     # Every argument is compared with the file's, the optional ones too (as_dict leaves out their defaults).
-    check_expected(
-        spec_of(state.weights, path),
-        dataclasses.asdict(unet_args_of(config, data)),
-        path,
-        source="--resume",
-        images_from="--imgs",
-    )
+    expected = dataclasses.asdict(unet_args_of(config, data))
+    check_expected(spec_of(state.weights, path), expected, path, source="--resume", images_from="--imgs")
     _warn_mask_values(state.weights.mask_values, data.mask_values, path)
     check_same_split(state.weights.split_digest, data.split, path)
 
