@@ -12,8 +12,8 @@ from unet import UNet, build_model
 from unet.resnet_unet import IMAGENET_MEAN, IMAGENET_STD, ResNetUNet
 from utils.checkpoint.model import load_model
 from utils.errors import ConfigError
-from utils.training.encoder_weights import load_encoder_weights
-from utils.training.objective import deep_supervision_weights, downsample_masks, segmentation_loss, supervised_loss
+from utils.training.model import load_encoder_weights
+from utils.training.objective import segmentation_loss, supervised_loss
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
 PLAIN_ARGS = {"n_channels": 3, "n_classes": 2, "bilinear": False, "base_channels": 8}
@@ -81,11 +81,6 @@ def test_deep_supervision_heads_only_in_training_and_main_output_unchanged(encod
         assert torch.equal(supervised(images), plain(images))
 
 
-def test_deep_supervision_weights_halve_and_sum_to_one():
-    assert deep_supervision_weights(3) == pytest.approx([4 / 7, 2 / 7, 1 / 7])
-    assert deep_supervision_weights(1) == [1.0]
-
-
 def test_supervised_loss_is_the_weighted_sum_over_nearest_downsampled_masks():
     torch.manual_seed(0)
     masks = torch.randint(0, 3, (2, 16, 24))
@@ -98,6 +93,8 @@ def test_supervised_loss_is_the_weighted_sum_over_nearest_downsampled_masks():
     )
     assert torch.allclose(supervised_loss(outputs, masks, 3), expected)
     assert torch.equal(supervised_loss(outputs[0], masks, 3), segmentation_loss(outputs[0], masks, 3))
+    # One level weighs 1: the plain loss.
+    assert torch.equal(supervised_loss(outputs[:1], masks, 3), segmentation_loss(outputs[0], masks, 3))
 
 
 def test_encoder_weights_equal_the_files_after_loading(tmp_path):
@@ -142,4 +139,8 @@ def test_unusable_encoder_weights_files(tmp_path, content, message):
 
 def test_downsampled_masks_take_the_nearest_pixel():
     masks = torch.tensor([[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, -100, 11], [12, 13, 14, 15]]])
-    assert torch.equal(downsample_masks(masks, (2, 2)), torch.tensor([[[0, 2], [8, -100]]]))
+    generator = torch.Generator().manual_seed(0)
+    outputs = [torch.randn(1, 16, 4, 4, generator=generator), torch.randn(1, 16, 2, 2, generator=generator)]
+    nearest = torch.tensor([[[0, 2], [8, -100]]])
+    expected = 2 / 3 * segmentation_loss(outputs[0], masks, 16) + 1 / 3 * segmentation_loss(outputs[1], nearest, 16)
+    assert torch.allclose(supervised_loss(outputs, masks, 16), expected)

@@ -3,7 +3,8 @@
 The encoder is ``torchvision.models.resnetXX(weights=None)`` without its pooling and classifier, kept under the
 attribute ``encoder`` with torchvision's own parameter names (``encoder.conv1.weight``, ``encoder.layer1.0...``), so a
 torchvision state dict (the file torchvision caches, e.g. ``resnet34-b627a593.pth``) loads into it as is. Nothing is
-ever downloaded: the weights come from a local file (``utils.training.encoder_weights``) or from a checkpoint.
+ever downloaded: the weights come from a local file (``utils.training.model.load_encoder_weights``) or from a
+checkpoint.
 
 The decoder is segmentation_models.pytorch's UNet decoder: five stages of (2x nearest upsampling, concatenation of the
 encoder feature of that resolution, two 3x3 convolution + BatchNorm + ReLU), widths ``4, 2, 1, 1/2, 1/4`` times

@@ -251,8 +251,8 @@ def score_batches(
     try:
         for batch in tqdm(dataloader, desc=description, unit="batch", leave=False, disable=not progress):
             images = batch["image"].to(device=device, dtype=torch.float32, non_blocking=True)
-            true_masks = batch["mask"].to(device=device, dtype=torch.long, non_blocking=True)
-            metrics.update(predict_classes(run_model(model, images, precision)).cpu(), true_masks.cpu())
+            # The masks stay on the CPU, where the counting happens.
+            metrics.update(predict_classes(run_model(model, images, precision)).cpu(), batch["mask"])
     finally:
         model.train(was_training)
     return metrics

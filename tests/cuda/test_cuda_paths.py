@@ -60,16 +60,14 @@ def test_bf16_and_channels_last_train(runner: TrainRunner, extra: tuple[str, ...
 
 
 def test_pinned_batches_copy_without_blocking(carvana_data) -> None:
+    from utils.launch.process_group import DistributedContext
     from utils.training.config import parse_config
-    from utils.training.data import build_data, build_loader
-    from utils.training.sampler import ResumableDistributedSampler
+    from utils.training.data import build_data, build_loaders
 
-    argv = ["--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks), "--scale", "1", "--batch-size", "4"]
-    config = parse_config(argv)
-    data = build_data(config)
-    sampler = ResumableDistributedSampler(len(data.train_set), rank=0, world_size=1, seed=0, shuffle=True)
-    loader = build_loader(data.train_set, config, num_workers=2, pin=True, sampler=sampler)
-    batch = next(iter(loader))
+    folders = ["--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks)]
+    config = parse_config([*folders, "--scale", "1", "--batch-size", "4", "--num-workers", "2"])
+    cuda = DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cuda", 0))
+    batch = next(iter(build_loaders(config, cuda, build_data(config)).train))
     assert batch["image"].is_pinned() and batch["mask"].is_pinned()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

@@ -8,45 +8,41 @@ import torch
 from tests.conftest import TrainRunner, assert_same_training_state, load_checkpoint
 from tests.helpers import read_metrics
 from utils.training.config import OptimisationSection, parse_config
-from utils.training.objective import (
-    PlateauAfterWarmup,
-    build_scheduler,
-    planned_lr_factor,
-    poly_lr_factor,
-    warmup_lr_factor,
-)
+from utils.training.objective import PlateauAfterWarmup, StepSchedule, build_scheduler
 
 # The runner's data: 16 images, 10 % validation -> 15 training images; batch 2 -> 8 steps per epoch.
 STEPS_PER_EPOCH = 8
 
 
 def test_poly_on_hand_values() -> None:
-    assert poly_lr_factor(0, 100) == 1.0
-    assert poly_lr_factor(50, 100) == pytest.approx(0.5**0.9)  # 0.5359
-    assert poly_lr_factor(75, 100) == pytest.approx(0.25**0.9)
-    assert poly_lr_factor(100, 100) == 0.0
-    assert poly_lr_factor(120, 100) == 0.0  # past the plan: stays at 0
-    assert poly_lr_factor(3, 0) == 1.0  # no plan: constant
+    poly = StepSchedule(100, shape="poly")
+    assert poly(0) == 1.0
+    assert poly(50) == pytest.approx(0.5**0.9)  # 0.5359
+    assert poly(75) == pytest.approx(0.25**0.9)
+    assert poly(100) == 0.0
+    assert poly(120) == 0.0  # past the plan: stays at 0
+    assert StepSchedule(0, shape="poly")(3) == 1.0  # no plan: constant
 
 
 def test_warmup_on_hand_values() -> None:
-    # N = 4: (k + 1) / 5 for k = 0..3, then 1: never exactly 0, the peak at step N.
-    assert [warmup_lr_factor(k, 4) for k in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
-    assert warmup_lr_factor(0, 10) == pytest.approx(1 / 11)
-    assert warmup_lr_factor(5, 10) == pytest.approx(6 / 11)
-    assert warmup_lr_factor(10, 10) == 1.0
-    assert warmup_lr_factor(0, 0) == 1.0  # no warmup
+    # N = 4: (k + 1) / 5 for k = 0..3, then 1 (nothing planned after it): never exactly 0, the peak at step N.
+    assert [StepSchedule(0, 4)(k) for k in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
+    assert StepSchedule(0, 10)(0) == pytest.approx(1 / 11)
+    assert StepSchedule(0, 10)(5) == pytest.approx(6 / 11)
+    assert StepSchedule(0, 10)(10) == 1.0
+    assert StepSchedule(10, 0)(0) == 1.0  # no warmup
 
 
 def test_the_schedule_after_the_warmup_spans_the_remaining_steps() -> None:
     # 10 steps of warmup, then poly over the remaining 90.
-    assert planned_lr_factor(4, shape="poly", total_steps=100, warmup_steps=10) == pytest.approx(5 / 11)
-    assert planned_lr_factor(10, shape="poly", total_steps=100, warmup_steps=10) == 1.0
-    assert planned_lr_factor(55, shape="poly", total_steps=100, warmup_steps=10) == pytest.approx(0.5**0.9)
-    assert planned_lr_factor(100, shape="poly", total_steps=100, warmup_steps=10) == 0.0
-    assert planned_lr_factor(55, shape="cosine", total_steps=100, warmup_steps=10) == pytest.approx(0.5)
+    poly = StepSchedule(100, 10, "poly")
+    assert poly(4) == pytest.approx(5 / 11)
+    assert poly(10) == 1.0
+    assert poly(55) == pytest.approx(0.5**0.9)
+    assert poly(100) == 0.0
+    assert StepSchedule(100, 10, "cosine")(55) == pytest.approx(0.5)
     # Without warmup the cosine is the one the default run always had.
-    assert planned_lr_factor(25, shape="cosine", total_steps=100) == pytest.approx(0.5 * (1 + 2**-0.5))
+    assert StepSchedule(100)(25) == pytest.approx(0.5 * (1 + 2**-0.5))
 
 
 def lrs_of(scheduler_config: OptimisationSection, steps: int, total_steps: int = 20) -> list[float]:
@@ -63,7 +59,7 @@ def lrs_of(scheduler_config: OptimisationSection, steps: int, total_steps: int =
 
 def test_the_torch_schedulers_follow_the_pure_functions() -> None:
     config = parse_config(["-l", "0.1", "--scheduler", "poly", "--warmup-steps", "4"]).optimisation
-    expected = [0.1 * planned_lr_factor(k, shape="poly", total_steps=20, warmup_steps=4) for k in range(21)]
+    expected = [0.1 * StepSchedule(20, 4, "poly")(k) for k in range(21)]
     assert lrs_of(config, 21) == pytest.approx(expected)
     assert expected[:5] == pytest.approx([0.02, 0.04, 0.06, 0.08, 0.1]) and expected[20] == 0.0
 
@@ -103,9 +99,7 @@ def test_poly_with_warmup_is_planned_once_and_a_resumed_run_continues_the_curve(
     assert last["scheduler"]["lr_lambdas"] == [{"total_steps": total, "warmup_steps": 5, "shape": "poly"}]
     # metrics.jsonl logs the rate after each step's scheduler step: the factor of the next update.
     logged = [event["lr"] for event in read_metrics(straight, event="train")]
-    expected = [
-        1e-3 * planned_lr_factor(k, shape="poly", total_steps=total, warmup_steps=5) for k in range(1, total + 1)
-    ]
+    expected = [1e-3 * StepSchedule(total, 5, "poly")(k) for k in range(1, total + 1)]
     assert logged == pytest.approx(expected)
     assert logged[3] == pytest.approx(1e-3 * 5 / 6) and logged[-1] == 0.0
 

@@ -20,7 +20,7 @@ from utils.errors import CheckpointError
 from utils.evaluation import dice_loss
 from utils.launch.signals import InterruptFlag, signal_exit_code
 from utils.training.curves import build_figure, draw_curves, read_series
-from utils.training.objective import cosine_lr_factor, segmentation_loss
+from utils.training.objective import StepSchedule, segmentation_loss
 from utils.training.sampler import (
     BatchPlan,
     ResumableDistributedSampler,
@@ -67,9 +67,9 @@ def test_global_batches_do_not_depend_on_the_world_size() -> None:
 def test_resuming_slices_the_index_list(n: int, world_size: int, batch: int) -> None:
     order = epoch_order(n, seed=5, epoch=0)
     plan = BatchPlan(n_train=n, batch_size=batch, world_size=world_size)
-    for done in range(plan.batches_per_epoch + 1):
+    for done in range(plan.batches_in_epoch() + 1):
         consumed = plan.images_consumed(done)
-        assert plan.batches_done(consumed) == done and plan.batches_in_epoch(consumed) == plan.batches_per_epoch
+        assert plan.batches_done(consumed) == done and plan.batches_in_epoch(consumed) == plan.batches_in_epoch()
         for rank in range(world_size):
             full = shard_indices(order, rank=rank, world_size=world_size)
             assert shard_indices(order, rank=rank, world_size=world_size, consumed=consumed) == full[done * batch :]
@@ -121,11 +121,12 @@ def test_binary_loss_is_bce_plus_dice() -> None:
 
 
 def test_cosine_schedule() -> None:
-    assert cosine_lr_factor(0, 10) == 1.0
-    assert cosine_lr_factor(5, 10) == pytest.approx(0.5)
-    assert cosine_lr_factor(10, 10) == pytest.approx(0.0)
-    assert cosine_lr_factor(12, 10) == pytest.approx(0.0)
-    assert all(cosine_lr_factor(s, 10) >= cosine_lr_factor(s + 1, 10) for s in range(10))
+    cosine = StepSchedule(10)
+    assert cosine(0) == 1.0
+    assert cosine(5) == pytest.approx(0.5)
+    assert cosine(10) == pytest.approx(0.0)
+    assert cosine(12) == pytest.approx(0.0)
+    assert all(cosine(s) >= cosine(s + 1) for s in range(10))
 
 
 def test_curves_png(tmp_path: Path) -> None:
@@ -232,13 +233,13 @@ def test_interrupt_flag_records_the_first_signal() -> None:
 
 
 def test_steps_per_epoch() -> None:
-    assert BatchPlan(n_train=15, batch_size=2, world_size=2).batches_per_epoch == 4
-    assert BatchPlan(n_train=16, batch_size=4, world_size=1).batches_per_epoch == 4
+    assert BatchPlan(n_train=15, batch_size=2, world_size=2).batches_in_epoch() == 4
+    assert BatchPlan(n_train=16, batch_size=4, world_size=1).batches_in_epoch() == 4
     # 15 images, 1 process, batch 2: 8 batches; with 3 accumulated per step, 3 steps (the last of 2 batches).
     plan = BatchPlan(n_train=15, batch_size=2, world_size=1, grad_accum=3)
-    assert (plan.batches_per_epoch, plan.steps_per_epoch, plan.total_steps(4)) == (8, 3, 12)
+    assert (plan.batches_in_epoch(), plan.steps_per_epoch, plan.total_steps(4)) == (8, 3, 12)
     two = BatchPlan(n_train=15, batch_size=2, world_size=2, grad_accum=2)
-    assert (two.global_batch, two.images_per_step, two.batches_per_epoch, two.steps_per_epoch) == (4, 8, 4, 2)
+    assert (two.global_batch, two.images_per_step, two.batches_in_epoch(), two.steps_per_epoch) == (4, 8, 4, 2)
 
 
 def test_batch_plan_of_a_resume_with_another_batch_size() -> None:
@@ -257,8 +258,9 @@ def test_batch_plan_of_a_resume_with_another_batch_size() -> None:
 )
 def test_accumulation_groups(batches: int, grad_accum: int, groups: list[tuple[int, int]]) -> None:
     plan = BatchPlan(n_train=batches, batch_size=1, world_size=1, grad_accum=grad_accum)
-    found = [plan.accumulation_group(index, plan.batches_per_epoch) for index in range(batches)]
-    assert sorted({(group.start, group.size) for group in found}) == groups
-    closing = [index for index, group in enumerate(found) if group.closes_with(index)]
+    found = [plan.accumulation_group(index, plan.batches_in_epoch()) for index in range(batches)]
+    assert all(index in group for index, group in enumerate(found))
+    assert sorted({(group.start, len(group)) for group in found}) == groups
+    closing = [index for index, group in enumerate(found) if index == group[-1]]
     assert closing == [start + size - 1 for start, size in groups]
     assert len(closing) == plan.steps_per_epoch

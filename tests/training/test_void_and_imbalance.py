@@ -26,7 +26,7 @@ from utils.errors import ConfigError
 from utils.evaluation import SegmentationMetrics
 from utils.flags import parse_class_weights
 from utils.training.objective import auto_class_weights, segmentation_loss
-from utils.training.sampler import epoch_order, oversampled_order, shard_indices
+from utils.training.sampler import epoch_order, shard_indices
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +113,13 @@ def test_metrics_ignore_void_pixels_hand_checked() -> None:
 def test_oversampling_fraction_over_an_epoch() -> None:
     """40 images, 8 with foreground: P=0.5 on 2 ranks puts one forced image in each rank's every batch of 2."""
     foreground = list(range(8))
-    order = oversampled_order(40, foreground, fraction=0.5, seed=3, epoch=2, world_size=2)
-    assert order == oversampled_order(40, foreground, fraction=0.5, seed=3, epoch=2, world_size=2)
-    assert order != oversampled_order(40, foreground, fraction=0.5, seed=3, epoch=3, world_size=2)
-    assert oversampled_order(40, foreground, fraction=0.0, seed=3, epoch=2, world_size=2) == epoch_order(
-        40, seed=3, epoch=2
-    )
+
+    def oversampled(fraction: float = 0.5, epoch: int = 2) -> list[int]:
+        return epoch_order(40, seed=3, epoch=epoch, foreground=foreground, fraction=fraction, world_size=2)
+
+    order = oversampled()
+    assert order == oversampled() and order != oversampled(epoch=3)
+    assert oversampled(fraction=0.0) == epoch_order(40, seed=3, epoch=2)
     for rank in range(2):
         shard = shard_indices(order, rank=rank, world_size=2)
         batches = [shard[i : i + 2] for i in range(0, len(shard), 2)]

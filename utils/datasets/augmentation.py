@@ -52,17 +52,6 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-@dataclass(frozen=True)
-class _Draw:
-    """One sample's random choices."""
-
-    flip: bool
-    crop: tuple[int, int, int, int]
-    """top, left, height, width"""
-    colour: tuple[tuple[str, float], ...]
-    """(operation, factor) in the order they apply."""
-
-
 class JointAugmentation:
     """Random flip, crop-and-resize and colour jitter of an image and its mask, reproducible per sample."""
 
@@ -80,29 +69,33 @@ class JointAugmentation:
         """
         height, width = image.shape[-2:]
         generator = torch.Generator().manual_seed(sample_seed(self.seed, epoch, index))
-        draw = self._draw(height, width, generator)
-        top, left, crop_h, crop_w = draw.crop
+        flip, (top, left, crop_h, crop_w), jitter = self._draw(height, width, generator)
         scale = 1 / 255 if image.dtype == torch.uint8 else 1.0
         # Crop first (a view) and resize the crop in its own dtype, channels last: PyTorch's vectorised uint8
         # bilinear kernel is 15x faster there than float in [C, H, W]. The 1/255 joins the colour matrix below.
         pixels = image[None, :, top : top + crop_h, left : left + crop_w]
-        if draw.flip:
+        if flip:
             pixels = pixels.flip(-1)
         if (crop_h, crop_w) != (height, width):
             # The crop is never larger than the output, so antialiasing would change nothing.
             pixels = pixels.contiguous(memory_format=torch.channels_last)
             pixels = F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False)
         # Back to [C, H, W] in the conversion to float itself: one pass.
-        pixels = _colour(pixels[0].to(torch.float32, memory_format=torch.contiguous_format), draw.colour, scale)
+        pixels = _colour(pixels[0].to(torch.float32, memory_format=torch.contiguous_format), jitter, scale)
         # Nearest neighbours by index (PyTorch's legacy "nearest": source = floor(target * in / out)).
         rows = torch.div(torch.arange(height) * crop_h, height, rounding_mode="floor") + top
         cols = torch.div(torch.arange(width) * crop_w, width, rounding_mode="floor")
-        cols = (left + crop_w - 1 - cols) if draw.flip else (left + cols)
+        cols = (left + crop_w - 1 - cols) if flip else (left + cols)
         # numpy's take along one axis at a time: 15x faster than torch.index_select on small integer types.
         out_mask = torch.from_numpy(mask.numpy()[rows.numpy()][:, cols.numpy()])
         return pixels, out_mask
 
-    def _draw(self, height: int, width: int, generator: torch.Generator) -> _Draw:
+    def _draw(
+        self, height: int, width: int, generator: torch.Generator
+    ) -> tuple[bool, tuple[int, int, int, int], list[tuple[str, float]]]:
+        """One sample's random choices: the flip; the crop box (top, left, height, width), RandomResizedCrop's: an
+        area fraction and aspect jitter drawn up to 10 times, else the whole image; the colour jitter, (operation,
+        factor) in the order they apply."""
         config = self.config
 
         def uniform(low: float, high: float) -> float:
@@ -111,67 +104,51 @@ class JointAugmentation:
         flip = float(torch.rand((), generator=generator)) < config.hflip_probability
         crop = (0, 0, height, width)
         if config.crop_scale != (1.0, 1.0):
-            crop = _crop_box(height, width, config, uniform, generator)
+            area, aspect = height * width, width / height
+            log_low = math.log(aspect / config.crop_aspect_jitter)
+            log_high = math.log(aspect * config.crop_aspect_jitter)
+            for _ in range(_CROP_TRIES):
+                target = area * uniform(*config.crop_scale)
+                ratio = math.exp(uniform(log_low, log_high))
+                crop_w, crop_h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+                if 0 < crop_w <= width and 0 < crop_h <= height:
+                    top = int(torch.randint(0, height - crop_h + 1, (), generator=generator))
+                    left = int(torch.randint(0, width - crop_w + 1, (), generator=generator))
+                    crop = (top, left, crop_h, crop_w)
+                    break
+        strengths = {"brightness": config.brightness, "contrast": config.contrast, "saturation": config.saturation}
         jitter = [
-            (name, uniform(max(0.0, 1 - strength), 1 + strength))
-            for name, strength in (
-                ("brightness", config.brightness),
-                ("contrast", config.contrast),
-                ("saturation", config.saturation),
-            )
-            if strength
+            (name, uniform(max(0.0, 1 - strength), 1 + strength)) for name, strength in strengths.items() if strength
         ]
-        order = torch.randperm(len(jitter), generator=generator).tolist()
-        return _Draw(flip, crop, tuple(jitter[i] for i in order))
+        return flip, crop, [jitter[i] for i in torch.randperm(len(jitter), generator=generator).tolist()]
 
 
-def _crop_box(height: int, width: int, config: AugmentationConfig, uniform, generator) -> tuple[int, int, int, int]:
-    """RandomResizedCrop's box: an area fraction and aspect jitter drawn up to 10 times, else the whole image."""
-    area, aspect = height * width, width / height
-    log_low = math.log(aspect / config.crop_aspect_jitter)
-    log_high = math.log(aspect * config.crop_aspect_jitter)
-    for _ in range(_CROP_TRIES):
-        target = area * uniform(*config.crop_scale)
-        ratio = math.exp(uniform(log_low, log_high))
-        crop_w, crop_h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
-        if 0 < crop_w <= width and 0 < crop_h <= height:
-            top = int(torch.randint(0, height - crop_h + 1, (), generator=generator))
-            left = int(torch.randint(0, width - crop_w + 1, (), generator=generator))
-            return top, left, crop_h, crop_w
-    return 0, 0, height, width
-
-
-def _colour(pixels: torch.Tensor, jitter: tuple[tuple[str, float], ...], scale: float) -> torch.Tensor:
+def _colour(pixels: torch.Tensor, jitter: list[tuple[str, float]], scale: float) -> torch.Tensor:
     """Apply ``scale`` and the jitter factors, in order, to [C, H, W] pixels as one affine map per pixel.
 
     Returns [C, H, W] float32 in [0, 1], contiguous.
     """
     channels, height, width = pixels.shape
-    luma = torch.tensor(_LUMA if channels == 3 else (1.0,) * channels, dtype=torch.float64)
-    luma = luma / luma.sum() if channels != 3 else luma
-    matrix = torch.eye(channels, dtype=torch.float64) * scale
-    offset = torch.zeros(channels, dtype=torch.float64)
-    means = None
-    if any(op == "contrast" for op, _ in jitter):
-        means = pixels.sum(dim=(1, 2)).to(torch.float64) / (height * width)
+    identity = torch.eye(channels, dtype=torch.float64)
+    if channels == 3:
+        luma = torch.tensor(_LUMA, dtype=torch.float64)
+    else:
+        luma = torch.full((channels,), 1 / channels, dtype=torch.float64)
+    matrix, offset = identity * scale, torch.zeros(channels, dtype=torch.float64)
     for op, factor in jitter:
-        if op == "brightness":
-            step, shift = torch.eye(channels, dtype=torch.float64) * factor, torch.zeros(channels, dtype=torch.float64)
-        elif op == "contrast":
+        step, shift = identity * factor, torch.zeros(channels, dtype=torch.float64)
+        if op == "contrast":
             # Blend with the mean grey level of the image as it is at this point (the mean of an affine map of the
             # pixels is the same map of their mean).
-            grey_mean = float(luma @ (matrix @ means + offset))
-            step = torch.eye(channels, dtype=torch.float64) * factor
-            shift = torch.full((channels,), (1 - factor) * grey_mean, dtype=torch.float64)
-        elif channels == 3:  # saturation: blend each pixel with its own grey level
-            step = (
-                torch.eye(3, dtype=torch.float64) * factor + (1 - factor) * torch.ones(3, 1, dtype=torch.float64) * luma
-            )
-            shift = torch.zeros(3, dtype=torch.float64)
-        else:
-            continue  # a grey image has no saturation
+            means = pixels.sum(dim=(1, 2)).to(torch.float64) / (height * width)
+            shift = torch.full((channels,), (1 - factor) * float(luma @ (matrix @ means + offset)), dtype=torch.float64)
+        elif op == "saturation":
+            if channels != 3:
+                continue  # a grey image has no saturation
+            # Blend each pixel with its own grey level.
+            step = step + (1 - factor) * torch.ones(3, 1, dtype=torch.float64) * luma
         matrix, offset = step @ matrix, step @ offset + shift
-    if torch.equal(matrix, torch.eye(channels, dtype=torch.float64)) and not offset.any():
+    if torch.equal(matrix, identity) and not offset.any():
         # Not in place: without crop, flip or conversion, pixels may be the caller's tensor.
         return pixels.clamp(0.0, 1.0)
     # A [C, C] x [C, H*W] product plus the offset: one BLAS call over the whole image.

@@ -120,16 +120,12 @@ def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int
     train, validation = split_positions(ids, rule)
     # More folds than images (or groups) leave a fold empty, whichever --fold this run is.
     if not train or not validation or (rule.folds and rule.folds > group_count(ids, rule)):
-        if rule.by == SPLIT_BY_IMAGE and not rule.folds:
-            raise ConfigError(
-                f"--validation {config.validation:g} leaves {len(train)} training and {len(validation)} validation "
-                f"images out of {len(ids)}; choose a percentage that leaves at least one of each, or add images to "
-                f"{config.imgs}"
-            )
+        by_percentage = rule.by == SPLIT_BY_IMAGE and not rule.folds
+        flags = f"--validation {config.validation:g}" if by_percentage else f"--split-by {rule.by}"
+        fix = "choose a percentage that leaves at least one of each" if by_percentage else empty_side_fix(ids, rule)
         raise ConfigError(
-            f"--split-by {rule.by}{f' --folds {rule.folds}' if rule.folds else ''} leaves {len(train)} training and "
-            f"{len(validation)} validation images out of {len(ids)}: {empty_side_fix(ids, rule)} (or add images to "
-            f"{config.imgs})"
+            f"{flags}{f' --folds {rule.folds}' if rule.folds else ''} leaves {len(train)} training and "
+            f"{len(validation)} validation images out of {len(ids)}: {fix} (or add images to {config.imgs})"
         )
     if (too_many := validation_share_warning(len(ids), len(validation), rule)) is not None:
         logger.warning(too_many)
@@ -191,7 +187,6 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
         rank=ctx.rank,
         world_size=ctx.world_size,
         seed=config.data.seed,
-        shuffle=True,
         foreground=data.train_foreground,
         oversample_foreground=oversample,
     )
@@ -203,49 +198,32 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
         num_workers = default_num_workers(
             ctx.device.type, threads_per_process(available_cpus(), ctx.local_world_size), item_seconds, item_pixels
         )
-    # The ranks of this machine share its /dev/shm; pinned batches copy to a GPU without blocking.
-    loader = functools.partial(
-        build_loader, config=config, num_workers=num_workers, pin=cuda, processes=ctx.local_world_size
-    )
-    train = loader(data.train_set, sampler=sampler)
-    val = None
+
+    def loader(dataset: Dataset, sampler: ResumableDistributedSampler | None = None) -> SharedMemoryGuard:
+        # No drop_last (milesial's dropped the last partial batch). Workers copy the dataset when an epoch's iterator
+        # starts, so they are never persistent: persistent ones would keep an old epoch's augmentation. The ranks of
+        # this machine share its /dev/shm (guarded_loader); pinned batches copy to a GPU without blocking.
+        return guarded_loader(
+            dataset,
+            batch_size=config.optimisation.batch_size,
+            workers=num_workers,
+            workers_fix=WORKERS_FIX,
+            processes=ctx.local_world_size,
+            sampler=sampler,
+            pin_memory=cuda,
+            worker_init_fn=_init_loader_worker if num_workers else None,
+            # A private generator: creating an iterator draws a base seed, which must not consume the global RNG.
+            generator=torch.Generator().manual_seed(config.data.seed),
+        )
+
+    train = loader(data.train_set, sampler)
     sharded = config.launch.val_mode == "sharded" and ctx.is_distributed
     if sharded:
         # Every rank validates its own part (utils.evaluation.shard_range); the scores are all-reduced.
         val = loader(Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size)))
-    elif ctx.is_main:
-        val = loader(data.val_set)
+    else:
+        val = loader(data.val_set) if ctx.is_main else None
     return Loaders(sampler=sampler, train=train, val=val, val_sharded=sharded, num_workers=num_workers)
-
-
-def build_loader(
-    dataset: Dataset,
-    config: TrainConfig,
-    *,
-    num_workers: int,
-    pin: bool,
-    processes: int = 1,
-    sampler: ResumableDistributedSampler | None = None,
-) -> SharedMemoryGuard:
-    """The training loader (with ``sampler``) or a validation one: every image, in a fixed order without a sampler
-    (``guarded_loader``: the room in /dev/shm for the workers of ``processes`` ranks, the timeout, one line for a
-    shared-memory failure).
-
-    No drop_last (milesial's dropped the last partial batch). Workers copy the dataset when an epoch's iterator
-    starts, so they are never persistent: persistent ones would keep an old epoch's augmentation.
-    """
-    return guarded_loader(
-        dataset,
-        batch_size=config.optimisation.batch_size,
-        workers=num_workers,
-        workers_fix=WORKERS_FIX,
-        processes=processes,
-        sampler=sampler,
-        pin_memory=pin,
-        worker_init_fn=_init_loader_worker if num_workers else None,
-        # A private generator: creating an iterator draws a base seed, which must not consume the global RNG.
-        generator=torch.Generator().manual_seed(config.data.seed),
-    )
 
 
 def _init_loader_worker(worker_id: int) -> None:

@@ -167,11 +167,11 @@ class Trainer:
             for offset, batch in enumerate(self._batches()):
                 index = batches_done + offset
                 group = plan.accumulation_group(index, batches_in_epoch)
-                closes_group = group.closes_with(index)
+                closes_group = index == group[-1]
                 # A resume whose batch size or world size changed may start inside a group: it opens a step too.
-                if group.opens_with(index) or offset == 0:
+                if index == group.start or offset == 0:
                     self.step.begin()
-                self.run_log.trained(self.step.accumulate(batch, group.size, sync_gradients=closes_group))
+                self.run_log.trained(self.step.accumulate(batch, len(group), sync_gradients=closes_group))
                 if not closes_group:
                     continue
                 self.step.update()

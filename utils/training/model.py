@@ -1,7 +1,8 @@
 """The model of a training run: a UNet as the flags and images describe it, with the weights it starts from.
 
 Built by ``utils.training.setup.build_parts`` on every rank. The weights come from ``--load`` (or
-``--encoder-weights``), after checking that they were made for this model (``utils.checkpoint.model``); a resumed
+``--encoder-weights``, ``load_encoder_weights``), after checking that they were made for this model
+(``utils.checkpoint.model``); a resumed
 checkpoint is checked here (``check_resume``: made for this model, on the same images) and loaded with the rest of the
 run's state (``utils.checkpoint.checkpointer.restore``). ``wrap_for_training`` then gives the model the forward pass
 calls (DDP and/or compiled).
@@ -11,50 +12,59 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from unet import UNetArgs
 from unet import build_model as build_architecture
-from utils.checkpoint.model import check_expected, load_model, spec_of
+from utils.checkpoint.files import read_model_weights
+from utils.checkpoint.model import check_expected, check_weight_values, key_differences, load_model, spec_of
 from utils.checkpoint.state import TrainingState, dataset_record
 from utils.datasets.splits import check_same_split
-from utils.errors import ConfigError
+from utils.errors import CheckpointError, ConfigError
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
 from utils.training.compiled import compile_blocks
 from utils.training.config import TrainConfig
 from utils.training.data import TrainData
-from utils.training.encoder_weights import load_encoder_weights
 
 logger = logging.getLogger(__name__)
 
+# The model section's fields that carry these names are the model's arguments as they are.
+UNET_ARG_NAMES = {item.name for item in dataclasses.fields(UNetArgs)}
+# The classifier of torchvision's ResNets: no counterpart in a segmentation encoder.
+DROPPED_PREFIXES = ("fc.",)
+HOW_TO_GET = (
+    "torchvision's files are made once on a machine with internet, e.g. python -c \"import torchvision; "
+    "torchvision.models.resnet34(weights='IMAGENET1K_V1')\", then found in ~/.cache/torch/hub/checkpoints/"
+)
+
 
 def unet_args_of(config: TrainConfig, data: TrainData) -> UNetArgs:
-    """The model the flags and the images describe."""
-    return UNetArgs(
-        n_channels=data.n_channels,
-        n_classes=config.model.classes,
-        bilinear=config.model.bilinear,
-        base_channels=config.model.base_channels,
-        encoder=config.model.encoder,
-        deep_supervision=config.model.deep_supervision,
-    )
+    """The model the flags and the images describe: the channels of the images, --classes, and the model section's
+    fields that carry ``UNetArgs``'s names (--bilinear, --base-channels, --encoder, --deep-supervision)."""
+    named = {key: value for key, value in dataclasses.asdict(config.model).items() if key in UNET_ARG_NAMES}
+    return UNetArgs(n_channels=data.n_channels, n_classes=config.model.classes, **named)
 
 
 def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, path: str) -> None:
-    """Refuse a resumed ``state`` made for another model than the flags and images describe, on other files, or on
-    another train/validation split (checked last: a changed file list, named first, is the likelier cause)."""
-    _check_same_dataset(state.dataset, data, path)
+    """Refuse a resumed ``state`` made for another model than the flags and images describe, on other files (the split
+    and the epoch order are defined on the file list), or on another train/validation split (checked last: a changed
+    file list, named first, is the likelier cause)."""
+    saved = state.dataset  # None: written before datasets were recorded
+    current = dataset_record(data.train_dataset.ids)
+    if saved is not None and saved.get("fingerprint") != current["fingerprint"]:
+        raise ConfigError(
+            f"{path} was trained on another dataset ({saved.get('images')} images, now {current['images']} in "
+            f"--imgs/--masks, or the same number with other file names); resume with the same --imgs and --masks, "
+            f"or start a new run from its weights with --load {path}"
+        )
     # Every argument is compared with the file's, the optional ones too (as_dict leaves out their defaults).
-    check_expected(
-        spec_of(state.weights, path),
-        dataclasses.asdict(unet_args_of(config, data)),
-        path,
-        source="--resume",
-        images_from="--imgs",
-    )
+    expected = dataclasses.asdict(unet_args_of(config, data))
+    check_expected(spec_of(state.weights, path), expected, path, source="--resume", images_from="--imgs")
     _warn_mask_values(state.weights.mask_values, data.mask_values, path)
     check_same_split(state.weights.split_digest, data.split, path)
 
@@ -98,19 +108,6 @@ def wrap_for_training(model: torch.nn.Module, ctx: DistributedContext, *, compil
     return train_model
 
 
-def _check_same_dataset(saved: dict[str, Any] | None, data: TrainData, path: str) -> None:
-    """Refuse to continue a run on other files: the split and the epoch order are defined on the file list."""
-    if saved is None:
-        return  # written before datasets were recorded
-    current = dataset_record(data.train_dataset.ids)
-    if saved.get("fingerprint") != current["fingerprint"]:
-        raise ConfigError(
-            f"{path} was trained on another dataset ({saved.get('images')} images, now {current['images']} in "
-            f"--imgs/--masks, or the same number with other file names); resume with the same --imgs and --masks, "
-            f"or start a new run from its weights with --load {path}"
-        )
-
-
 def _warn_mask_values(stored: list | None, current: list, path: str) -> None:
     if stored is not None and list(stored) != list(current):
         logger.warning(
@@ -119,3 +116,49 @@ def _warn_mask_values(stored: list | None, current: list, path: str) -> None:
             stored,
             current,
         )
+
+
+def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str) -> None:
+    """--encoder-weights: copy the torchvision state dict in ``path`` (``fc.*`` dropped) into ``encoder`` (a
+    ``unet.resnet_unet.ResNetEncoder``), refusing any mismatch.
+
+    The file is what torchvision itself downloads and caches (``~/.cache/torch/hub/checkpoints/resnet34-b627a593.pth``):
+    a plain state dict with keys ``conv1.weight``, ``bn1.*``, ``layer1.*`` ... ``fc.*``. The classifier (``fc.*``) is
+    dropped; every other key must match the encoder exactly, so a resnet50 file given to ``--encoder resnet34`` (or a
+    file that is not a ResNet's) is refused with one message naming the file. Nothing is downloaded here or anywhere
+    else: the file is read and checked as every weights file is (``utils.checkpoint.files.read_model_weights``: never
+    unpickles code, refuses NaN and inf; ``module.`` prefixes and a ``state_dict`` wrapper are taken off), and its
+    values pass the checkpoints' check (``utils.checkpoint.model.check_weight_values``: dense, floating point,
+    BatchNorm variances >= 0), so a damaged file is refused naming it before a step is trained.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--encoder-weights {path}: no such file; {HOW_TO_GET}")
+    try:
+        # The one safe read of every weights file, and its reading of wrapped and nested state dicts.
+        weights = read_model_weights(path).state_dict
+    except CheckpointError as error:
+        raise ConfigError(
+            f"--encoder-weights {path} is not a usable torch state dict ({error}); {HOW_TO_GET}"
+        ) from None
+    weights = {key: value for key, value in weights.items() if not key.startswith(DROPPED_PREFIXES)}
+    check_weight_values(weights, path, source="--encoder-weights", fix=f"make the file again: {HOW_TO_GET}")
+    own = encoder.state_dict()
+    missing, unexpected, mismatched = key_differences(own, weights)
+    if missing or unexpected or mismatched:
+        hint = ""
+        if mismatched:
+            key = mismatched[0]
+            detail = f"{key} is {tuple(weights[key].shape)} in the file but {tuple(own[key].shape)} in the model"
+            if key == "conv1.weight":
+                hint = " (ImageNet weights are for 3-channel images)"
+        elif missing:
+            detail = f"{len(missing)} encoder keys are missing, e.g. {missing[0]}"
+        else:
+            detail = f"{len(unexpected)} keys are not the encoder's, e.g. {unexpected[0]}"
+        raise ConfigError(
+            f"--encoder-weights {path} does not fit --encoder {encoder_name}: {detail}{hint}; pass the weights of "
+            f"a torchvision {encoder_name}, or the --encoder the file was made for"
+        )
+    encoder.load_state_dict(weights)
+    logger.info("Encoder weights (%s) loaded from %s", encoder_name, path)

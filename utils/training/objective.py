@@ -69,32 +69,25 @@ def segmentation_loss(logits: Tensor, masks: Tensor, n_classes: int, class_weigh
     return _per_image_mean(per_pixel, labels, valid, class_weights) + 1 - dice
 
 
-def deep_supervision_weights(levels: int) -> list[float]:
-    """nnU-Net's deep-supervision loss weights: halving per level (1, 0.5, 0.25, ...), normalised to sum to 1."""
-    raw = [0.5**level for level in range(levels)]
-    return [weight / sum(raw) for weight in raw]
-
-
 def supervised_loss(
     outputs: Tensor | Sequence[Tensor], masks: Tensor, n_classes: int, class_weights: Tensor | None = None
 ) -> Tensor:
     """``segmentation_loss`` of a model's output: the logits, or with --deep-supervision the list ``[logits, logits at
     1/2, logits at 1/4]`` (``unet.deep_supervision``), whose losses against the masks downsampled (nearest, so void
-    and class values stay whole) are summed with ``deep_supervision_weights``. Each level is a per-image mean, so the
-    sum still decomposes over data-parallel ranks."""
+    and class values stay whole) are summed with nnU-Net's weights: halving per level (1, 0.5, 0.25, ...),
+    normalised to sum to 1. Each level is a per-image mean, so the sum still decomposes over data-parallel ranks."""
     if isinstance(outputs, Tensor):
         return segmentation_loss(outputs, masks, n_classes, class_weights)
+    halving = [0.5**level for level in range(len(outputs))]
     total = torch.zeros((), device=masks.device)
-    for weight, logits in zip(deep_supervision_weights(len(outputs)), outputs, strict=True):
-        target = masks if logits.shape[-2:] == masks.shape[-2:] else downsample_masks(masks, logits.shape[-2:])
-        total = total + weight * segmentation_loss(logits, target, n_classes, class_weights)
+    for weight, logits in zip(halving, outputs, strict=True):
+        target = masks
+        if logits.shape[-2:] != masks.shape[-2:]:
+            # float32 holds every class index and IGNORE_INDEX exactly; interpolate has no integer kernel.
+            nearest = F.interpolate(masks[:, None].float(), size=logits.shape[-2:], mode="nearest")
+            target = nearest[:, 0].to(masks.dtype)
+        total = total + weight / sum(halving) * segmentation_loss(logits, target, n_classes, class_weights)
     return total
-
-
-def downsample_masks(masks: Tensor, size: Sequence[int]) -> Tensor:
-    """``[B, H, W]`` class indices at ``size`` by nearest-neighbour sampling (no value is averaged into another)."""
-    # float32 holds every class index and IGNORE_INDEX exactly; interpolate has no integer kernel.
-    return F.interpolate(masks[:, None].float(), size=tuple(size), mode="nearest")[:, 0].to(masks.dtype)
 
 
 def _per_image_mean(per_pixel: Tensor, labels: Tensor, valid: Tensor, class_weights: Tensor | None) -> Tensor:
@@ -138,42 +131,6 @@ def class_weights_of(config: TrainConfig, train_class_pixels: Sequence[int]) -> 
     return weights
 
 
-def _progress(step: int, total_steps: int) -> float:
-    """How far ``step`` is through a plan of ``total_steps``, in [0, 1]; 0 for no plan (a constant schedule)."""
-    return min(step, total_steps) / total_steps if total_steps > 0 else 0.0
-
-
-def cosine_lr_factor(step: int, total_steps: int) -> float:
-    """Multiplier of the peak learning rate after ``step`` optimizer steps: 1 at step 0, falling to 0 at ``total``."""
-    return 0.5 * (1.0 + math.cos(math.pi * _progress(step, total_steps)))
-
-
-def poly_lr_factor(step: int, total_steps: int, exponent: float = POLY_EXPONENT) -> float:
-    """nnU-Net's poly schedule: ``(1 - step / total) ** exponent``, 1 at step 0 and 0 at ``total_steps``."""
-    return (1.0 - _progress(step, total_steps)) ** exponent
-
-
-def warmup_lr_factor(step: int, warmup_steps: int) -> float:
-    """Linear warmup: ``(step + 1) / (warmup_steps + 1)`` for the first ``warmup_steps`` steps, then 1.
-
-    The first update already moves (never a learning rate of exactly 0), and the rise reaches the peak at step
-    ``warmup_steps``, where the schedule after it starts at its own 1.
-    """
-    if step >= warmup_steps:
-        return 1.0
-    return (step + 1) / (warmup_steps + 1)
-
-
-def planned_lr_factor(step: int, *, shape: str, total_steps: int, warmup_steps: int = 0) -> float:
-    """Multiplier of the peak learning rate for the update after ``step`` optimizer steps: the warmup, then the
-    cosine or poly ``shape`` over the remaining ``total_steps - warmup_steps`` steps."""
-    if step < warmup_steps:
-        return warmup_lr_factor(step, warmup_steps)
-    remaining = max(total_steps - warmup_steps, 0)
-    decay = poly_lr_factor if shape == "poly" else cosine_lr_factor
-    return decay(step - warmup_steps, remaining)
-
-
 def build_optimizer(config: OptimisationSection, parameters: Iterable[torch.nn.Parameter]) -> optim.Optimizer:
     both = {"lr": config.learning_rate, "weight_decay": config.weight_decay}
     if config.optimizer == "rmsprop":
@@ -187,16 +144,31 @@ def build_optimizer(config: OptimisationSection, parameters: Iterable[torch.nn.P
 
 @dataclass
 class StepSchedule:
-    """``planned_lr_factor`` over a plan made when the run started. LambdaLR keeps a callable object's attributes in
-    its ``state_dict``, so the plan (total and warmup steps, shape) travels in the checkpoint and a resumed run
-    continues the same curve whatever the flags of the resuming command say."""
+    """The learning-rate schedule of a run as a multiplier of the peak rate, planned when the run started.
+
+    For the update after ``step`` optimizer steps: a linear warmup ``(step + 1) / (warmup_steps + 1)`` for the
+    first ``warmup_steps`` steps (the first update already moves, and the rise reaches the peak at step
+    ``warmup_steps``), then the cosine ``(1 + cos(pi * p)) / 2`` or nnU-Net's poly ``(1 - p) ** 0.9`` ``shape``, at
+    progress ``p`` through the remaining ``total_steps - warmup_steps`` steps (1 when the warmup leaves none: a
+    constant rate; 0 from ``total_steps`` on).
+
+    LambdaLR keeps a callable object's attributes in its ``state_dict``, so the plan (total and warmup steps, shape)
+    travels in the checkpoint and a resumed run continues the same curve whatever the flags of the resuming command
+    say: these three attributes are the checkpoints' keys.
+    """
 
     total_steps: int
     warmup_steps: int = 0
     shape: str = "cosine"
 
     def __call__(self, step: int) -> float:
-        return planned_lr_factor(step, shape=self.shape, total_steps=self.total_steps, warmup_steps=self.warmup_steps)
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        remaining = self.total_steps - self.warmup_steps
+        progress = min(step - self.warmup_steps, remaining) / remaining if remaining > 0 else 0.0
+        if self.shape == "poly":
+            return (1.0 - progress) ** POLY_EXPONENT
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class PlateauAfterWarmup:
@@ -236,8 +208,7 @@ def build_scheduler(config: OptimisationSection, optimizer: optim.Optimizer, tot
         if config.warmup_steps:
             return PlateauAfterWarmup(optimizer, config.warmup_steps)
         return optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=PLATEAU_PATIENCE)
-    schedule = StepSchedule(total_steps, warmup_steps=config.warmup_steps, shape=config.scheduler)
-    return optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return optim.lr_scheduler.LambdaLR(optimizer, StepSchedule(total_steps, config.warmup_steps, config.scheduler))
 
 
 @dataclass

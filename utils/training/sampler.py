@@ -10,10 +10,11 @@ the first ``s * b * W`` images of the epoch's order are done, whatever ``W`` was
 the index list, so skipped images are never loaded, and then deals the rest to its own ranks, which also works when
 the world size changed between the two runs.
 
-Foreground oversampling (--oversample-foreground P, after nnU-Net's) keeps both properties: ``oversampled_order``
-is a pure function of ``(seed, epoch, world_size)`` that forces a fraction P of each rank's positions, spread evenly
-over its batches, to images containing a non-background class. The order depends on the world size (each rank's
-share must hold the fraction), so with oversampling one process no longer sees N processes' global batches.
+Foreground oversampling (--oversample-foreground P, after nnU-Net's) keeps both properties: ``epoch_order`` with
+a fraction P is a pure function of ``(seed, epoch, world_size)`` that forces a fraction P of each rank's positions,
+spread evenly over its batches, to images containing a non-background class. The order depends on the world size
+(each rank's share must hold the fraction), so with oversampling one process no longer sees N processes' global
+batches.
 """
 
 from __future__ import annotations
@@ -22,21 +23,22 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
 
-def epoch_order(dataset_len: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
-    """The global order of one epoch: DistributedSampler's permutation for ``seed + epoch``."""
-    if not shuffle:
-        return list(range(dataset_len))
-    return torch.randperm(dataset_len, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-
-
-def oversampled_order(
-    dataset_len: int, foreground: Sequence[int], *, fraction: float, seed: int, epoch: int, world_size: int
+def epoch_order(
+    dataset_len: int,
+    *,
+    seed: int,
+    epoch: int,
+    foreground: Sequence[int] = (),
+    fraction: float = 0.0,
+    world_size: int = 1,
 ) -> list[int]:
-    """``epoch_order`` with a fraction ``fraction`` of every rank's positions given to ``foreground`` images.
+    """The global order of one epoch: DistributedSampler's permutation for ``seed + epoch``, with a ``fraction`` of
+    every rank's positions given to ``foreground`` images (--oversample-foreground; 0: none).
 
     Rank r takes positions ``r, r + W, ...``; its ``t``-th position (``t = i // W``) is forced when
     ``floor((t + 1) * P) > floor(t * P)``, so each rank's forced share is exactly P over the epoch, spread evenly
@@ -47,18 +49,16 @@ def oversampled_order(
     (``Range``) and where the loaders are built (``build_loaders`` names the flag).
     """
     generator = torch.Generator().manual_seed(seed + epoch)
-    base = torch.randperm(dataset_len, generator=generator).tolist()  # epoch_order's permutation
-    cycle = [foreground[k] for k in torch.randperm(len(foreground), generator=generator).tolist()]
-    order, next_base, next_foreground = [], 0, 0
-    for position in range(dataset_len):
-        t = position // world_size
-        if math.floor((t + 1) * fraction) > math.floor(t * fraction):
-            order.append(cycle[next_foreground % len(cycle)])
-            next_foreground += 1
-        else:
-            order.append(base[next_base])
-            next_base += 1
-    return order
+    permutation = torch.randperm(dataset_len, generator=generator).numpy()
+    if not fraction:
+        return permutation.tolist()
+    cycle = np.asarray(foreground)[torch.randperm(len(foreground), generator=generator).numpy()]
+    share = np.arange(dataset_len) // world_size  # each position's number in its rank's share
+    forced = np.floor((share + 1) * fraction) > np.floor(share * fraction)
+    order = np.empty_like(permutation)
+    order[forced] = cycle[np.arange(forced.sum()) % len(cycle)]
+    order[~forced] = permutation[: dataset_len - forced.sum()]
+    return order.tolist()
 
 
 def shard_indices(order: list[int], *, rank: int, world_size: int, consumed: int = 0) -> list[int]:
@@ -79,20 +79,6 @@ def images_per_rank(dataset_len: int, *, world_size: int, consumed: int = 0) -> 
     """Images each rank gets of an epoch whose first ``consumed`` global images are done (``shard_indices`` pads the
     rest to a multiple of ``world_size``). ``BatchPlan`` counts batches from it; the sampler's length is it."""
     return math.ceil(max(0, dataset_len - consumed) / world_size)
-
-
-@dataclass(frozen=True)
-class AccumulationGroup:
-    """The micro-batches of one optimizer step: batches ``start .. start + size - 1`` of the epoch."""
-
-    start: int
-    size: int
-
-    def opens_with(self, index: int) -> bool:
-        return index == self.start
-
-    def closes_with(self, index: int) -> bool:
-        return index + 1 == self.start + self.size
 
 
 @dataclass(frozen=True)
@@ -122,20 +108,15 @@ class BatchPlan:
         """Images each rank trains of an epoch whose first ``consumed`` global images are done."""
         return images_per_rank(self.n_train, world_size=self.world_size, consumed=consumed)
 
-    @property
-    def batches_per_epoch(self) -> int:
-        """Micro-batches each rank runs in a full epoch (the last one may be smaller)."""
-        return self.batches_in_epoch(consumed=0)
-
     def batches_done(self, consumed: int) -> int:
         """Micro-batches of this plan that ``consumed`` global images of an epoch make up (whole ones)."""
         return consumed // self.global_batch
 
-    def batches_in_epoch(self, consumed: int) -> int:
+    def batches_in_epoch(self, consumed: int = 0) -> int:
         """Number of the epoch's last micro-batch plus one, for an epoch resumed after ``consumed`` global images.
 
-        The ``batches_done(consumed)`` already trained plus this run's batches of the rest; equal to
-        ``batches_per_epoch`` unless the resumed run's batch size or world size differs from the saving run's.
+        The ``batches_done(consumed)`` already trained plus this run's batches of the rest; the same as a full
+        epoch's unless the resumed run's batch size or world size differs from the saving run's.
         """
         return self.batches_done(consumed) + math.ceil(self.images_per_rank(consumed) / self.batch_size)
 
@@ -143,16 +124,18 @@ class BatchPlan:
         """Global images of an epoch's order that ``batches_done`` micro-batches on every rank have used."""
         return batches_done * self.global_batch
 
-    def accumulation_group(self, index: int, batches_in_epoch: int) -> AccumulationGroup:
-        """The optimizer step that micro-batch ``index`` belongs to: groups of ``grad_accum`` from the epoch's start,
-        the last one shorter when the epoch's ``batches_in_epoch`` does not divide."""
+    def accumulation_group(self, index: int, batches_in_epoch: int) -> range:
+        """The micro-batches of the optimizer step that micro-batch ``index`` belongs to: groups of ``grad_accum``
+        from the epoch's start, the last one shorter when the epoch's ``batches_in_epoch`` does not divide. The step
+        opens with the group's ``start`` and closes with its last batch (``group[-1]``); ``len(group)`` divides the
+        loss."""
         start = index - index % self.grad_accum
-        return AccumulationGroup(start, min(self.grad_accum, batches_in_epoch - start))
+        return range(start, min(start + self.grad_accum, batches_in_epoch))
 
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps of a full epoch (a last, shorter accumulation group still makes one)."""
-        return math.ceil(self.batches_per_epoch / self.grad_accum)
+        return math.ceil(self.batches_in_epoch() / self.grad_accum)
 
     def total_steps(self, epochs: int) -> int:
         """Optimizer steps of ``epochs`` full epochs."""
@@ -172,13 +155,12 @@ class ResumableDistributedSampler(DistributedSampler):
         rank: int,
         world_size: int,
         seed: int,
-        shuffle: bool = True,
         foreground: Sequence[int] = (),
         oversample_foreground: float = 0.0,
     ) -> None:
-        """``foreground``: the indices whose images contain a non-background class, for ``oversampled_order``."""
+        """``foreground``: the indices whose images contain a non-background class, for ``oversample_foreground``."""
         # DistributedSampler only needs len(dataset); a range stands in so the sampler never touches the images.
-        super().__init__(range(dataset_len), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+        super().__init__(range(dataset_len), num_replicas=world_size, rank=rank, seed=seed)
         self._consumed = 0
         self.foreground = list(foreground)
         self.oversample_foreground = oversample_foreground
@@ -189,17 +171,14 @@ class ResumableDistributedSampler(DistributedSampler):
         self._consumed = consumed
 
     def __iter__(self) -> Iterator[int]:
-        if self.oversample_foreground and self.shuffle:
-            order = oversampled_order(
-                len(self.dataset),
-                self.foreground,
-                fraction=self.oversample_foreground,
-                seed=self.seed,
-                epoch=self.epoch,
-                world_size=self.num_replicas,
-            )
-        else:
-            order = epoch_order(len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        order = epoch_order(
+            len(self.dataset),
+            seed=self.seed,
+            epoch=self.epoch,
+            foreground=self.foreground,
+            fraction=self.oversample_foreground,
+            world_size=self.num_replicas,
+        )
         return iter(shard_indices(order, rank=self.rank, world_size=self.num_replicas, consumed=self._consumed))
 
     def __len__(self) -> int:
