@@ -16,7 +16,6 @@ import os
 import socket
 import sys
 import tempfile
-import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -86,10 +85,9 @@ def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSecti
             else:
                 dist.init_process_group(init_method=plan.init_method, **join)
     except dist.DistError as error:
-        # Where rank 0, or torchrun's agent, listens.
-        address = plan.master_address if plan.init_method == "env://" else plan.init_method.removeprefix("tcp://")
         raise ConfigError(
-            f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at {address} within "
+            f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at "
+            f"{plan.master_address or plan.init_method} within "
             f"--dist-timeout {launch.dist_timeout:g} s ({first_line(error)}); check that {plan.address_hint} names "
             "rank 0's machine and a free, reachable port, and start every rank within --dist-timeout"
         ) from error
@@ -120,30 +118,18 @@ def _native_output_to_debug() -> Iterator[None]:
 
 
 def check_rendezvous_host(plan: LaunchPlan) -> None:
-    """Refuse a rendezvous host that does not resolve, in one line, before the process group waits its timeout: that of
-    ``--dist-url tcp://HOST:PORT``, else the launcher's address (none to check: a file store, say)."""
-    parsed = urllib.parse.urlsplit(plan.init_method)
-    if parsed.scheme == "tcp":
-        try:
-            host, port = parsed.hostname, parsed.port
-        except ValueError:
-            host = port = None
-        if not (host and port):
-            raise LaunchValueError(
-                f"--dist-url {plan.init_method} is not tcp://HOST:PORT; name rank 0's host and a port"
-            )
-    elif plan.master_address is not None:
-        host, _, port_text = plan.master_address.rpartition(":")
-        host, port = host.strip("[]"), int(port_text)
-    else:
+    """Refuse a rendezvous host that does not resolve, in one line, before the process group waits its timeout (none
+    to check where the init method names no address: a file store, say)."""
+    if plan.master_address is None:
         return
+    host, _, port = plan.master_address.rpartition(":")
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as error:
         reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
         raise LaunchValueError(
-            f"the rendezvous host {host!r} (from {plan.address_hint}) cannot be resolved ({reason}); give rank 0's "
-            "machine name or address"
+            f"the rendezvous host {host.strip('[]')!r} (from {plan.address_hint}) cannot be resolved ({reason}); give "
+            "rank 0's machine name or address"
         ) from error
 
 
@@ -240,7 +226,6 @@ class StopAgreement:
         self._ctx = ctx
         self._flag = flag
         self._pending: tuple[Any, Tensor] | None = None
-        self._first = True
         self.save_agreed = False
         """Set by ``poll``: whether a rank asked to save (``save_due``) at the boundary whose answer arrived."""
 
@@ -253,14 +238,12 @@ class StopAgreement:
         if not self._ctx.is_distributed:
             self.save_agreed = save_due
             return self._flag.signum
+        first = self._pending is None
         agreed = self._collect()
         local = torch.tensor([self._flag.signum, int(save_due)], dtype=torch.int32)
         work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
         self._pending = (work, local)
-        if self._first:
-            self._first = False
-            return self._collect()
-        return agreed
+        return self._collect() if first else agreed
 
     def finish(self) -> int:
         """Complete the outstanding all-reduce (before any other collective on the control group) and return it."""
@@ -323,12 +306,7 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
     """Replace the BatchNorm2d layers of ``model`` by a synchronised version suited to ``device`` (``--sync-bn``)."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if type(model) is nn.BatchNorm2d:
-        replacement = CpuSyncBatchNorm(
-            model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats
-        )
-        replacement.load_state_dict(model.state_dict())
-        return replacement.train(model.training)
-    for name, child in model.named_children():
-        model.add_module(name, convert_sync_batchnorm(child, device))
+    for module in model.modules():
+        if type(module) is nn.BatchNorm2d:
+            module.__class__ = CpuSyncBatchNorm  # the same parameters and buffers: only the forward pass changes
     return model
