@@ -36,7 +36,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -57,19 +56,6 @@ def signal_exit_code(signum: int) -> int:
     return 128 + signum
 
 
-def _stop_during_startup(signum: int, frame: FrameType | None) -> None:
-    # Nothing has been created yet: leave at once (os._exit: no half-imported module's clean-up runs).
-    sys.stderr.write("Error: stopped by SIGINT (Ctrl-C) while starting; nothing was written\n")
-    sys.stderr.flush()
-    os._exit(signal_exit_code(signal.SIGINT))
-
-
-def stop_quietly_while_starting() -> None:
-    """SIGINT exits with one line and status 130 until the script installs its own handler."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when a parent chose to ignore it
-        signal.signal(signal.SIGINT, _stop_during_startup)
-
-
 class _EarlySignals:
     """The first signal ``catch_signals_from_start``'s handler saw, until ``InterruptFlag.install`` takes it."""
 
@@ -78,19 +64,28 @@ class _EarlySignals:
 
 def _remember(signum: int, frame: FrameType | None) -> None:
     if signum == signal.SIGINT:
-        _stop_during_startup(signum, frame)
+        # Nothing has been created yet: leave at once (os._exit: no half-imported module's clean-up runs).
+        sys.stderr.write("Error: stopped by SIGINT (Ctrl-C) while starting; nothing was written\n")
+        sys.stderr.flush()
+        os._exit(signal_exit_code(signal.SIGINT))
     if not _EarlySignals.signum:
         _EarlySignals.signum = signum
 
 
-def catch_signals_from_start() -> None:
-    """train.py's first call: SIGINT as ``stop_quietly_while_starting``; SIGTERM/SIGUSR1/SIGUSR2 remembered for the
-    run's ``InterruptFlag``; all of them ignored once the training is over. Handlers a parent chose are left alone."""
+def catch_signals_from_start(remembered: tuple[int, ...] = REMEMBERED_SIGNALS) -> None:
+    """An entry script's first call: SIGINT exits with one line and status 130 until the script installs its own
+    handling; the ``remembered`` signals (train.py's: SIGTERM/SIGUSR1/SIGUSR2) are kept for the run's
+    ``InterruptFlag``, and all of them ignored once the training is over. Handlers a parent chose are left alone."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _remember)
-    for signum in REMEMBERED_SIGNALS:
+    for signum in remembered:
         if signal.getsignal(signum) == signal.SIG_DFL:
             signal.signal(signum, _remember)
+
+
+def stop_quietly_while_starting() -> None:
+    """predict.py's and evaluate.py's first call: ``catch_signals_from_start`` for SIGINT alone."""
+    catch_signals_from_start(remembered=())
 
 
 def stopped_during_startup() -> bool:
@@ -101,7 +96,7 @@ def stopped_during_startup() -> bool:
 def startup_done() -> None:
     """Give SIGINT back to Python (KeyboardInterrupt) once the imports are over: from then on the script may have
     written something, and its own handling says what. Leaves any other handler alone (a test, a parent's choice)."""
-    if signal.getsignal(signal.SIGINT) is _stop_during_startup:
+    if signal.getsignal(signal.SIGINT) is _remember:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -149,11 +144,11 @@ def requeue_if_asked(plan: LaunchPlan, stopped_by: int) -> bool:
     return requeue_job(plan.slurm_job_id)
 
 
-def requeue_job(slurm_job_id: str, *, run: Callable[..., Any] = subprocess.run) -> bool:
+def requeue_job(slurm_job_id: str) -> bool:
     """Run ``scontrol requeue JOB`` once; False (after one warning) when it is missing or fails."""
     command = ["scontrol", "requeue", slurm_job_id]
     try:
-        completed = run(command, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S, check=False)
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as error:
         reason = str(error)
     else:
