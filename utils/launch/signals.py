@@ -20,15 +20,14 @@ orphaned worker. Standard library only: the entry scripts import this before tor
   a manual resubmission continues it. SLURM's own ``--requeue`` covers pre-emption and node failure, not the time
   limit. docs/CLUSTERS.md.
 * Orphans: torchrun's agent is the parent of its workers; killed with SIGKILL it cannot stop them, and they would
-  train to the end and keep writing checkpoints for a job nobody supervises. So a supervised worker asks the kernel
-  for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``, Linux) and, on every platform, a daemon thread
-  compares the parent PID every second; either way it stops as for SIGTERM above (exit 143). Only under a launcher:
-  a ``python train.py`` whose shell exits (``nohup``) is meant to keep running.
+  train to the end and keep writing checkpoints for a job nobody supervises. So in a supervised worker a daemon
+  thread compares the parent PID every second and, once the parent is gone, says so and sends the worker SIGTERM: it
+  stops as for SIGTERM above (exit 143). Only under a launcher: a ``python train.py`` whose shell exits (``nohup``)
+  is meant to keep running.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -48,7 +47,6 @@ REMEMBERED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 """Caught by ``catch_signals_from_start`` before the requeue signal is known (``--requeue-signal``: USR1 or USR2)."""
 SCONTROL_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 1.0
-_PR_SET_PDEATHSIG = 1
 
 
 def signal_exit_code(signum: int) -> int:
@@ -167,45 +165,17 @@ def requeue_job(slurm_job_id: str) -> bool:
     return False
 
 
-class LauncherWatch:
-    """The launcher this worker started under; says once, from whichever path sees it first, that it is gone."""
+def stop_when_orphaned(signum: int = signal.SIGTERM, poll_interval_s: float = POLL_INTERVAL_S) -> None:
+    """Send ``signum`` to this process, with one warning that says why, as soon as its parent (the launcher) is gone:
+    a daemon thread compares the parent PID every ``poll_interval_s``."""
+    parent = os.getppid()
 
-    def __init__(self, parent: int) -> None:
-        self.parent = parent
-        self._told = threading.Lock()  # held by the first to report: the watcher thread or report_if_gone
-
-    def gone(self) -> bool:
-        return os.getppid() != self.parent
-
-    def report_if_gone(self, signum: int = signal.SIGTERM) -> None:
-        """Log that the launcher is gone, if it is and nobody said so yet. The kernel's parent-death signal arrives
-        with no message, and a worker that saves and exits within the watcher's poll interval would otherwise stop
-        without saying why; the trainer calls this after a stop by a signal."""
-        if self.gone() and self._told.acquire(blocking=False):
-            logger.warning(
-                "The launcher (PID %d) is gone; stopping this worker as for %s",
-                self.parent,
-                signal.Signals(signum).name,
-            )
-
-    def _stop_when_gone(self, signum: int, poll_interval_s: float) -> None:
-        while not self.gone():
+    def watch() -> None:
+        while os.getppid() == parent:
             time.sleep(poll_interval_s)
-        self.report_if_gone(signum)
+        logger.warning(
+            "The launcher (PID %d) is gone; stopping this worker as for %s", parent, signal.Signals(signum).name
+        )
         os.kill(os.getpid(), signum)
 
-
-def stop_when_orphaned(signum: int = signal.SIGTERM, poll_interval_s: float = POLL_INTERVAL_S) -> LauncherWatch:
-    """Send ``signum`` to this process as soon as its parent (the launcher) is gone."""
-    watch = LauncherWatch(os.getppid())
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-                logger.debug("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
-        except (OSError, AttributeError) as error:  # no libc symbol: the parent-PID check still works
-            logger.debug("prctl unavailable: %s", error)
-    # The parent may have died before the request: then nobody will send the signal, and the first check stops it.
-    args = (signum, poll_interval_s)
-    threading.Thread(target=watch._stop_when_gone, args=args, name="orphan-watch", daemon=True).start()
-    return watch
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
