@@ -26,9 +26,9 @@ Shared memory (``guarded_loader``, the one loader builder of train.py, predict.p
 Linux). Docker gives a container 64 MB there by default: a worker that cannot allocate prints a traceback from its
 queue's feeder thread and the batch never arrives, so the main process waits for ever. So the loader
 
-- estimates what its workers keep in flight (``needed_bytes``) from one real item and refuses to start them when
-  ``/dev/shm`` has less free (``check_room``), with one ``Error:`` line naming the workers flag and the larger
-  ``/dev/shm`` that fix it;
+- estimates what its workers keep in flight from one real item (``tensor_bytes``) and refuses to start them when
+  ``/dev/shm`` has less free, with one ``Error:`` line naming the workers flag and the larger ``/dev/shm`` that fix
+  it;
 - waits ``LOADER_TIMEOUT_S`` for a batch (a batch that never comes becomes an error, not a hang) and turns that
   error, and a worker's own shared-memory error, into the same line (``SharedMemoryGuard``).
 """
@@ -283,47 +283,32 @@ def shortage_message(workers_fix: str, detail: str) -> str:
     )
 
 
-def check_room(
-    item: Any,
-    *,
-    batch_size: int,
-    workers: int,
-    workers_fix: str,
-    processes: int = 1,
-    folder: Path = SHARED_MEMORY_FOLDER,
-) -> None:
-    """Raise ``ConfigError`` when ``workers`` loader workers in each of ``processes`` processes (the ranks of one
-    machine) would not fit their batches of ``batch_size`` items like ``item`` into ``folder``: each worker loads
-    ``PREFETCH_FACTOR`` batches ahead, with ``SAFETY_FACTOR`` for what the main process holds (no workers need none).
-    ``workers_fix``: the flag that turns workers off. Where there is no such folder (not Linux), nothing to check."""
-    try:
-        stats = os.statvfs(folder)
-    except (OSError, AttributeError):  # no folder; no statvfs (Windows)
-        return
-    free = stats.f_bavail * stats.f_frsize
-    needed = tensor_bytes(item) * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
-    if needed <= free:
-        return
-    who = f"{workers} worker(s)" + (f" in each of {processes} processes" if processes > 1 else "")
-    raise ConfigError(
-        shortage_message(
-            workers_fix,
-            f"{who} need about {needed / _MB:.0f} MB of {folder} for batches of {batch_size} and {free / _MB:.0f} MB "
-            "are free",
-        )
-    )
-
-
 def guarded_loader(
     dataset: Dataset, *, batch_size: int, workers: int, workers_fix: str, processes: int = 1, **options: Any
 ) -> SharedMemoryGuard:
-    """The loader of train.py, predict.py and evaluate.py (``options``: DataLoader's others): ``workers`` processes
-    start only once one item (``dataset[0]``) shows that their batches fit in shared memory, beside those of the
-    ``processes`` of this machine (``check_room``); a batch they lose is an error after ``LOADER_TIMEOUT_S``, not a
-    hang; that error and a worker's own shared-memory error become one line (``SharedMemoryGuard``).
-    ``workers_fix``: the script's flag that turns workers off."""
-    if workers and len(dataset):  # type: ignore[arg-type]
-        check_room(dataset[0], batch_size=batch_size, workers=workers, workers_fix=workers_fix, processes=processes)
+    """The loader of train.py, predict.py and evaluate.py (``options``: DataLoader's others).
+
+    ``workers`` processes start only once one item (``dataset[0]``) shows that their batches fit in
+    ``SHARED_MEMORY_FOLDER`` beside those of the ``processes`` of this machine: each worker loads ``PREFETCH_FACTOR``
+    batches ahead, with ``SAFETY_FACTOR`` for what the main process holds (where there is no such folder, not on
+    Linux, nothing is checked). A batch they lose is an error after ``LOADER_TIMEOUT_S``, not a hang; that error and a
+    worker's own shared-memory error become one line (``SharedMemoryGuard``). ``workers_fix``: the script's flag that
+    turns workers off.
+    """
+    try:
+        stats = os.statvfs(SHARED_MEMORY_FOLDER)
+    except (OSError, AttributeError):  # no folder; no statvfs (Windows)
+        stats = None
+    if workers and len(dataset) and stats is not None:  # type: ignore[arg-type]
+        free = stats.f_bavail * stats.f_frsize
+        needed = tensor_bytes(dataset[0]) * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
+        if needed > free:
+            who = f"{workers} worker(s)" + (f" in each of {processes} processes" if processes > 1 else "")
+            detail = (
+                f"{who} need about {needed / _MB:.0f} MB of {SHARED_MEMORY_FOLDER} for batches of {batch_size} and "
+                f"{free / _MB:.0f} MB are free"
+            )
+            raise ConfigError(shortage_message(workers_fix, detail))
     timeout = LOADER_TIMEOUT_S if workers else 0.0
     return SharedMemoryGuard(
         dataset, workers_fix, batch_size=batch_size, num_workers=workers, timeout=timeout, **options
