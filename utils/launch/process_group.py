@@ -170,15 +170,13 @@ def decide_on_main(ctx: DistributedContext, decide: Callable[[], _T]) -> _T:
 
 def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
     """Run ``build`` on every rank; if it raises a UserError on any rank, raise the lowest such rank's on all."""
+    if not ctx.is_distributed:
+        return build()
     result, failure = None, None
     try:
         result = build()
     except UserError as error:
         failure = error
-    if not ctx.is_distributed:
-        if failure is not None:
-            raise failure
-        return result
     # One integer all-reduce decides; the messages travel (pickled, dearer) only when some rank failed, so this is
     # cheap enough to guard every batch the training loop fetches.
     failed = torch.tensor([failure is not None], dtype=torch.int32)
@@ -191,9 +189,8 @@ def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
     rank, (type_name, message) = next((rank, report) for rank, report in enumerate(reports) if report is not None)
     if rank == ctx.rank:
         raise raised_on_every_rank(failure)
+    # The same type where utils.errors has it (their constructors take the message alone), else a UserError.
     error_type = getattr(errors, type_name, UserError)
-    if not (isinstance(error_type, type) and issubclass(error_type, UserError)):
-        error_type = UserError
     raise raised_on_every_rank(error_type(f"rank {rank}: {message}"))
 
 
@@ -201,10 +198,6 @@ def raised_on_every_rank(error: UserError) -> UserError:
     """Mark ``error`` as raised with the same message on every rank, so that only global rank 0 needs to print it."""
     error.on_every_rank = True  # type: ignore[attr-defined]
     return error
-
-
-def is_raised_on_every_rank(error: BaseException) -> bool:
-    return bool(getattr(error, "on_every_rank", False))
 
 
 class StopAgreement:
@@ -289,17 +282,15 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
         if self.affine:
             output = output * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
         if self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), global_count.item())
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                # Like BatchNorm: the running variance is the unbiased estimate over the (global) batch.
+                total = global_count.item()
+                unbiased = var * (total / max(total - 1.0, 1.0))
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
         return output.to(input.dtype)
-
-    @torch.no_grad()
-    def _update_running_stats(self, mean: Tensor, biased_var: Tensor, count: float) -> None:
-        self.num_batches_tracked.add_(1)
-        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        # Like BatchNorm: the running variance is the unbiased estimate over the (global) batch.
-        unbiased = biased_var * (count / max(count - 1.0, 1.0))
-        self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
-        self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:

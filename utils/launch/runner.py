@@ -30,7 +30,7 @@ import torch
 from utils.cli import print_error, setup_logging
 from utils.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from utils.launch.environments import LaunchValueError
-from utils.launch.process_group import DistributedContext, barrier, is_raised_on_every_rank
+from utils.launch.process_group import DistributedContext, barrier
 from utils.launch.signals import signal_exit_code, startup_done, stopped_during_startup
 
 LOST_CONTACT_EXIT_CODE = 1
@@ -127,7 +127,7 @@ def report_user_error(error: UserError, stage: RunStage) -> None:
     error the other ranks leave after rank 0."""
     ctx = stage.ctx
     own = isinstance(error, LaunchValueError)
-    shared = (ctx is None and not stage.joining and not own) or is_raised_on_every_rank(error)
+    shared = (ctx is None and not stage.joining and not own) or getattr(error, "on_every_rank", False)
     quiet = shared and stage.rank != 0
     if not quiet:
         print_error(error)

@@ -131,7 +131,8 @@ class InterruptFlag:
 
 
 def requeue_if_asked(plan: LaunchPlan, stopped_by: int) -> bool:
-    """On global rank 0, once the run stopped for the requeue signal: requeue the job; whether it was requeued.
+    """On global rank 0, once the run stopped for the requeue signal: run ``scontrol requeue JOB`` once; whether the
+    job was requeued (False, after one warning, when scontrol is missing or fails).
 
     Called after ``Trainer.train`` returned, whose final barrier means every rank has left the loop and rank 0 has
     written its files. Also when the stop could not save (a skipped step): the newest checkpoint is then older, and
@@ -139,26 +140,21 @@ def requeue_if_asked(plan: LaunchPlan, stopped_by: int) -> bool:
     """
     if plan.rank != 0 or plan.slurm_job_id is None or stopped_by != plan.requeue_signal:
         return False
-    return requeue_job(plan.slurm_job_id)
-
-
-def requeue_job(slurm_job_id: str) -> bool:
-    """Run ``scontrol requeue JOB`` once; False (after one warning) when it is missing or fails."""
-    command = ["scontrol", "requeue", slurm_job_id]
+    command = ["scontrol", "requeue", plan.slurm_job_id]
     try:
         completed = subprocess.run(command, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as error:
         reason = str(error)
     else:
         if completed.returncode == 0:
-            logger.info("Requeued SLURM job %s (scontrol requeue): it continues with --resume auto", slurm_job_id)
+            logger.info("Requeued SLURM job %s (scontrol requeue): it continues with --resume auto", plan.slurm_job_id)
             return True
         output = (completed.stderr or completed.stdout or "").strip().splitlines()
         reason = f"exit status {completed.returncode}" + (f": {output[-1]}" if output else "")
     logger.warning(
         "Could not requeue SLURM job %s (%s: %s); the checkpoint is saved: submit the job again, its --resume auto "
         "continues the run",
-        slurm_job_id,
+        plan.slurm_job_id,
         " ".join(command),
         reason,
     )
