@@ -77,14 +77,9 @@ def torch_archive_kind(path: Path) -> str | None:
     """``"checkpoint"`` for a ``torch.save`` file, ``"torchscript"`` for a TorchScript archive, else ``None``."""
     try:
         with open(path, "rb") as handle:
-            head = handle.read(len(_LEGACY_TORCH_MAGIC))
-    except OSError:
-        return None
-    if head == _LEGACY_TORCH_MAGIC:
-        return "checkpoint"
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
+            if handle.read(len(_LEGACY_TORCH_MAGIC)) == _LEGACY_TORCH_MAGIC:
+                return "checkpoint"
+            names = zipfile.ZipFile(handle).namelist()
     except (zipfile.BadZipFile, OSError, ValueError):
         return None
     if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
@@ -305,10 +300,8 @@ def _output_error(path: Path, role: str | None, error: OSError) -> OutputError:
     location = error.errno in LOCATION_ERRNOS
     if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         fix = "free some space there or write the outputs elsewhere"
-    elif location:
-        fix = "choose a folder you can write to"
     else:
-        fix = "check the output path"
+        fix = "choose a folder you can write to" if location else "check the output path"
     return OutputError(f"cannot write {what}: {error.strerror or error}; {fix}", location_failure=location)
 
 
