@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision import models
 
-from .deep_supervision import AuxiliaryHeads
-from .unet_model import SegmentationNet, UNetArgs
+from .unet_model import AuxiliaryHeads, SegmentationNet, UNetArgs
 from .unet_parts import conv_bn_relu_twice
 
 # Channels of the stem (conv1 at 1/2) and of layer1..layer4 (1/4 .. 1/32) of each encoder.
@@ -87,7 +86,7 @@ class ResNetUNet(SegmentationNet):
     """A torchvision ResNet encoder under a UNet decoder; ``n_classes`` logit maps of the input's height and width.
 
     With ``deep_supervision``, training-mode forward passes return ``[logits, logits at 1/2, logits at 1/4]`` (see
-    ``unet.deep_supervision``); evaluation-mode passes return the logits alone.
+    ``unet.unet_model.SegmentationNet``); evaluation-mode passes return the logits alone.
     """
 
     def __init__(
