@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import launch_flags
 from utils.errors import ConfigError
-from utils.launch.environments import derived_port, first_host, launcher_rank, plan_launch, tasks_on_first_node
+from utils.launch.environments import derived_port, first_host, launcher_rank, plan_launch
 
 
 @pytest.mark.parametrize(
@@ -49,10 +49,12 @@ def test_derived_port_is_in_range_and_stable() -> None:
         derived_port("abc")
 
 
-def test_tasks_on_first_node() -> None:
-    assert tasks_on_first_node("4(x2),3") == 4
-    assert tasks_on_first_node("8") == 8
-    assert tasks_on_first_node("") is None
+def test_the_local_world_size_is_the_first_nodes_task_count() -> None:
+    flags = launch_flags(ddp_mode=True)
+    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "7", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert plan_launch(flags, environ={**base, "SLURM_TASKS_PER_NODE": "4(x2),3"}).local_world_size == 4
+    assert plan_launch(flags, environ={**base, "SLURM_STEP_TASKS_PER_NODE": "8"}).local_world_size == 8
+    assert plan_launch(flags, environ=base).local_world_size == 7  # unknown: all of them
 
 
 SRUN_TASK = {

@@ -36,6 +36,7 @@ without processes. SLURM's notations (host lists, tasks per node) are parsed her
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -138,23 +139,19 @@ class Given(NamedTuple):
     name: str
 
 
-class _Sources:
-    """The flags and variables launch values come from."""
+def _value(config: LaunchSection, environ: Mapping[str, str], source: str) -> int | None:
+    """The integer in ``source``, a flag (``--rank``) or an environment variable; None where it is not set."""
+    if source.startswith("--"):
+        return getattr(config, source[2:].replace("-", "_"))
+    return _env_int(environ, source)
 
-    def __init__(self, config: LaunchSection, environ: Mapping[str, str]) -> None:
-        self.config, self.environ = config, environ
 
-    def __call__(self, *sources: str, default: int) -> Given:
-        """The first of ``sources`` that is set; ``default`` under the last one's name when none is."""
-        source = next((source for source in sources if self.value(source) is not None), sources[-1])
-        value = self.value(source)
-        name = source if source.startswith("--") else f"environment variable {source}"
-        return Given(default if value is None else value, name)
-
-    def value(self, source: str) -> int | None:
-        if source.startswith("--"):
-            return getattr(self.config, source[2:].replace("-", "_"))
-        return _env_int(self.environ, source)
+def _given(config: LaunchSection, environ: Mapping[str, str], *sources: str, default: int) -> Given:
+    """The first of ``sources`` that is set; ``default`` under the last one's name when none is."""
+    source = next((source for source in sources if _value(config, environ, source) is not None), sources[-1])
+    value = _value(config, environ, source)
+    name = source if source.startswith("--") else f"environment variable {source}"
+    return Given(default if value is None else value, name)
 
 
 def plan_launch(
@@ -162,9 +159,10 @@ def plan_launch(
 ) -> LaunchPlan:
     """Decide single-process or DDP from the flags and the environment (pure: ``environ`` defaults to os.environ)."""
     environ = os.environ if environ is None else environ
-    given = _Sources(config, environ)
+    given = functools.partial(_given, config, environ)
+    value = functools.partial(_value, config, environ)
     # In order of precedence: the flags, then torchrun's or the legacy launcher's variables, then srun's.
-    found = (kind for kind in (MANUAL, LEGACY, SLURM) if None not in map(given.value, (kind.rank, kind.world_size)))
+    found = (kind for kind in (MANUAL, LEGACY, SLURM) if None not in (value(kind.rank), value(kind.world_size)))
     launcher = next(found, None)
     if launcher is LEGACY and "TORCHELASTIC_RUN_ID" in environ:
         launcher = TORCHRUN
@@ -180,11 +178,12 @@ def plan_launch(
     rank, world = given(launcher.rank, default=0), given(launcher.world_size, default=1)
     local_rank = given(launcher.local_rank, "--local-rank", "--rank", default=0)
     # The local rank's bound: LOCAL_WORLD_SIZE where the launcher sets it, else the world size.
-    local_world = given("LOCAL_WORLD_SIZE", default=0) if given.value("LOCAL_WORLD_SIZE") is not None else world
+    local_world = given("LOCAL_WORLD_SIZE", default=0) if value("LOCAL_WORLD_SIZE") is not None else world
     # Where no launcher says how many ranks share this machine (srun says it per node), assuming all of them only
     # makes the per-process CPU thread count smaller, never oversubscribed.
     per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
-    local_world_size = (launcher is SLURM and tasks_on_first_node(per_node)) or local_world.value or 1
+    first_node = re.match(r"\d+", per_node.strip()) if launcher is SLURM else None  # "4(x2),3": 4 on the first node
+    local_world_size = int(first_node.group()) if first_node else local_world.value or 1
     _refuse_wrong_srun(launcher, environ, world.value, local_world_size)
     warning = None
     if not config.ddp_mode and launcher is MANUAL:
@@ -337,12 +336,6 @@ def derived_port(job_id: str) -> int:
     if not digits.isdigit():
         raise ConfigError(f"environment variable SLURM_JOB_ID={job_id!r} is not a job number; set MASTER_PORT instead")
     return DERIVED_PORT_BASE + int(digits) % DERIVED_PORT_SPAN
-
-
-def tasks_on_first_node(tasks_per_node: str) -> int | None:
-    """The task count of the first node in ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE`` (``4(x2),3``)."""
-    match = re.match(r"(\d+)", tasks_per_node.strip())
-    return int(match.group(1)) if match else None
 
 
 def _needed(environ: Mapping[str, str], *names: str, why: str) -> str:
