@@ -181,9 +181,8 @@ class UNet(SegmentationNet):
 
 @contextlib.contextmanager
 def _preserve_norm_buffers(block: nn.Module) -> Iterator[None]:
-    """Snapshot the BatchNorm buffers of ``block`` and put them back when the context exits."""
-    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    buffers = [buffer for norm in norms for buffer in norm.buffers(recurse=False)]
+    """Snapshot the buffers of ``block`` (its BatchNorm statistics) and put them back when the context exits."""
+    buffers = list(block.buffers())
     saved = [buffer.clone() for buffer in buffers]
     try:
         yield

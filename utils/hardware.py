@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# torch.cpu's probes of the instructions that run each half precision natively (AVX-512 BF16 or AMX).
+_NATIVE_PROBES = {"bf16": ("_is_avx512_bf16_supported", "_is_amx_tile_supported"), "fp16": ("_is_amx_fp16_supported",)}
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -78,12 +80,8 @@ def resolve_precision(precision: str | None, amp: bool, device_type: str) -> str
 
 def cpu_has_native(precision: str) -> bool:
     """Whether this CPU has instructions for ``precision`` (fp32 always); without them half precision is emulated."""
-    if precision == "fp32":
-        return True
-    probes = (
-        ("_is_avx512_bf16_supported", "_is_amx_tile_supported") if precision == "bf16" else ("_is_amx_fp16_supported",)
-    )
-    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    probes = _NATIVE_PROBES.get(precision, ())
+    return precision == "fp32" or any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def warn_if_emulated(device: torch.device, precision: str) -> None:

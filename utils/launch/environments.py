@@ -84,13 +84,10 @@ class Launcher:
 MANUAL = Launcher("--rank/--world-size", "--rank", "--world-size")
 TORCHRUN = Launcher("torchrun", supervised=True)
 LEGACY = Launcher("torch.distributed.launch")
-SLURM = Launcher(
-    "srun",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    address_hint="MASTER_ADDR (else SLURM_JOB_NODELIST's first host) and MASTER_PORT (else derived from SLURM_JOB_ID)",
+SLURM_ADDRESS_HINT = (
+    "MASTER_ADDR (else SLURM_JOB_NODELIST's first host) and MASTER_PORT (else derived from SLURM_JOB_ID)"
 )
+SLURM = Launcher("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", address_hint=SLURM_ADDRESS_HINT)
 SINGLE = Launcher("none")
 """``python train.py``: no launcher, one process (its ``--local-rank`` or LOCAL_RANK still picks the GPU)."""
 ENV_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
