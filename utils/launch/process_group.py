@@ -46,7 +46,6 @@ class DistributedContext(LaunchPlan):
     """
 
     device: torch.device
-    backend: str | None = None
     control_group: Any = None
     """The gloo group of the control messages (see the module docstring)."""
 
@@ -56,7 +55,8 @@ class DistributedContext(LaunchPlan):
 
     @property
     def is_distributed(self) -> bool:
-        return self.backend is not None
+        """Joined a process group (the plan was distributed)."""
+        return self.distributed
 
 
 def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSection) -> DistributedContext:
@@ -93,7 +93,7 @@ def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSecti
         ) from error
     # The timeout must be given again: a new group does not inherit it and would wait 30 minutes for a dead rank.
     control_group = dist.new_group(backend="gloo", timeout=timeout)
-    return DistributedContext(**vars(plan), device=device, backend=backend, control_group=control_group)
+    return DistributedContext(**vars(plan), device=device, control_group=control_group)
 
 
 @contextlib.contextmanager
