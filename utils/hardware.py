@@ -40,6 +40,7 @@ import ctypes
 import dataclasses
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -294,11 +295,10 @@ def guarded_loader(
     turns workers off.
     """
     try:
-        stats = os.statvfs(SHARED_MEMORY_FOLDER)
-    except (OSError, AttributeError):  # no folder; no statvfs (Windows)
-        stats = None
-    if workers and len(dataset) and stats is not None:  # type: ignore[arg-type]
-        free = stats.f_bavail * stats.f_frsize
+        free = shutil.disk_usage(SHARED_MEMORY_FOLDER).free
+    except OSError:  # no such folder (not Linux): nothing to check
+        free = None
+    if workers and len(dataset) and free is not None:  # type: ignore[arg-type]
         needed = tensor_bytes(dataset[0]) * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
         if needed > free:
             who = f"{workers} worker(s)" + (f" in each of {processes} processes" if processes > 1 else "")
