@@ -42,7 +42,6 @@ from utils.launch.environments import LaunchPlan
 
 logger = logging.getLogger(__name__)
 
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REMEMBERED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 """Caught by ``catch_signals_from_start`` before the requeue signal is known (``--requeue-signal``: USR1 or USR2)."""
 SCONTROL_TIMEOUT_S = 60.0
@@ -108,7 +107,7 @@ class InterruptFlag:
     def install(self, requeue_signal: int | None = None) -> InterruptFlag:
         """Handle SIGINT, SIGTERM and, under SLURM, the requeue signal (``LaunchPlan.requeue_signal``); one of them
         that arrived during start-up (``catch_signals_from_start``) counts as received now."""
-        handled = [signum for signum in (*HANDLED_SIGNALS, requeue_signal) if signum is not None]
+        handled = [signum for signum in (signal.SIGINT, signal.SIGTERM, requeue_signal) if signum is not None]
         for signum in handled:
             self._previous[signum] = signal.signal(signum, self._handle)
         if _EarlySignals.signum in handled:
