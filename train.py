@@ -62,8 +62,8 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
         setup_logging(plan.rank, plan.world_size)
         # Installed before the process group exists, so that a signal during set-up is not lost either.
         interrupts.install(plan.requeue_signal)
-        # A worker whose torchrun is killed stops like one sent SIGTERM.
-        launcher = stop_when_orphaned() if plan.supervised else None
+        if plan.supervised:
+            stop_when_orphaned()  # a worker whose torchrun is killed stops like one sent SIGTERM
         stage.joining = True
         stage.ctx = join(config, plan)
         stage.joining = False
@@ -72,8 +72,6 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
             outcome = trainer.train()
         finally:
             trainer.close()
-        if launcher is not None and outcome.interrupted_by:
-            launcher.report_if_gone(outcome.interrupted_by)
     finally:
         interrupts.restore()
     return _report(config, stage.ctx, outcome)

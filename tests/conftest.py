@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import read_metrics
-from utils.launch.environments import LAUNCHER_ENV_VARIABLES
+from utils.launch.environments import is_launcher_variable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,7 +134,7 @@ def self_labelled_masks(carvana_data: SyntheticData, tmp_path: Path) -> Callable
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_ENV_VARIABLES}
+    env = {key: value for key, value in os.environ.items() if not is_launcher_variable(key)}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env

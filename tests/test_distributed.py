@@ -91,7 +91,7 @@ def test_each_torchrun_attempt_uses_its_own_namespace_of_the_agents_store() -> N
         ({}, {"RANK": "0", "WORLD_SIZE": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
          "environment variable WORLD_SIZE=0 is not a number of processes"),
         ({}, {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h"},
-         "environment variable LOCAL_RANK=2 is outside 0..1 (LOCAL_WORLD_SIZE=2)"),
+         "environment variable LOCAL_RANK=2 is outside 0..1 (environment variable LOCAL_WORLD_SIZE=2)"),
         ({}, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1", "MASTER_ADDR": "h"},
          "environment variable LOCAL_RANK=-1 is outside 0..1"),
         ({}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "3", "SLURM_JOB_ID": "7",

@@ -7,6 +7,7 @@ skip where this machine does not allow that.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -16,19 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import Dataset
 
 from tests.conftest import REPO_ROOT, child_env
 from tests.helpers import make_model, one_error_line, save_checkpoint_trained_at, small_tmpfs, write_images
+from utils import hardware
 from utils.errors import ConfigError
-from utils.hardware import (
-    PREFETCH_FACTOR,
-    SAFETY_FACTOR,
-    SharedMemoryGuard,
-    check_room,
-    free_bytes,
-    needed_bytes,
-    tensor_bytes,
-)
+from utils.hardware import PREFETCH_FACTOR, SAFETY_FACTOR, SharedMemoryGuard, guarded_loader, tensor_bytes
 
 MB = 1024 * 1024
 
@@ -47,36 +42,38 @@ def test_tensor_bytes_counts_every_tensor_of_an_item() -> None:
     assert tensor_bytes(None) == 0
 
 
-def test_needed_bytes_is_batches_in_flight_per_worker_and_process() -> None:
+def test_the_room_check_against_a_real_small_filesystem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (PREFETCH_FACTOR, SAFETY_FACTOR) == (2, 2)
-    assert needed_bytes(1000, batch_size=4, workers=3) == 1000 * 4 * 3 * 2 * 2
-    assert needed_bytes(1000, batch_size=4, workers=3, processes=8) == 1000 * 4 * 3 * 2 * 2 * 8
-    assert needed_bytes(1000, batch_size=4, workers=0) == 0
-
-
-def test_check_room_against_a_real_small_filesystem(tmp_path: Path) -> None:
     with small_tmpfs(tmp_path / "shm", "1m") as shm:
-        free = free_bytes(shm)
-        assert free is not None and 0 < free <= MB
-        item = {"image": torch.zeros(free // 16, dtype=torch.uint8)}  # 1/16 of the room: 2 workers need 1/2
-        check_room(item, batch_size=1, workers=2, workers_fix="--num-workers 0", folder=shm)
-        check_room(item, batch_size=100, workers=0, workers_fix="--num-workers 0", folder=shm)  # no workers
-        with pytest.raises(ConfigError, match=r"2 worker\(s\) in each of 4 processes need .*--num-workers 0.*shm-size"):
-            check_room(item, batch_size=1, workers=2, processes=4, workers_fix="--num-workers 0", folder=shm)
-    assert free_bytes(tmp_path / "missing") is None  # nothing to check where there is no /dev/shm
+        monkeypatch.setattr(hardware, "SHARED_MEMORY_FOLDER", shm)
+        stats = os.statvfs(shm)
+        free = stats.f_bavail * stats.f_frsize
+        assert 0 < free <= MB
+        items = [{"image": torch.zeros(free // 16, dtype=torch.uint8)}]  # 1/16 of the room: 2 workers need 1/2
+        assert len(guarded_loader(items, batch_size=1, workers=2, workers_fix="--num-workers 0")) == 1
+        guarded_loader(items, batch_size=100, workers=0, workers_fix="--num-workers 0")  # no workers
+        # Each worker of each process holds PREFETCH_FACTOR batches, SAFETY_FACTOR times: 1/16 * 2 * 2 * 2 * 4 = 2.
+        needed = f"need about {2 * free / MB:.0f} MB of {shm}"
+        with pytest.raises(ConfigError, match=rf"2 worker\(s\) in each of 4 processes {needed} .*-workers 0.*shm-size"):
+            guarded_loader(items, batch_size=1, workers=2, processes=4, workers_fix="--num-workers 0")
+        with pytest.raises(ConfigError, match=rf"1 worker\(s\) {needed} for batches of 8 "):
+            guarded_loader(items, batch_size=8, workers=1, workers_fix="--num-workers 0")
+    # Nothing to check where there is no /dev/shm.
+    monkeypatch.setattr(hardware, "SHARED_MEMORY_FOLDER", tmp_path / "missing")
+    guarded_loader(items, batch_size=10**6, workers=8, workers_fix="--num-workers 0")
 
 
-class _FailingLoader:
+class _FailingDataset(Dataset):
     def __init__(self, message: str) -> None:
         self.message = message
-        self.batch_size = 7
 
     def __len__(self) -> int:
         return 2
 
-    def __iter__(self):
-        yield 1
-        raise RuntimeError(self.message)
+    def __getitem__(self, index: int) -> int:
+        if index == 1:
+            raise RuntimeError(self.message)
+        return index
 
 
 def test_guard_turns_a_sharing_failure_into_one_error_and_leaves_others() -> None:
@@ -84,15 +81,15 @@ def test_guard_turns_a_sharing_failure_into_one_error_and_leaves_others() -> Non
         "Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
         "RuntimeError: unable to allocate shared memory(shm) for file </torch_1_2>: No space left on device (28)"
     )
-    guard = SharedMemoryGuard(_FailingLoader(worker_error), "-j 0")
-    assert len(guard) == 2 and guard.batch_size == 7
+    guard = SharedMemoryGuard(_FailingDataset(worker_error), "-j 0", batch_size=1)
+    assert len(guard) == 2 and next(iter(guard)).tolist() == [0]
     with pytest.raises(ConfigError, match=r"No space left on device \(28\); use -j 0 .*--shm-size") as raised:
         list(guard)
     assert "\n" not in str(raised.value)
     with pytest.raises(ConfigError, match=r"no batch arrived for 300 s \(a worker lost it.*; use -j 0"):
-        list(SharedMemoryGuard(_FailingLoader("DataLoader timed out after 300 seconds"), "-j 0"))
+        list(SharedMemoryGuard(_FailingDataset("DataLoader timed out after 300 seconds"), "-j 0"))
     with pytest.raises(RuntimeError, match="something else"):
-        list(SharedMemoryGuard(_FailingLoader("something else"), "-j 0"))
+        list(SharedMemoryGuard(_FailingDataset("something else"), "-j 0"))
 
 
 # --- real processes over a 1 MB /dev/shm ---------------------------------------------------------------------------
@@ -175,15 +172,15 @@ def test_train_with_workers_and_a_small_shm_says_so(tmp_path: Path) -> None:
     assert "--num-workers 0" in line and "--shm-size" in line, line
 
 
-# The backstop: the same scripts with the check before the workers start switched off (as when its estimate falls
-# short), and a short loader timeout. predict's workers lose their batch in their queue's feeder thread (before the fix
-# it hung for good): it waits the whole timeout, so its is shorter; train's report the failure from the worker (before
-# the fix: a traceback, then a hang at exit), and a slow worker on a busy machine must not time out before that.
+# The backstop: the same scripts with the check before the workers start fooled (its estimate falls short: items of
+# no bytes), and a short loader timeout. predict's workers lose their batch in their queue's feeder thread (before the
+# fix it hung for good): it waits the whole timeout, so its is shorter; train's report the failure from the worker
+# (before the fix: a traceback, then a hang at exit), and a slow worker on a busy machine must not time out before that.
 WITHOUT_CHECK = """
 import runpy, sys
 sys.path.insert(0, {root!r})
 import utils.hardware as shared_memory
-shared_memory.check_room = lambda *args, **kwargs: None
+shared_memory.tensor_bytes = lambda item: 0
 shared_memory.LOADER_TIMEOUT_S = {timeout_s}
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -9,35 +9,36 @@ import pytest
 
 from tests.helpers import launch_flags
 from utils.errors import ConfigError
-from utils.launch.environments import derived_port, expand_hostlist, launcher_rank, plan_launch, tasks_on_first_node
+from utils.launch.environments import derived_port, first_host, launcher_rank, plan_launch
 
 
 @pytest.mark.parametrize(
-    ("hostlist", "hosts"),
+    ("hostlist", "first"),
     [
-        ("gpu[01-03,07],cpu5", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]),
-        ("localhost", ["localhost"]),
-        ("node7", ["node7"]),
-        ("a,b,c", ["a", "b", "c"]),
-        ("gpu[8-11]", ["gpu8", "gpu9", "gpu10", "gpu11"]),
-        ("gpu[008-010]", ["gpu008", "gpu009", "gpu010"]),
-        ("rack[1-2]-gpu[1-2]", ["rack1-gpu1", "rack1-gpu2", "rack2-gpu1", "rack2-gpu2"]),
-        ("n[1,3]-ib", ["n1-ib", "n3-ib"]),
-        ("x[5]", ["x5"]),
+        ("gpu[01-03,07],cpu5", "gpu01"),
+        ("localhost", "localhost"),
+        ("node7", "node7"),
+        ("a,b,c", "a"),
+        ("gpu[8-11]", "gpu8"),
+        ("gpu[008-010]", "gpu008"),
+        ("rack[2-3]-gpu[1-2],rack1-gpu1", "rack2-gpu1"),
+        ("n[3,1]-ib", "n3-ib"),
+        ("x[5]", "x5"),
+        ("node10-2,gpu[1-2]", "node10-2"),  # a range outside brackets is part of a name
     ],
 )
-def test_expand_hostlist(hostlist: str, hosts: list[str]) -> None:
-    assert expand_hostlist(hostlist) == hosts
+def test_the_first_host_of_a_hostlist(hostlist: str, first: str) -> None:
+    assert first_host(hostlist) == first
 
 
 @pytest.mark.parametrize(
-    ("hostlist", "reason"),
-    [("gpu[01-03", "not closed"), ("gpu01]", "closes no"), ("gpu[3-1]", "backwards"), ("gpu[a-b]", "not a number"),
-     ("", "no host")],
-)  # fmt: skip
-def test_bad_hostlists_name_the_variable_and_the_fix(hostlist: str, reason: str) -> None:
-    with pytest.raises(ConfigError, match=f"SLURM_JOB_NODELIST.*{reason}.*MASTER_ADDR"):
-        expand_hostlist(hostlist)
+    "hostlist",
+    ["gpu[01-03", "gpu01]", "gpu[3-1]", "a,gpu[2,5-4]", "gpu[a-b]", "gpu[]", "a,,b", "a,gpu[1-2", ""],
+)
+def test_bad_hostlists_name_the_variable_and_the_fix(hostlist: str) -> None:
+    # The whole list is checked, not only the first host that the rendezvous needs.
+    with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST=.* is not a host list SLURM writes.*set MASTER_ADDR"):
+        first_host(hostlist)
 
 
 def test_derived_port_is_in_range_and_stable() -> None:
@@ -48,10 +49,12 @@ def test_derived_port_is_in_range_and_stable() -> None:
         derived_port("abc")
 
 
-def test_tasks_on_first_node() -> None:
-    assert tasks_on_first_node("4(x2),3") == 4
-    assert tasks_on_first_node("8") == 8
-    assert tasks_on_first_node("") is None
+def test_the_local_world_size_is_the_first_nodes_task_count() -> None:
+    flags = launch_flags(ddp_mode=True)
+    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "7", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert plan_launch(flags, environ={**base, "SLURM_TASKS_PER_NODE": "4(x2),3"}).local_world_size == 4
+    assert plan_launch(flags, environ={**base, "SLURM_STEP_TASKS_PER_NODE": "8"}).local_world_size == 8
+    assert plan_launch(flags, environ=base).local_world_size == 7  # unknown: all of them
 
 
 SRUN_TASK = {

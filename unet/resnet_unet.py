@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision import models
 
-from .deep_supervision import AuxiliaryHeads
-from .unet_model import SegmentationNet, UNetArgs
+from .unet_model import AuxiliaryHeads, SegmentationNet, UNetArgs
 from .unet_parts import conv_bn_relu_twice
 
 # Channels of the stem (conv1 at 1/2) and of layer1..layer4 (1/4 .. 1/32) of each encoder.
@@ -88,7 +87,8 @@ class ResNetUNet(SegmentationNet):
     """A torchvision ResNet encoder under a UNet decoder; ``n_classes`` logit maps of the input's height and width.
 
     With ``deep_supervision``, training-mode forward passes return ``[logits, logits at 1/2, logits at 1/4]`` (see
-    ``unet.deep_supervision``); evaluation-mode passes return the logits alone.
+    ``unet.unet_model.SegmentationNet``); evaluation-mode passes return the logits alone. Activation checkpointing
+    (``use_checkpointing``) is the plain UNet's: ``--checkpointing`` with another encoder is refused at parse time.
     """
 
     def __init__(
@@ -116,11 +116,6 @@ class ResNetUNet(SegmentationNet):
         self.head = nn.Conv2d(widths[-1], n_classes, kernel_size=1)
         # Auxiliary logits after the decoder stages at 1/2 and 1/4 of the input resolution.
         self.aux_heads = AuxiliaryHeads((widths[3], widths[2]), n_classes) if deep_supervision else None
-
-    def use_checkpointing(self, enabled: bool = True) -> None:
-        """Activation checkpointing is implemented for the plain UNet only."""
-        if enabled:
-            raise ValueError("--checkpointing is supported with --encoder unet only")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         height, width = x.shape[-2:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .deep_supervision import AuxiliaryHeads
 from .unet_parts import DoubleConv, Down, OutConv, Up
 
 # The smallest side the model runs at: four 2x2 poolings leave a 2x2 bottleneck, so BatchNorm in training mode sees
@@ -52,9 +51,36 @@ class UNetArgs:
 OPTIONAL_ARGS: dict[str, Any] = {"encoder": UNetArgs.encoder, "deep_supervision": UNetArgs.deep_supervision}
 
 
+# Downsampling factor of each auxiliary output, in the order models return them.
+AUX_FACTORS = (2, 4)
+
+
+class AuxiliaryHeads(nn.Module):
+    """One 1x1 convolution to ``n_classes`` logits per decoder feature, cropped to the input's extent."""
+
+    def __init__(self, in_channels: Sequence[int], n_classes: int) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(channels, n_classes, kernel_size=1) for channels in in_channels)
+
+    def forward(self, features: Sequence[torch.Tensor], height: int, width: int) -> list[torch.Tensor]:
+        """Logits of ``features`` (at 1/2 and 1/4 of a possibly padded input), cropped to the unpadded input's part."""
+        outputs = []
+        for conv, feature, factor in zip(self.convs, features, AUX_FACTORS, strict=True):
+            # Ceil division: the rows that still hold some of the input (padding, if any, lies at the bottom/right).
+            outputs.append(conv(feature)[..., : -(-height // factor), : -(-width // factor)])
+        return outputs
+
+
 class SegmentationNet(nn.Module):
     """What both architectures share: the sizes checked, the arguments that rebuild the model, the outputs of
-    ``--deep-supervision`` (the subclass creates ``aux_heads``)."""
+    ``--deep-supervision`` (the subclass creates ``aux_heads``).
+
+    Deep supervision (nnU-Net): extra logits from the decoder stages at 1/2 and 1/4 of the input resolution. The heads
+    are 1x1 convolutions used only by training-mode forward passes, which then return ``[logits, logits at 1/2, logits
+    at 1/4]``; every such pass uses every head, so DistributedDataParallel finds no unused parameters. Evaluation-mode
+    passes (validation, predict, evaluate, export) return the full-resolution logits alone, exactly what a model
+    without heads returns. The loss side is ``utils.training.objective.deep_supervision_loss``.
+    """
 
     aux_heads: AuxiliaryHeads | None
 
@@ -155,9 +181,8 @@ class UNet(SegmentationNet):
 
 @contextlib.contextmanager
 def _preserve_norm_buffers(block: nn.Module) -> Iterator[None]:
-    """Snapshot the BatchNorm buffers of ``block`` and put them back when the context exits."""
-    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    buffers = [buffer for norm in norms for buffer in norm.buffers(recurse=False)]
+    """Snapshot the buffers of ``block`` (its BatchNorm statistics) and put them back when the context exits."""
+    buffers = list(block.buffers())
     saved = [buffer.clone() for buffer in buffers]
     try:
         yield

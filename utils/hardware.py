@@ -26,9 +26,9 @@ Shared memory (``guarded_loader``, the one loader builder of train.py, predict.p
 Linux). Docker gives a container 64 MB there by default: a worker that cannot allocate prints a traceback from its
 queue's feeder thread and the batch never arrives, so the main process waits for ever. So the loader
 
-- estimates what its workers keep in flight (``needed_bytes``) from one real item and refuses to start them when
-  ``/dev/shm`` has less free (``check_room``), with one ``Error:`` line naming the workers flag and the larger
-  ``/dev/shm`` that fix it;
+- estimates what its workers keep in flight from one real item (``tensor_bytes``) and refuses to start them when
+  ``/dev/shm`` has less free, with one ``Error:`` line naming the workers flag and the larger ``/dev/shm`` that fix
+  it;
 - waits ``LOADER_TIMEOUT_S`` for a batch (a batch that never comes becomes an error, not a hang) and turns that
   error, and a worker's own shared-memory error, into the same line (``SharedMemoryGuard``).
 """
@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import dataclasses
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,25 +54,19 @@ logger = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    """The autocast dtype of ``precision`` (one of ``PRECISIONS``, the flags' choices); None for fp32, which runs
-    without autocast."""
-    return _AUTOCAST_DTYPES.get(precision)
+# torch.cpu's probes of the instructions that run each half precision natively (AVX-512 BF16 or AMX).
+_NATIVE_PROBES = {"bf16": ("_is_avx512_bf16_supported", "_is_amx_tile_supported"), "fp16": ("_is_amx_fp16_supported",)}
 
 
 def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype the heavy maths runs in under ``precision`` (fp32 for fp32)."""
-    return autocast_dtype(precision) or torch.float32
+    """The dtype the heavy maths runs in under ``precision`` (one of ``PRECISIONS``, the flags' choices)."""
+    return _AUTOCAST_DTYPES.get(precision, torch.float32)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """Mixed precision for a forward pass on ``device``; fp32 runs without autocast."""
-    dtype = autocast_dtype(precision)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    dtype = _AUTOCAST_DTYPES.get(precision)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def resolve_precision(precision: str | None, amp: bool, device_type: str) -> str:
@@ -87,12 +81,8 @@ def resolve_precision(precision: str | None, amp: bool, device_type: str) -> str
 
 def cpu_has_native(precision: str) -> bool:
     """Whether this CPU has instructions for ``precision`` (fp32 always); without them half precision is emulated."""
-    if precision == "fp32":
-        return True
-    probes = (
-        ("_is_avx512_bf16_supported", "_is_amx_tile_supported") if precision == "bf16" else ("_is_amx_fp16_supported",)
-    )
-    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    probes = _NATIVE_PROBES.get(precision, ())
+    return precision == "fp32" or any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def warn_if_emulated(device: torch.device, precision: str) -> None:
@@ -112,35 +102,32 @@ def pick_device(requested: str, *, local_rank: int = 0, distributed: bool = Fals
     asked for but absent is a ConfigError naming ``--device``. ``requested`` was checked by ``--device``'s value type
     (``utils.cli.device_flag``).
     """
-    device = torch.device("cuda" if requested == "auto" else requested)
     cuda_ok = torch.cuda.is_available()
     mps_ok = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    if requested != "auto" and device.type == "cuda" and not cuda_ok:
+    if requested == "auto":
+        requested = "cuda" if cuda_ok else "mps" if mps_ok and not distributed else "cpu"
+    device = torch.device(requested)
+    if device.type == "cuda" and not cuda_ok:
         raise ConfigError(f"--device {requested} but PyTorch sees no CUDA device; use --device cpu (or auto)")
     if device.type == "mps" and not mps_ok:
         raise ConfigError("--device mps but MPS is not available here; use --device cpu (or auto)")
-    if device.type == "cuda" and device.index is not None and distributed:
+    if device.type == "mps" and distributed:
+        raise ConfigError("DDP does not run on MPS; use --device cpu for a distributed run on this machine")
+    if device.type != "cuda":
+        return device
+    if device.index is not None and distributed:
         raise ConfigError(
             f"--device {requested} would put every process on GPU {device.index}; use --device cuda (each process "
             "takes cuda:LOCAL_RANK)"
         )
-    if device.type == "mps" and distributed:
-        raise ConfigError("DDP does not run on MPS; use --device cpu for a distributed run on this machine")
-    if device.type == "cuda" and cuda_ok:
-        index = device.index if device.index is not None else local_rank
-        count = torch.cuda.device_count()
-        if index >= count:
-            raise ConfigError(
-                f"process with local rank {local_rank} needs GPU {index} but only {count} are visible; start at most "
-                f"{count} processes per machine (--nproc_per_node), and in a manual launch give each process its GPU "
-                f"with --local-rank (or LOCAL_RANK)"
-            )
-        return torch.device("cuda", index)
-    if requested == "auto" and mps_ok and not distributed:
-        return torch.device("mps")
-    if requested == "auto":
-        return torch.device("cpu")
-    return device
+    index = local_rank if device.index is None else device.index
+    if index >= (count := torch.cuda.device_count()):
+        raise ConfigError(
+            f"process with local rank {local_rank} needs GPU {index} but only {count} are visible; start at most "
+            f"{count} processes per machine (--nproc_per_node), and in a manual launch give each process its GPU "
+            f"with --local-rank (or LOCAL_RANK)"
+        )
+    return torch.device("cuda", index)
 
 
 def available_cpus() -> int:
@@ -172,13 +159,9 @@ def reuse_large_buffers() -> bool:
 
     Returns False (and changes nothing) where the C library is not glibc (macOS, musl) or refuses the settings.
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    except (OSError, AttributeError, TypeError):  # no mallopt (macOS), no dlopen(NULL) (Windows)
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
@@ -228,16 +211,6 @@ def model_parameters(n_channels: int, n_classes: int, *, bilinear: bool, base_ch
     return sum(tensor.numel() for tensor in [*model.parameters(), *model.buffers()])
 
 
-def machine_memory_bytes() -> int | None:
-    """This machine's memory as this process may use it (physical RAM, narrowed by a cgroup limit); None if unknown."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    limit = cgroup_memory("max")
-    return total if limit is None else min(total, limit)
-
-
 def cgroup_memory(name: str) -> int | None:
     """The cgroup's ``memory.<name>`` (``max``: its limit, ``current``: its use) in bytes; None where there is no
     such file or no limit."""
@@ -251,9 +224,12 @@ def cgroup_memory(name: str) -> int | None:
 def check_model_fits(n_channels: int, n_classes: int, *, bilinear: bool, base_channels: int) -> None:
     """Refuse a UNet whose fp32 weights alone exceed this machine's memory (it is built in RAM before anything else;
     training needs about four times that: weights, gradients and two optimizer moments)."""
-    memory = machine_memory_bytes()
-    if memory is None:
+    # This machine's memory as this process may use it: physical RAM, narrowed by a cgroup limit.
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
         return
+    memory = min(memory, cgroup_memory("max") or memory)
     count = model_parameters(n_channels, n_classes, bilinear=bilinear, base_channels=base_channels)
     needed = count * BYTES_PER_WEIGHT
     if needed > memory:
@@ -298,21 +274,6 @@ def tensor_bytes(item: Any) -> int:
     return 0
 
 
-def needed_bytes(item_bytes: int, batch_size: int, workers: int, processes: int = 1) -> int:
-    """Shared memory the loaders of ``processes`` processes (the ranks of one machine) keep in flight: each of their
-    ``workers`` loads ``PREFETCH_FACTOR`` batches ahead, with ``SAFETY_FACTOR`` for what the main process holds."""
-    return item_bytes * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
-
-
-def free_bytes(folder: Path = SHARED_MEMORY_FOLDER) -> int | None:
-    """Bytes free in ``folder``, or None where there is no such folder (not Linux): nothing to check there."""
-    try:
-        stats = os.statvfs(folder)
-    except (OSError, AttributeError):  # no folder; no statvfs (Windows)
-        return None
-    return stats.f_bavail * stats.f_frsize
-
-
 def shortage_message(workers_fix: str, detail: str) -> str:
     return (
         f"the loader workers cannot share batches with the main process: {detail}; use {workers_fix} (load in the "
@@ -321,45 +282,35 @@ def shortage_message(workers_fix: str, detail: str) -> str:
     )
 
 
-def check_room(
-    item: Any,
-    *,
-    batch_size: int,
-    workers: int,
-    workers_fix: str,
-    processes: int = 1,
-    folder: Path = SHARED_MEMORY_FOLDER,
-) -> None:
-    """Raise ``ConfigError`` when ``workers`` loader workers (per process) would not fit their batches of
-    ``batch_size`` items like ``item`` into ``folder`` (no workers need none). ``workers_fix``: the flag that turns
-    workers off."""
-    free = free_bytes(folder)
-    needed = needed_bytes(tensor_bytes(item), batch_size, workers, processes)
-    if free is None or needed <= free:
-        return
-    who = f"{workers} worker(s)" + (f" in each of {processes} processes" if processes > 1 else "")
-    raise ConfigError(
-        shortage_message(
-            workers_fix,
-            f"{who} need about {needed / _MB:.0f} MB of {folder} for batches of {batch_size} and {free / _MB:.0f} MB "
-            "are free",
-        )
-    )
-
-
 def guarded_loader(
     dataset: Dataset, *, batch_size: int, workers: int, workers_fix: str, processes: int = 1, **options: Any
 ) -> SharedMemoryGuard:
-    """The loader of train.py, predict.py and evaluate.py (``options``: DataLoader's others): ``workers`` processes
-    start only once one item (``dataset[0]``) shows that their batches fit in shared memory, beside those of the
-    ``processes`` of this machine (``check_room``); a batch they lose is an error after ``LOADER_TIMEOUT_S``, not a
-    hang; that error and a worker's own shared-memory error become one line (``SharedMemoryGuard``).
-    ``workers_fix``: the script's flag that turns workers off."""
-    if workers and len(dataset):  # type: ignore[arg-type]
-        check_room(dataset[0], batch_size=batch_size, workers=workers, workers_fix=workers_fix, processes=processes)
+    """The loader of train.py, predict.py and evaluate.py (``options``: DataLoader's others).
+
+    ``workers`` processes start only once one item (``dataset[0]``) shows that their batches fit in
+    ``SHARED_MEMORY_FOLDER`` beside those of the ``processes`` of this machine: each worker loads ``PREFETCH_FACTOR``
+    batches ahead, with ``SAFETY_FACTOR`` for what the main process holds (where there is no such folder, not on
+    Linux, nothing is checked). A batch they lose is an error after ``LOADER_TIMEOUT_S``, not a hang; that error and a
+    worker's own shared-memory error become one line (``SharedMemoryGuard``). ``workers_fix``: the script's flag that
+    turns workers off.
+    """
+    try:
+        free = shutil.disk_usage(SHARED_MEMORY_FOLDER).free
+    except OSError:  # no such folder (not Linux): nothing to check
+        free = None
+    if workers and len(dataset) and free is not None:  # type: ignore[arg-type]
+        needed = tensor_bytes(dataset[0]) * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
+        if needed > free:
+            who = f"{workers} worker(s)" + (f" in each of {processes} processes" if processes > 1 else "")
+            detail = (
+                f"{who} need about {needed / _MB:.0f} MB of {SHARED_MEMORY_FOLDER} for batches of {batch_size} and "
+                f"{free / _MB:.0f} MB are free"
+            )
+            raise ConfigError(shortage_message(workers_fix, detail))
     timeout = LOADER_TIMEOUT_S if workers else 0.0
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, timeout=timeout, **options)
-    return SharedMemoryGuard(loader, workers_fix)
+    return SharedMemoryGuard(
+        dataset, workers_fix, batch_size=batch_size, num_workers=workers, timeout=timeout, **options
+    )
 
 
 def _shared_memory_cause(error: RuntimeError) -> str | None:
@@ -372,18 +323,15 @@ def _shared_memory_cause(error: RuntimeError) -> str | None:
     return user_message(error) if any(marker in message for marker in FAILURE_MARKERS) else None
 
 
-class SharedMemoryGuard:
-    """Iterates a loader and turns a shared-memory failure or the loader's timeout into one ``ConfigError``."""
+class SharedMemoryGuard(DataLoader):
+    """A DataLoader whose shared-memory failures and timeout are one ``ConfigError`` naming ``workers_fix``."""
 
-    def __init__(self, loader: Any, workers_fix: str) -> None:
-        self.loader = loader
+    def __init__(self, dataset: Dataset, workers_fix: str, **options: Any) -> None:
+        super().__init__(dataset, **options)
         self.workers_fix = workers_fix
 
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        iterator = iter(self.loader)
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        iterator = super().__iter__()
         while True:
             try:
                 batch = next(iterator)
@@ -402,9 +350,3 @@ class SharedMemoryGuard:
         # down now (idle workers ignoring SIGTERM would otherwise keep the process from exiting).
         del iterator
         raise ConfigError(failure)
-
-    def __getattr__(self, name: str) -> Any:
-        # The loader's other attributes (sampler, dataset, batch_size) as the loader's users expect them.
-        if name == "loader":  # not set yet (an unpickled copy): no recursion
-            raise AttributeError(name)
-        return getattr(self.loader, name)

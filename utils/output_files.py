@@ -30,6 +30,7 @@ import contextlib
 import errno
 import json
 import logging
+import mmap
 import os
 import pickle
 import secrets
@@ -76,14 +77,9 @@ def torch_archive_kind(path: Path) -> str | None:
     """``"checkpoint"`` for a ``torch.save`` file, ``"torchscript"`` for a TorchScript archive, else ``None``."""
     try:
         with open(path, "rb") as handle:
-            head = handle.read(len(_LEGACY_TORCH_MAGIC))
-    except OSError:
-        return None
-    if head == _LEGACY_TORCH_MAGIC:
-        return "checkpoint"
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
+            if handle.read(len(_LEGACY_TORCH_MAGIC)) == _LEGACY_TORCH_MAGIC:
+                return "checkpoint"
+            names = zipfile.ZipFile(handle).namelist()
     except (zipfile.BadZipFile, OSError, ValueError):
         return None
     if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
@@ -112,34 +108,31 @@ def check_outputs(
     images (``writes_images=False``: JSON, exports); a file of a training run (``run_file_role``); with
     ``overwrite=False``, any existing file (the message names ``--overwrite``).
     """
-    kept: dict[FileKey, tuple[Path, str]] = {}
-    for path, role in protected.items():
-        key = file_key(path)
-        if key is not None:
-            kept[key] = (path, role)
-    folders = {key for key in map(file_key, input_folders) if key is not None}
-    written: dict[object, tuple[Path, str]] = {}
+    kept = {key: f"which is {role} {path}" for path, role in protected.items() if (key := file_key(path)) is not None}
+    folders = set(map(file_key, input_folders)) - {None}
+    written: dict[object, str] = {}
     for path, role in outputs:
         key = file_key(path)
-        if key is not None and key in kept:
-            other, other_role = kept[key]
-            raise ConfigError(
-                f"{role} would be written to {path}, which is {other_role} {other}; choose another output name"
-            )
-        if key is not None or os.path.islink(path):
-            run_file = run_file_role(path)
-            if run_file is not None:
-                raise ConfigError(f"{role} would be written to {path}, {run_file}; choose another name")
-        if key is not None:
-            _check_existing(path, role, folders, writes_images, replaces_torchscript, overwrite is False)
-            if overwrite is False:
-                fix = "add --overwrite to replace it, or choose another name"
-                raise ConfigError(f"{role}: {path} already exists; {fix}")
-        slot = key if key is not None else _future_key(path)
+        clash = kept.get(key) if key is not None else None
+        if clash is None and (key is not None or os.path.islink(path)):
+            clash = run_file_role(path)
+        # --overwrite replaces an export's earlier file, never a checkpoint, an image or a run's file.
+        overwritable = False
+        if clash is None and key is not None:
+            clash, overwritable = _existing_file(path, folders, writes_images, replaces_torchscript)
+            if clash is None and overwrite is False:
+                clash, overwritable = "an existing file", True
+        if clash is not None:
+            fix = "choose another name"
+            if overwritable and overwrite is False:
+                fix = f"add --overwrite to replace it, or {fix}"
+            raise ConfigError(f"{role} would be written to {path}, {clash}; {fix}")
+        # Where a file not yet written will be: its folder's identity and its name (the folder may not exist yet).
+        folder = file_key(path.parent)
+        slot = key if key is not None else (folder, path.name) if folder is not None else str(path.resolve())
         if slot in written:
-            other, other_role = written[slot]
-            raise ConfigError(f"{other_role} and {role} would both be written to {path}; rename one or use --output")
-        written[slot] = (path, role)
+            raise ConfigError(f"{written[slot]} and {role} would both be written to {path}; rename one or use --output")
+        written[slot] = role
 
 
 def run_file_role(path: Path) -> str | None:
@@ -155,38 +148,24 @@ def run_file_role(path: Path) -> str | None:
     return None
 
 
-def _check_existing(
-    path: Path,
-    role: str,
-    input_folders: set[FileKey],
-    writes_images: bool,
-    replaces_torchscript: bool,
-    overwrite_fixes: bool,
-) -> None:
+def _existing_file(
+    path: Path, input_folders: set[FileKey | None], writes_images: bool, replaces_torchscript: bool
+) -> tuple[str | None, bool]:
+    """What the existing file at output ``path`` is when no output may replace it (None when one may), and whether
+    an export's ``--overwrite`` may."""
     kind = torch_archive_kind(path)
     if path.suffix.lower() == ".pth" or kind == "checkpoint":
-        raise ConfigError(f"{role} would be written to {path}, an existing checkpoint; choose another name")
-    if kind == "torchscript":
-        if replaces_torchscript:
-            return  # an earlier export (a .pt TorchScript file is no dataset tensor)
-        fix = "add --overwrite to replace it, or choose another name" if overwrite_fixes else "choose another name"
-        raise ConfigError(f"{role} would be written to {path}, an existing TorchScript model; {fix}")
+        return "an existing checkpoint", False
+    if kind == "torchscript":  # an earlier export may be replaced (a .pt TorchScript file is no dataset tensor)
+        return None if replaces_torchscript else "an existing TorchScript model", True
     if path.suffix.lower() not in IMAGE_EXTENSIONS:
-        return
+        return None, False
     if not writes_images:
-        raise ConfigError(f"{role} would be written to {path}, an existing image; choose another name")
-    if not path.stem.endswith((OUTPUT_SUFFIX, VIZ_SUFFIX)):
-        folders = {file_key(path.parent), file_key(path.resolve().parent)}
-        if folders & input_folders:
-            raise ConfigError(
-                f"{role} would be written to {path}, an existing image in an input folder; choose another name"
-            )
-
-
-def _future_key(path: Path) -> object:
-    """Where a file not yet written will be: its folder's identity and its name (the folder may not exist yet)."""
-    folder = file_key(path.parent)
-    return (folder, path.name) if folder is not None else str(path.resolve())
+        return "an existing image", False
+    folders = {file_key(path.parent), file_key(path.resolve().parent)}
+    if not path.stem.endswith((OUTPUT_SUFFIX, VIZ_SUFFIX)) and folders & input_folders:
+        return "an existing image in an input folder", False
+    return None, False
 
 
 @contextlib.contextmanager
@@ -263,12 +242,18 @@ def open_for_append(path: Path) -> IO[str]:
     A link at ``path`` is refused (``OutputError``): its target, an input say, would get the records."""
     _refuse_link(path, "the run's metrics.jsonl")
     with open(path, "a+b") as raw:
-        size = raw.seek(0, os.SEEK_END)
-        start = _last_line_start(raw, size)
-        raw.seek(start)
-        tail = raw.read()
+        start, tail = 0, b""
+        if size := raw.seek(0, os.SEEK_END):
+            # The last newline found in the mapped file: only the tail is read, however long the file.
+            with mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as content:
+                start = content.rfind(b"\n", 0, size - 1) + 1
+                tail = content[start:]
         if tail and not tail.endswith(b"\n"):
-            if _is_json(tail):
+            try:
+                whole = isinstance(json.loads(tail), dict)  # a torn record can still parse, as a number say
+            except ValueError:
+                whole = False
+            if whole:
                 raw.write(b"\n")
                 logger.warning("%s ended without a newline (a crash while writing); the line is ended", path)
             else:
@@ -279,27 +264,6 @@ def open_for_append(path: Path) -> IO[str]:
             raw.flush()
             os.fsync(raw.fileno())
     return open(path, "a", encoding="utf-8")  # noqa: SIM115 - the caller closes it
-
-
-def _last_line_start(raw: IO[bytes], size: int, chunk: int = 65536) -> int:
-    """The offset just after the last newline before ``size`` - 1 (0 when there is none)."""
-    end = max(size - 1, 0)
-    while end > 0:
-        begin = max(end - chunk, 0)
-        raw.seek(begin)
-        found = raw.read(end - begin).rfind(b"\n")
-        if found >= 0:
-            return begin + found + 1
-        end = begin
-    return 0
-
-
-def _is_json(line: bytes) -> bool:
-    """Whether ``line`` is one whole record (a JSON object; a torn record can still parse, as a number say)."""
-    try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
 
 
 def side_output_folder(folder: Path, role: str) -> Path:
@@ -336,10 +300,8 @@ def _output_error(path: Path, role: str | None, error: OSError) -> OutputError:
     location = error.errno in LOCATION_ERRNOS
     if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         fix = "free some space there or write the outputs elsewhere"
-    elif location:
-        fix = "choose a folder you can write to"
     else:
-        fix = "check the output path"
+        fix = "choose a folder you can write to" if location else "check the output path"
     return OutputError(f"cannot write {what}: {error.strerror or error}; {fix}", location_failure=location)
 
 

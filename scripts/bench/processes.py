@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from scripts.bench.context import BenchConfig
-from utils.launch.environments import LAUNCHER_ENV_VARIABLES
+from utils.launch.environments import is_launcher_variable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARK_SCRIPT = REPO_ROOT / "scripts" / "benchmark.py"
@@ -58,7 +58,7 @@ class ChildRun:
 
 def child_env(threads: int) -> dict[str, str]:
     """This environment without a launcher's variables, with ``threads`` CPU threads and the repository importable."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if not is_launcher_variable(k)}
     for name in THREAD_VARIABLES:
         env[name] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

@@ -4,6 +4,7 @@ child processes), with the launcher's variables cleared and torch's thread count
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from scripts import benchmark
-from utils.launch.environments import LAUNCHER_ENV_VARIABLES
+from utils.launch.environments import is_launcher_variable
 
 
 @dataclass
@@ -33,8 +34,8 @@ RunBenchmark = Callable[[Sequence[str]], BenchmarkRun]
 def run_benchmark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> RunBenchmark:
     """``run(argv)``: ``scripts/benchmark.py`` with ``argv`` plus a JSON file and a work folder in ``tmp_path``; asserts
     it exits 0 and returns what it wrote."""
-    for name in LAUNCHER_ENV_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+    for name in filter(is_launcher_variable, list(os.environ)):
+        monkeypatch.delenv(name)
 
     def run(argv: Sequence[str]) -> BenchmarkRun:
         out, work_dir = tmp_path / "bench.json", tmp_path / "w"

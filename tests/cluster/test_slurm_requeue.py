@@ -23,7 +23,8 @@ from tests.conftest import (
     wait_for_step,
 )
 from tests.helpers import fake_scontrol
-from utils.launch.signals import requeue_job
+from utils.launch.environments import LaunchPlan
+from utils.launch.signals import requeue_if_asked
 
 JOB_ID = "777123"
 EPOCHS = ["-e", "30"]  # 30 epochs of 4 steps (16 images, 2 ranks of batch 2): the signal always lands mid-run
@@ -105,7 +106,8 @@ def test_a_failing_or_missing_scontrol_is_one_warning(
         fake_scontrol(folder, exit_status=exit_status)
     monkeypatch.setenv("PATH", str(folder))  # no scontrol anywhere else
     with caplog.at_level(logging.WARNING):
-        assert requeue_job(JOB_ID) is False
+        plan = LaunchPlan(slurm_job_id=JOB_ID, requeue_signal=signal.SIGUSR1)
+        assert requeue_if_asked(plan, signal.SIGUSR1) is False
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert f"Could not requeue SLURM job {JOB_ID}" in warnings[0].getMessage()

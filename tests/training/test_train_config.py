@@ -103,7 +103,7 @@ def test_invalid_flags_name_the_flag(argv: list[str], match: str) -> None:
 def test_a_manual_rank_outside_the_world_size_is_refused_by_the_launch_plan(rank: str) -> None:
     from utils.launch.environments import plan_launch
 
-    # Checked once, where every launcher's rank is checked (check_launch_values), not again at parse time.
+    # Checked once, where every launcher's rank is checked (plan_launch), not again at parse time.
     config = parse_config(["--rank", rank, "--world-size", "2", "--dist-url", "tcp://h:1"])
     with pytest.raises(ConfigError, match=rf"--rank={rank} is outside 0\.\.1 \(--world-size=2\)"):
         plan_launch(config.launch, environ={})

@@ -16,7 +16,6 @@ import os
 import socket
 import sys
 import tempfile
-import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -47,7 +46,6 @@ class DistributedContext(LaunchPlan):
     """
 
     device: torch.device
-    backend: str | None = None
     control_group: Any = None
     """The gloo group of the control messages (see the module docstring)."""
 
@@ -57,7 +55,8 @@ class DistributedContext(LaunchPlan):
 
     @property
     def is_distributed(self) -> bool:
-        return self.backend is not None
+        """Joined a process group (the plan was distributed)."""
+        return self.distributed
 
 
 def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSection) -> DistributedContext:
@@ -86,16 +85,15 @@ def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSecti
             else:
                 dist.init_process_group(init_method=plan.init_method, **join)
     except dist.DistError as error:
-        # Where rank 0, or torchrun's agent, listens.
-        address = plan.master_address if plan.init_method == "env://" else plan.init_method.removeprefix("tcp://")
         raise ConfigError(
-            f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at {address} within "
+            f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at "
+            f"{plan.master_address or plan.init_method} within "
             f"--dist-timeout {launch.dist_timeout:g} s ({first_line(error)}); check that {plan.address_hint} names "
             "rank 0's machine and a free, reachable port, and start every rank within --dist-timeout"
         ) from error
     # The timeout must be given again: a new group does not inherit it and would wait 30 minutes for a dead rank.
     control_group = dist.new_group(backend="gloo", timeout=timeout)
-    return DistributedContext(**vars(plan), device=device, backend=backend, control_group=control_group)
+    return DistributedContext(**vars(plan), device=device, control_group=control_group)
 
 
 @contextlib.contextmanager
@@ -120,30 +118,18 @@ def _native_output_to_debug() -> Iterator[None]:
 
 
 def check_rendezvous_host(plan: LaunchPlan) -> None:
-    """Refuse a rendezvous host that does not resolve, in one line, before the process group waits its timeout: that of
-    ``--dist-url tcp://HOST:PORT``, else the launcher's address (none to check: a file store, say)."""
-    parsed = urllib.parse.urlsplit(plan.init_method)
-    if parsed.scheme == "tcp":
-        try:
-            host, port = parsed.hostname, parsed.port
-        except ValueError:
-            host = port = None
-        if not (host and port):
-            raise LaunchValueError(
-                f"--dist-url {plan.init_method} is not tcp://HOST:PORT; name rank 0's host and a port"
-            )
-    elif plan.master_address is not None:
-        host, _, port_text = plan.master_address.rpartition(":")
-        host, port = host.strip("[]"), int(port_text)
-    else:
+    """Refuse a rendezvous host that does not resolve, in one line, before the process group waits its timeout (none
+    to check where the init method names no address: a file store, say)."""
+    if plan.master_address is None:
         return
+    host, _, port = plan.master_address.rpartition(":")
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as error:
         reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
         raise LaunchValueError(
-            f"the rendezvous host {host!r} (from {plan.address_hint}) cannot be resolved ({reason}); give rank 0's "
-            "machine name or address"
+            f"the rendezvous host {host.strip('[]')!r} (from {plan.address_hint}) cannot be resolved ({reason}); give "
+            "rank 0's machine name or address"
         ) from error
 
 
@@ -184,15 +170,13 @@ def decide_on_main(ctx: DistributedContext, decide: Callable[[], _T]) -> _T:
 
 def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
     """Run ``build`` on every rank; if it raises a UserError on any rank, raise the lowest such rank's on all."""
+    if not ctx.is_distributed:
+        return build()
     result, failure = None, None
     try:
         result = build()
     except UserError as error:
         failure = error
-    if not ctx.is_distributed:
-        if failure is not None:
-            raise failure
-        return result
     # One integer all-reduce decides; the messages travel (pickled, dearer) only when some rank failed, so this is
     # cheap enough to guard every batch the training loop fetches.
     failed = torch.tensor([failure is not None], dtype=torch.int32)
@@ -205,9 +189,8 @@ def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
     rank, (type_name, message) = next((rank, report) for rank, report in enumerate(reports) if report is not None)
     if rank == ctx.rank:
         raise raised_on_every_rank(failure)
+    # The same type where utils.errors has it (their constructors take the message alone), else a UserError.
     error_type = getattr(errors, type_name, UserError)
-    if not (isinstance(error_type, type) and issubclass(error_type, UserError)):
-        error_type = UserError
     raise raised_on_every_rank(error_type(f"rank {rank}: {message}"))
 
 
@@ -215,10 +198,6 @@ def raised_on_every_rank(error: UserError) -> UserError:
     """Mark ``error`` as raised with the same message on every rank, so that only global rank 0 needs to print it."""
     error.on_every_rank = True  # type: ignore[attr-defined]
     return error
-
-
-def is_raised_on_every_rank(error: BaseException) -> bool:
-    return bool(getattr(error, "on_every_rank", False))
 
 
 class StopAgreement:
@@ -240,7 +219,6 @@ class StopAgreement:
         self._ctx = ctx
         self._flag = flag
         self._pending: tuple[Any, Tensor] | None = None
-        self._first = True
         self.save_agreed = False
         """Set by ``poll``: whether a rank asked to save (``save_due``) at the boundary whose answer arrived."""
 
@@ -253,14 +231,12 @@ class StopAgreement:
         if not self._ctx.is_distributed:
             self.save_agreed = save_due
             return self._flag.signum
+        first = self._pending is None
         agreed = self._collect()
         local = torch.tensor([self._flag.signum, int(save_due)], dtype=torch.int32)
         work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
         self._pending = (work, local)
-        if self._first:
-            self._first = False
-            return self._collect()
-        return agreed
+        return self._collect() if first else agreed
 
     def finish(self) -> int:
         """Complete the outstanding all-reduce (before any other collective on the control group) and return it."""
@@ -306,29 +282,22 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
         if self.affine:
             output = output * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
         if self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), global_count.item())
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                # Like BatchNorm: the running variance is the unbiased estimate over the (global) batch.
+                total = global_count.item()
+                unbiased = var * (total / max(total - 1.0, 1.0))
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
         return output.to(input.dtype)
-
-    @torch.no_grad()
-    def _update_running_stats(self, mean: Tensor, biased_var: Tensor, count: float) -> None:
-        self.num_batches_tracked.add_(1)
-        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        # Like BatchNorm: the running variance is the unbiased estimate over the (global) batch.
-        unbiased = biased_var * (count / max(count - 1.0, 1.0))
-        self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
-        self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
     """Replace the BatchNorm2d layers of ``model`` by a synchronised version suited to ``device`` (``--sync-bn``)."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if type(model) is nn.BatchNorm2d:
-        replacement = CpuSyncBatchNorm(
-            model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats
-        )
-        replacement.load_state_dict(model.state_dict())
-        return replacement.train(model.training)
-    for name, child in model.named_children():
-        model.add_module(name, convert_sync_batchnorm(child, device))
+    for module in model.modules():
+        if type(module) is nn.BatchNorm2d:
+            module.__class__ = CpuSyncBatchNorm  # the same parameters and buffers: only the forward pass changes
     return model

@@ -30,10 +30,13 @@ import torch
 from utils.cli import print_error, setup_logging
 from utils.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from utils.launch.environments import LaunchValueError
-from utils.launch.process_group import DistributedContext, barrier, is_raised_on_every_rank
+from utils.launch.process_group import DistributedContext, barrier
 from utils.launch.signals import signal_exit_code, startup_done, stopped_during_startup
 
 LOST_CONTACT_EXIT_CODE = 1
+
+# How the CPU allocator words an allocation failure (a RuntimeError; numpy's is a MemoryError, CUDA's its own type).
+ALLOCATOR_MARKERS = ("can't allocate memory", "DefaultCPUAllocator")
 
 # How gloo words it when another process died (closed connection) or stopped answering (--dist-timeout); NCCL and
 # the rendezvous store raise torch.distributed.DistError instead. Compared in lower case.
@@ -81,11 +84,13 @@ def run_main(body: Callable[[], int], *, oom_fix: str, stage: RunStage | None = 
         print_error("stopped by SIGINT (Ctrl-C)")
         return signal_exit_code(signal.SIGINT)
     except (MemoryError, RuntimeError) as error:  # CUDA's OutOfMemoryError and DistError are RuntimeErrors
-        if is_allocator_error(error):
-            where = "CUDA" if isinstance(error, torch.cuda.OutOfMemoryError) else "the CPU"
-            print_error(f"{where} ran out of memory; {oom_fix}")
+        text = str(error)
+        cuda = isinstance(error, torch.cuda.OutOfMemoryError)
+        if cuda or isinstance(error, MemoryError) or any(marker in text for marker in ALLOCATOR_MARKERS):
+            print_error(f"{'CUDA' if cuda else 'the CPU'} ran out of memory; {oom_fix}")
             return USER_ERROR_EXIT_CODE
-        if lost_contact(error):
+        lost = isinstance(error, torch.distributed.DistError)  # NCCL's and the store's; gloo's are worded
+        if lost or any(marker in text.lower() for marker in PEER_FAILURE_MARKERS):
             print_error(
                 f"lost contact with another training process ({first_line(error)}); see the other processes' logs, "
                 "then continue with --resume auto (under torchrun, --max-restarts does that by itself)"
@@ -115,22 +120,6 @@ def leave(status: int) -> NoReturn:
     os._exit(status)
 
 
-def is_allocator_error(error: BaseException) -> bool:
-    """Whether ``error`` is an allocation failure (CUDA's, the CPU allocator's RuntimeError, numpy's MemoryError)."""
-    if isinstance(error, MemoryError | torch.cuda.OutOfMemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "DefaultCPUAllocator" in text)
-
-
-def lost_contact(error: BaseException) -> bool:
-    """Whether ``error`` says another process of the job died or stopped answering."""
-    if isinstance(error, torch.distributed.DistError):
-        return True
-    message = str(error).lower()
-    return isinstance(error, RuntimeError) and any(marker in message for marker in PEER_FAILURE_MARKERS)
-
-
 def report_user_error(error: UserError, stage: RunStage) -> None:
     """Print ``error`` once per job: a bad flag (found before joining) and an error the ranks agreed on reach every
     rank, and rank 0 alone prints it; a failure to join, or one found by one rank alone (a corrupt image), is printed
@@ -138,7 +127,7 @@ def report_user_error(error: UserError, stage: RunStage) -> None:
     error the other ranks leave after rank 0."""
     ctx = stage.ctx
     own = isinstance(error, LaunchValueError)
-    shared = (ctx is None and not stage.joining and not own) or is_raised_on_every_rank(error)
+    shared = (ctx is None and not stage.joining and not own) or getattr(error, "on_every_rank", False)
     quiet = shared and stage.rank != 0
     if not quiet:
         print_error(error)

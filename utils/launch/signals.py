@@ -20,15 +20,14 @@ orphaned worker. Standard library only: the entry scripts import this before tor
   a manual resubmission continues it. SLURM's own ``--requeue`` covers pre-emption and node failure, not the time
   limit. docs/CLUSTERS.md.
 * Orphans: torchrun's agent is the parent of its workers; killed with SIGKILL it cannot stop them, and they would
-  train to the end and keep writing checkpoints for a job nobody supervises. So a supervised worker asks the kernel
-  for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``, Linux) and, on every platform, a daemon thread
-  compares the parent PID every second; either way it stops as for SIGTERM above (exit 143). Only under a launcher:
-  a ``python train.py`` whose shell exits (``nohup``) is meant to keep running.
+  train to the end and keep writing checkpoints for a job nobody supervises. So in a supervised worker a daemon
+  thread compares the parent PID every second and, once the parent is gone, says so and sends the worker SIGTERM: it
+  stops as for SIGTERM above (exit 143). Only under a launcher: a ``python train.py`` whose shell exits (``nohup``)
+  is meant to keep running.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -36,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -44,30 +42,15 @@ from utils.launch.environments import LaunchPlan
 
 logger = logging.getLogger(__name__)
 
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REMEMBERED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 """Caught by ``catch_signals_from_start`` before the requeue signal is known (``--requeue-signal``: USR1 or USR2)."""
 SCONTROL_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 1.0
-_PR_SET_PDEATHSIG = 1
 
 
 def signal_exit_code(signum: int) -> int:
     """Shell convention for death by a signal: 128 + signal (130 for SIGINT, 143 for SIGTERM)."""
     return 128 + signum
-
-
-def _stop_during_startup(signum: int, frame: FrameType | None) -> None:
-    # Nothing has been created yet: leave at once (os._exit: no half-imported module's clean-up runs).
-    sys.stderr.write("Error: stopped by SIGINT (Ctrl-C) while starting; nothing was written\n")
-    sys.stderr.flush()
-    os._exit(signal_exit_code(signal.SIGINT))
-
-
-def stop_quietly_while_starting() -> None:
-    """SIGINT exits with one line and status 130 until the script installs its own handler."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when a parent chose to ignore it
-        signal.signal(signal.SIGINT, _stop_during_startup)
 
 
 class _EarlySignals:
@@ -78,19 +61,28 @@ class _EarlySignals:
 
 def _remember(signum: int, frame: FrameType | None) -> None:
     if signum == signal.SIGINT:
-        _stop_during_startup(signum, frame)
+        # Nothing has been created yet: leave at once (os._exit: no half-imported module's clean-up runs).
+        sys.stderr.write("Error: stopped by SIGINT (Ctrl-C) while starting; nothing was written\n")
+        sys.stderr.flush()
+        os._exit(signal_exit_code(signal.SIGINT))
     if not _EarlySignals.signum:
         _EarlySignals.signum = signum
 
 
-def catch_signals_from_start() -> None:
-    """train.py's first call: SIGINT as ``stop_quietly_while_starting``; SIGTERM/SIGUSR1/SIGUSR2 remembered for the
-    run's ``InterruptFlag``; all of them ignored once the training is over. Handlers a parent chose are left alone."""
+def catch_signals_from_start(remembered: tuple[int, ...] = REMEMBERED_SIGNALS) -> None:
+    """An entry script's first call: SIGINT exits with one line and status 130 until the script installs its own
+    handling; the ``remembered`` signals (train.py's: SIGTERM/SIGUSR1/SIGUSR2) are kept for the run's
+    ``InterruptFlag``, and all of them ignored once the training is over. Handlers a parent chose are left alone."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _remember)
-    for signum in REMEMBERED_SIGNALS:
+    for signum in remembered:
         if signal.getsignal(signum) == signal.SIG_DFL:
             signal.signal(signum, _remember)
+
+
+def stop_quietly_while_starting() -> None:
+    """predict.py's and evaluate.py's first call: ``catch_signals_from_start`` for SIGINT alone."""
+    catch_signals_from_start(remembered=())
 
 
 def stopped_during_startup() -> bool:
@@ -101,7 +93,7 @@ def stopped_during_startup() -> bool:
 def startup_done() -> None:
     """Give SIGINT back to Python (KeyboardInterrupt) once the imports are over: from then on the script may have
     written something, and its own handling says what. Leaves any other handler alone (a test, a parent's choice)."""
-    if signal.getsignal(signal.SIGINT) is _stop_during_startup:
+    if signal.getsignal(signal.SIGINT) is _remember:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -115,7 +107,7 @@ class InterruptFlag:
     def install(self, requeue_signal: int | None = None) -> InterruptFlag:
         """Handle SIGINT, SIGTERM and, under SLURM, the requeue signal (``LaunchPlan.requeue_signal``); one of them
         that arrived during start-up (``catch_signals_from_start``) counts as received now."""
-        handled = [signum for signum in (*HANDLED_SIGNALS, requeue_signal) if signum is not None]
+        handled = [signum for signum in (signal.SIGINT, signal.SIGTERM, requeue_signal) if signum is not None]
         for signum in handled:
             self._previous[signum] = signal.signal(signum, self._handle)
         if _EarlySignals.signum in handled:
@@ -138,7 +130,8 @@ class InterruptFlag:
 
 
 def requeue_if_asked(plan: LaunchPlan, stopped_by: int) -> bool:
-    """On global rank 0, once the run stopped for the requeue signal: requeue the job; whether it was requeued.
+    """On global rank 0, once the run stopped for the requeue signal: run ``scontrol requeue JOB`` once; whether the
+    job was requeued (False, after one warning, when scontrol is missing or fails).
 
     Called after ``Trainer.train`` returned, whose final barrier means every rank has left the loop and rank 0 has
     written its files. Also when the stop could not save (a skipped step): the newest checkpoint is then older, and
@@ -146,71 +139,38 @@ def requeue_if_asked(plan: LaunchPlan, stopped_by: int) -> bool:
     """
     if plan.rank != 0 or plan.slurm_job_id is None or stopped_by != plan.requeue_signal:
         return False
-    return requeue_job(plan.slurm_job_id)
-
-
-def requeue_job(slurm_job_id: str, *, run: Callable[..., Any] = subprocess.run) -> bool:
-    """Run ``scontrol requeue JOB`` once; False (after one warning) when it is missing or fails."""
-    command = ["scontrol", "requeue", slurm_job_id]
+    command = ["scontrol", "requeue", plan.slurm_job_id]
     try:
-        completed = run(command, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S, check=False)
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as error:
         reason = str(error)
     else:
         if completed.returncode == 0:
-            logger.info("Requeued SLURM job %s (scontrol requeue): it continues with --resume auto", slurm_job_id)
+            logger.info("Requeued SLURM job %s (scontrol requeue): it continues with --resume auto", plan.slurm_job_id)
             return True
         output = (completed.stderr or completed.stdout or "").strip().splitlines()
         reason = f"exit status {completed.returncode}" + (f": {output[-1]}" if output else "")
     logger.warning(
         "Could not requeue SLURM job %s (%s: %s); the checkpoint is saved: submit the job again, its --resume auto "
         "continues the run",
-        slurm_job_id,
+        plan.slurm_job_id,
         " ".join(command),
         reason,
     )
     return False
 
 
-class LauncherWatch:
-    """The launcher this worker started under; says once, from whichever path sees it first, that it is gone."""
+def stop_when_orphaned(signum: int = signal.SIGTERM, poll_interval_s: float = POLL_INTERVAL_S) -> None:
+    """Send ``signum`` to this process, with one warning that says why, as soon as its parent (the launcher) is gone:
+    a daemon thread compares the parent PID every ``poll_interval_s``."""
+    parent = os.getppid()
 
-    def __init__(self, parent: int) -> None:
-        self.parent = parent
-        self._told = threading.Lock()  # held by the first to report: the watcher thread or report_if_gone
-
-    def gone(self) -> bool:
-        return os.getppid() != self.parent
-
-    def report_if_gone(self, signum: int = signal.SIGTERM) -> None:
-        """Log that the launcher is gone, if it is and nobody said so yet. The kernel's parent-death signal arrives
-        with no message, and a worker that saves and exits within the watcher's poll interval would otherwise stop
-        without saying why; the trainer calls this after a stop by a signal."""
-        if self.gone() and self._told.acquire(blocking=False):
-            logger.warning(
-                "The launcher (PID %d) is gone; stopping this worker as for %s",
-                self.parent,
-                signal.Signals(signum).name,
-            )
-
-    def _stop_when_gone(self, signum: int, poll_interval_s: float) -> None:
-        while not self.gone():
+    def watch() -> None:
+        while os.getppid() == parent:
             time.sleep(poll_interval_s)
-        self.report_if_gone(signum)
+        logger.warning(
+            "The launcher (PID %d) is gone; stopping this worker as for %s", parent, signal.Signals(signum).name
+        )
         os.kill(os.getpid(), signum)
 
-
-def stop_when_orphaned(signum: int = signal.SIGTERM, poll_interval_s: float = POLL_INTERVAL_S) -> LauncherWatch:
-    """Send ``signum`` to this process as soon as its parent (the launcher) is gone."""
-    watch = LauncherWatch(os.getppid())
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-                logger.debug("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
-        except (OSError, AttributeError) as error:  # no libc symbol: the parent-PID check still works
-            logger.debug("prctl unavailable: %s", error)
-    # The parent may have died before the request: then nobody will send the signal, and the first check stops it.
-    args = (signum, poll_interval_s)
-    threading.Thread(target=watch._stop_when_gone, args=args, name="orphan-watch", daemon=True).start()
-    return watch
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()

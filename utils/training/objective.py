@@ -73,8 +73,8 @@ def supervised_loss(
     outputs: Tensor | Sequence[Tensor], masks: Tensor, n_classes: int, class_weights: Tensor | None = None
 ) -> Tensor:
     """``segmentation_loss`` of a model's output: the logits, or with --deep-supervision the list ``[logits, logits at
-    1/2, logits at 1/4]`` (``unet.deep_supervision``), whose losses against the masks downsampled (nearest, so void
-    and class values stay whole) are summed with nnU-Net's weights: halving per level (1, 0.5, 0.25, ...),
+    1/2, logits at 1/4]`` (``unet.unet_model.AuxiliaryHeads``), whose losses against the masks downsampled (nearest,
+    so void and class values stay whole) are summed with nnU-Net's weights: halving per level (1, 0.5, 0.25, ...),
     normalised to sum to 1. Each level is a per-image mean, so the sum still decomposes over data-parallel ranks."""
     if isinstance(outputs, Tensor):
         return segmentation_loss(outputs, masks, n_classes, class_weights)
