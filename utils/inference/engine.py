@@ -12,12 +12,13 @@ Tiled inference (``TileSettings``, for images too large to run whole) lives in `
 
 from __future__ import annotations
 
-import functools
+import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -35,16 +36,16 @@ from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
 from utils.hardware import SharedMemoryGuard, guarded_loader, pick_device, warn_if_emulated
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
-from utils.inference.export import Preprocessing, export_model
+from utils.inference.export import Preprocessing
 from utils.inference.memory import MemoryPlanner
 from utils.inference.outputs import check_mask_values, default_mask_values
 from utils.inference.tiling import forward_logits, predict_logits_tiled
-from utils.output_files import check_outputs
 
 logger = logging.getLogger(__name__)
 
 WORKERS_FIX = "--workers 0 (-j 0)"
 """predict.py's flag that keeps decoding in the main process (see utils.hardware)."""
+T = TypeVar("T")
 
 
 def open_model(config: InferenceConfig) -> tuple[torch.device, UNet, model_spec.ModelSpec, float]:
@@ -86,26 +87,6 @@ def load_predictor(config: PredictConfig) -> tuple[torch.device, UNet, Preproces
         )
     preprocessing = Preprocessing(scale, mask_values, model.n_channels, inference.ignore_values, inference.class_names)
     return device, model.eval(), preprocessing
-
-
-def run_export(
-    model: nn.Module, config: PredictConfig, preprocessing: Preprocessing, protected: dict[Path, str]
-) -> None:
-    """predict.py's ``--export``: the file may replace neither ``protected`` (the checkpoint, the inputs), a training
-    run's file, nor an existing file without ``--overwrite`` (``check_outputs``); it carries ``preprocessing`` (in an
-    ONNX file's metadata)."""
-    assert config.export_format is not None and config.export_path is not None
-    check_outputs(
-        [(config.export_path, "--export")],
-        protected,
-        writes_images=False,
-        replaces_torchscript=config.overwrite and config.export_format == "torchscript",
-        overwrite=config.overwrite,
-    )
-    report = export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
-    report_fields = (report.format, report.path, report.checked_with)
-    difference = "n/a" if report.max_abs_difference is None else f"{report.max_abs_difference:.3g}"
-    logger.info("Exported %s to %s (checked with %s, max |difference| %s)", *report_fields, difference)
 
 
 @dataclass
@@ -195,43 +176,25 @@ def item_loader(dataset: Dataset, *, batch_size: int, workers: int, pin_memory: 
     )
 
 
-class ShapeBuckets:
-    """Collects items by image shape and releases full batches, so interleaved sizes still make full batches.
+def batches_by_shape(
+    items: Iterable[T], batch_size: int, shape_of: Callable[[T], tuple[int, ...] | None]
+) -> Iterator[list[T]]:
+    """Batches of up to ``batch_size`` items of one image shape (``shape_of``), in the order they fill up, so that
+    interleaved sizes still make full batches; nothing is resized or padded.
 
-    Nothing is resized or padded. At most ``max_pending`` items wait; beyond that the fullest bucket is released
-    early (many distinct sizes would otherwise hold every image in memory). ``shape_of`` tells an item's image shape
-    (default: a decoded ``InputItem``'s; ``evaluate.py`` buckets its dataset's dicts).
+    At most ``4 * batch_size`` items wait; beyond that the fullest partial batch goes early (many distinct sizes would
+    otherwise hold every image in memory). An item of shape None (an input that could not be read) goes alone, at once.
     """
-
-    def __init__(
-        self,
-        batch_size: int,
-        max_pending: int | None = None,
-        shape_of: Callable[[Any], tuple[int, ...]] = lambda item: tuple(item.image.shape),
-    ) -> None:
-        self.batch_size = batch_size
-        self.max_pending = max_pending if max_pending is not None else 4 * batch_size
-        self.shape_of = shape_of
-        self._buckets: dict[tuple[int, ...], list[Any]] = {}
-
-    def add(self, item: Any) -> list[list[Any]]:
-        """Add one decoded item; returns the batches that are ready (possibly none)."""
-        shape = self.shape_of(item)
-        bucket = self._buckets.setdefault(shape, [])
+    waiting: dict[tuple[int, ...] | None, list[T]] = {}
+    for item in items:
+        shape = shape_of(item)
+        bucket = waiting.setdefault(shape, [])
         bucket.append(item)
-        ready = []
-        if len(bucket) == self.batch_size:
-            ready.append(self._buckets.pop(shape))
-        if sum(len(bucket) for bucket in self._buckets.values()) > self.max_pending:
-            fullest = max(self._buckets, key=lambda shape: len(self._buckets[shape]))
-            ready.append(self._buckets.pop(fullest))
-        return ready
-
-    def flush(self) -> list[list[Any]]:
-        """All remaining partial batches."""
-        ready = list(self._buckets.values())
-        self._buckets.clear()
-        return ready
+        if shape is None or len(bucket) == batch_size:
+            yield waiting.pop(shape)
+        elif sum(map(len, waiting.values())) > 4 * batch_size:
+            yield waiting.pop(max(waiting, key=lambda key: len(waiting[key])))
+    yield from waiting.values()
 
 
 def logits_to_classes(logits: Tensor, size: tuple[int, int], threshold: float) -> Tensor:
@@ -284,25 +247,15 @@ def predict_items(
     """
     model.eval()
     loader = item_loader(dataset, batch_size=config.batch_size, workers=config.workers)
-    buckets = ShapeBuckets(config.batch_size)
     planner = memory if memory is not None else MemoryPlanner(device=device)
-    run = functools.partial(predict_batch, model, device=device, config=config, memory=planner)
-
-    def batches() -> Iterator[list[InputItem]]:
-        for loaded in loader:
-            for item in loaded:
-                if item.error is not None:
-                    yield [item]
-                else:
-                    yield from map(run, buckets.add(item))
-        yield from map(run, buckets.flush())
-
-    converted: dict[int, int] = {}
+    items = itertools.chain.from_iterable(loader)
+    batches = batches_by_shape(items, config.batch_size, lambda item: None if item.error else item.image.shape)
+    converted: Counter[int] = Counter()
     with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not config.progress) as bar:
-        for predicted in batches():
-            for item in predicted:
+        for batch in batches:
+            for item in batch if batch[0].error else predict_batch(model, batch, device, config, planner):
                 if item.converted_from is not None:
-                    converted[item.converted_from] = converted.get(item.converted_from, 0) + 1
+                    converted[item.converted_from] += 1
                 bar.update(1)
                 yield item
     for channels, count in sorted(converted.items()):

@@ -3,6 +3,7 @@ and ``--json`` (checked before the run, written whole)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -16,7 +17,7 @@ from utils.errors import DatasetError
 from utils.evaluation import EvalResult
 from utils.hardware import SharedMemoryGuard
 from utils.inference.config import EvaluateConfig
-from utils.inference.engine import ShapeBuckets
+from utils.inference.engine import batches_by_shape
 from utils.inference.file_plan import read_files
 from utils.output_files import check_outputs, write_text
 
@@ -60,7 +61,7 @@ class SizeGroupedBatches:
     """Stacked batches of up to the loader's ``batch_size`` items of one image size, from ``engine.item_loader``'s
     lists of items.
 
-    Images of mixed sizes are grouped by size as ``predict.py`` groups them (``ShapeBuckets``): since the score is a
+    Images of mixed sizes are grouped by size as ``predict.py`` groups them (``batches_by_shape``): since the score is a
     mean over images, grouping does not change it.
     """
 
@@ -70,15 +71,9 @@ class SizeGroupedBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        buckets = ShapeBuckets(self.loader.batch_size, shape_of=lambda item: tuple(item["image"].shape))
-        for items in self.loader:
-            for item in items:
-                yield from map(_stack, buckets.add(item))
-        yield from map(_stack, buckets.flush())
-
-
-def _stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        items = itertools.chain.from_iterable(self.loader)
+        for batch in batches_by_shape(items, self.loader.batch_size, lambda item: item["image"].shape):
+            yield {key: torch.stack([item[key] for item in batch]) for key in batch[0]}
 
 
 def format_table(result: EvalResult, mask_values: Sequence, class_names: Sequence[str] = ()) -> str:

@@ -12,7 +12,6 @@ import logging
 from collections import deque
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from utils.errors import UserError, count
@@ -32,51 +31,46 @@ MAX_FOLDERS_NAMED = 3
 MAX_PENDING_WRITES = 16
 
 
-@dataclass
-class Writer:
-    """Turns predictions into files; runs in writer threads so PNG encoding overlaps the next forward pass."""
-
-    preprocessing: Preprocessing
-    """The checkpoint's mask values and class names."""
-    config: PredictConfig
-    """Which files to write (--no-save, --viz) and the true masks beside the overlays (--masks)."""
-
-    def write(self, item: InputItem, plan: OutputPlan) -> str | None:
-        """Write one predicted input's files; returns an error message instead of raising (the input's own when it
-        could not be read), except for an ``OutputError`` of the output location (see the module docstring)."""
-        if item.classes is None:
-            return item.error
-        try:
-            if not self.config.no_save:
-                mask = mask_to_image(item.classes, self.preprocessing.mask_values)
-                write_file(plan.mask, mask.save, f"the mask of {item.path}")
-            if self.config.viz:
-                self._write_viz(item, plan.viz)
-        except (OSError, ValueError, UserError) as error:
-            if isinstance(error, OutputError) and error.location_failure:
-                raise
-            return f"{item.path}: could not write its output: {error}"
-        return None
-
-    def _write_viz(self, item: InputItem, path: Path) -> None:
-        assert item.original is not None and item.classes is not None
-        truth = None
-        masks_dir = self.config.masks_dir
-        mask_values = self.preprocessing.mask_values
-        if masks_dir is not None:
-            truth_path = find_truth_mask(masks_dir, item.path)
-            if truth_path is None:
-                logger.warning("no true mask for %s in %s; writing the prediction overlay alone", item.path, masks_dir)
-            else:
-                truth = load_truth_classes(truth_path, mask_values, item.original_size)
-        overlay = render_visualization(item.original, item.classes, self.preprocessing, truth)
-        write_file(path, overlay.save, f"the overlay of {item.path}")
+def write_prediction(
+    item: InputItem, plan: OutputPlan, preprocessing: Preprocessing, config: PredictConfig
+) -> str | None:
+    """Write one predicted input's files as ``config`` says (--no-save, --viz, the true masks of --masks) with the
+    checkpoint's mask values and class names; returns an error message instead of raising (the input's own when it
+    could not be read), except for an ``OutputError`` of the output location (see the module docstring)."""
+    if item.classes is None:
+        return item.error
+    try:
+        if not config.no_save:
+            mask = mask_to_image(item.classes, preprocessing.mask_values)
+            write_file(plan.mask, mask.save, f"the mask of {item.path}")
+        if config.viz:
+            assert item.original is not None
+            truth = None
+            if config.masks_dir is not None:
+                truth_path = find_truth_mask(config.masks_dir, item.path)
+                if truth_path is None:
+                    logger.warning(
+                        "no true mask for %s in %s; writing the prediction overlay alone", item.path, config.masks_dir
+                    )
+                else:
+                    truth = load_truth_classes(truth_path, preprocessing.mask_values, item.original_size)
+            overlay = render_visualization(item.original, item.classes, preprocessing, truth)
+            write_file(plan.viz, overlay.save, f"the overlay of {item.path}")
+    except (OSError, ValueError, UserError) as error:
+        if isinstance(error, OutputError) and error.location_failure:
+            raise
+        return f"{item.path}: could not write its output: {error}"
+    return None
 
 
 def write_predictions(
-    predictions: Generator[InputItem, None, None], writer: Writer, plans: Sequence[OutputPlan]
+    predictions: Generator[InputItem, None, None],
+    plans: Sequence[OutputPlan],
+    preprocessing: Preprocessing,
+    config: PredictConfig,
 ) -> list[str]:
-    """Write every prediction in ``writer``'s threads; returns the failures (each logged), inputs' and writes'.
+    """Write every prediction (``write_prediction``) in writer threads; returns the failures (each logged), inputs'
+    and writes'.
 
     At most ``MAX_PENDING_WRITES`` predictions wait for a thread, so a fast model cannot fill memory with them. An
     ``OutputError`` of the output location is raised once the threads stop; writes not yet started are cancelled and
@@ -93,8 +87,8 @@ def write_predictions(
 
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer")
     try:
-        for prediction in predictions:
-            pending.append(pool.submit(writer.write, prediction, plans[prediction.index]))
+        for item in predictions:
+            pending.append(pool.submit(write_prediction, item, plans[item.index], preprocessing, config))
             while len(pending) > MAX_PENDING_WRITES:
                 collect(pending.popleft())
         while pending:
