@@ -11,6 +11,8 @@ switches to windows of the largest size that fits, with one warning.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +34,16 @@ USABLE_FRACTION = 0.5
 GIB = 1024**3
 
 
-def estimate_forward_bytes(model: nn.Module, batch: int, height: int, width: int, tta: bool = False) -> int:
-    """Peak bytes of one forward pass of ``batch`` images of ``height`` x ``width`` network pixels."""
+def _bytes_per_pixel(model: nn.Module, tta: bool) -> int:
+    """Peak bytes of a forward pass per network-input pixel of one image."""
     base_channels = int(getattr(model, "base_channels", 64))
     in_channels, n_classes = int(getattr(model, "n_channels", 3)), int(getattr(model, "n_classes", 2))
-    per_pixel = ACTIVATION_FLOATS * base_channels + in_channels + n_classes * (3 if tta else 1)
-    return batch * height * width * per_pixel * BYTES_PER_FLOAT
+    return (ACTIVATION_FLOATS * base_channels + in_channels + n_classes * (3 if tta else 1)) * BYTES_PER_FLOAT
+
+
+def estimate_forward_bytes(model: nn.Module, batch: int, height: int, width: int, tta: bool = False) -> int:
+    """Peak bytes of one forward pass of ``batch`` images of ``height`` x ``width`` network pixels."""
+    return batch * height * width * _bytes_per_pixel(model, tta)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -46,34 +52,25 @@ def free_bytes(device: torch.device) -> int | None:
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type != "cpu":
         return None
-    limits = [_proc_kib("/proc/meminfo", "MemAvailable:"), _cgroup_free(), _address_space_free()]
-    known = [limit for limit in limits if limit is not None]
-    return min(known) if known else None
+    cgroup_limit, cgroup_used = cgroup_memory("max"), cgroup_memory("current")
+    # ``ulimit -v`` counts the address space this process already maps (libraries too).
+    address_space, _ = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = _proc_kib("/proc/self/status", "VmSize")
+    limits = [
+        _proc_kib("/proc/meminfo", "MemAvailable"),
+        None if cgroup_limit is None or cgroup_used is None else cgroup_limit - cgroup_used,
+        None if address_space == resource.RLIM_INFINITY or mapped is None else address_space - mapped,
+    ]
+    return min((limit for limit in limits if limit is not None), default=None)
 
 
 def _proc_kib(path: str, field_name: str) -> int | None:
-    """Bytes of a ``field_name ... kB`` line of a /proc file; None where it cannot be read."""
+    """Bytes of a ``<field_name>: ... kB`` line of a /proc file; None where it cannot be read."""
     try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(field_name):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        found = re.search(rf"^{field_name}:\s*(\d+)", Path(path).read_text(), re.MULTILINE)
+    except OSError:
         return None
-    return None
-
-
-def _cgroup_free() -> int | None:
-    limit, used = cgroup_memory("max"), cgroup_memory("current")
-    return None if limit is None or used is None else limit - used
-
-
-def _address_space_free() -> int | None:
-    """``ulimit -v`` minus the address space this process already maps (libraries count too)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    mapped = _proc_kib("/proc/self/status", "VmSize:")
-    return None if mapped is None else soft - mapped
+    return None if found is None else int(found.group(1)) * 1024
 
 
 @dataclass
@@ -110,11 +107,15 @@ class MemoryPlanner:
         budget = self.budget()
         if budget is None or needed <= budget:
             return None
-        # The tiled pass keeps the blended logits (and weights) of the whole batch besides one batch of windows.
+        # The tiled pass keeps the blended logits (and weights) of the whole batch besides one batch of windows,
+        # which run ``window_batch`` at a time; the last row/column may run up to 15 pixels longer: the largest
+        # window whose side plus 16 fits what is left.
         n_classes = int(getattr(model, "n_classes", 2))
         stitched = batch * height * width * (n_classes + 1) * BYTES_PER_FLOAT
-        tile = self._largest_tile(model, window_batch or batch, budget - stitched, tta)
-        if tile is None:
+        window_pixel_bytes = (window_batch or batch) * _bytes_per_pixel(model, tta)
+        side = math.isqrt(max(0, budget - stitched) // window_pixel_bytes)
+        tile = (side - DOWNSAMPLING) // DOWNSAMPLING * DOWNSAMPLING
+        if tile < MIN_TILE:
             raise UserError(
                 f"a {width}x{height} image needs about {needed / GIB:.1f} GiB to predict but only "
                 f"{budget / GIB:.1f} GiB are free, too little even for --tile {MIN_TILE}; "
@@ -133,15 +134,3 @@ class MemoryPlanner:
         )
         self._warned = True
         return TileSettings(tile, tta=tta)
-
-    @staticmethod
-    def _largest_tile(model: nn.Module, batch: int, budget: int, tta: bool) -> int | None:
-        # Windows run `batch` at a time and the last row/column may run up to 15 pixels longer.
-        tile = None
-        size = MIN_TILE
-        while estimate_forward_bytes(model, batch, size + DOWNSAMPLING, size + DOWNSAMPLING, tta) <= budget:
-            tile = size
-            size += DOWNSAMPLING
-            if size > 1 << 16:
-                break
-        return tile
