@@ -1,4 +1,4 @@
-"""utils.inference.engine, the pieces behind predict.py: batches by size, logits to classes, input decoding, batching."""
+"""utils.inference.engine, behind predict.py: batches by size, logits to classes, input decoding, batching."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_inputs_decode_resize_and_report_unusable_files_without_raising(tmp_path
     assert dataset[1].error.startswith(f"cannot read image {broken}")
     # A grey photo for an RGB model is converted (its grey repeated), as training converts it.
     converted = dataset[2]
-    assert converted.error is None and converted.converted_from == 1 and converted.image.shape == (3, 10, 10)
+    assert converted.error is None and converted.converted and converted.image.shape == (3, 10, 10)
     assert torch.equal(converted.image[0], converted.image[2])
     assert dataset[3].error.startswith(f"cannot read image {tmp_path / 'gone.png'}")
 

@@ -14,8 +14,7 @@ from PIL import Image
 from tests.conftest import REPO_ROOT, child_env
 from tests.helpers import make_model, one_error_line, save_checkpoint, structured_image, write_images
 from utils.errors import UserError
-from utils.inference.memory import MemoryPlanner, estimate_forward_bytes
-from utils.inference.tiling import DOWNSAMPLING
+from utils.inference.tiling import DOWNSAMPLING, MemoryPlanner, estimate_forward_bytes
 
 MIB = 1024**2
 

@@ -8,7 +8,7 @@ from PIL import Image
 
 from utils.checkpoint.model import check_mask_values_of
 from utils.errors import CheckpointError
-from utils.inference.outputs import check_mask_values, default_mask_values, mask_to_image
+from utils.inference.writer import check_mask_values, default_mask_values, mask_to_image
 
 CLASSES = np.array([[0, 1, 1], [1, 0, 0]], dtype=np.uint8)
 THREE_CLASSES = np.array([[0, 1, 2], [2, 1, 0]], dtype=np.uint8)

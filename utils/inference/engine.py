@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,9 +36,8 @@ from utils.evaluation import predict_classes
 from utils.hardware import SharedMemoryGuard, guarded_loader, pick_device, warn_if_emulated
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
 from utils.inference.export import Preprocessing
-from utils.inference.memory import MemoryPlanner
-from utils.inference.outputs import check_mask_values, default_mask_values
-from utils.inference.tiling import forward_logits, predict_logits_tiled
+from utils.inference.tiling import MemoryPlanner, forward_logits, predict_logits_tiled
+from utils.inference.writer import check_mask_values, default_mask_values
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +100,8 @@ class InputItem:
     original: Tensor | None = None
     """``[C, H, W]`` uint8 pixels of the file, kept only for visualisation."""
     error: str | None = None
-    converted_from: int | None = None
-    """The file's channel count when it was converted to the model's (grey photo for an RGB model, or the reverse)."""
+    converted: bool = False
+    """Whether the file's photo was converted to the model's kind (grey to RGB, or the reverse)."""
     classes: np.ndarray | None = None
     """Class indices ``[H, W]`` at ``original_size`` (``predict_batch``); none when the input could not be read."""
 
@@ -159,8 +157,8 @@ class PredictionInputs(Dataset):
                 raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
             return InputItem(index, path, error=f"cannot read image {path}: {str(error) or type(error).__name__}")
-        converted_from = own_channels if own_channels != self.n_channels else None
-        return InputItem(index, path, unit_float(image), (height, width), original, converted_from=converted_from)
+        converted = own_channels != self.n_channels
+        return InputItem(index, path, unit_float(image), (height, width), original, converted=converted)
 
 
 def item_loader(dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False) -> SharedMemoryGuard:
@@ -212,10 +210,12 @@ def predict_batch(
     memory: MemoryPlanner | None = None,
 ) -> list[InputItem]:
     """Predict a batch of items whose network-input images all have the same shape, as ``config`` says (precision,
-    threshold, --tta, --tile: windows run --batch-size at a time).
+    threshold, --tta, --tile: windows run --batch-size at a time); a batch of an unreadable input comes back as it is.
 
     Without ``--tile``, ``memory`` (when given) decides whether the whole-image pass fits, else which windows to use.
     """
+    if items[0].error is not None:
+        return list(items)
     tile = config.tile_settings()
     if tile is None and memory is not None:
         shape = tuple(items[0].image.shape)  # type: ignore[union-attr] - decoded items only
@@ -246,20 +246,17 @@ def predict_items(
     whole-image pass would not fit runs in windows the planner sizes, with one warning.
     """
     model.eval()
-    loader = item_loader(dataset, batch_size=config.batch_size, workers=config.workers)
     planner = memory if memory is not None else MemoryPlanner(device=device)
+    loader = item_loader(dataset, batch_size=config.batch_size, workers=config.workers)
     items = itertools.chain.from_iterable(loader)
     batches = batches_by_shape(items, config.batch_size, lambda item: None if item.error else item.image.shape)
-    converted: Counter[int] = Counter()
-    with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not config.progress) as bar:
-        for batch in batches:
-            for item in batch if batch[0].error else predict_batch(model, batch, device, config, planner):
-                if item.converted_from is not None:
-                    converted[item.converted_from] += 1
-                bar.update(1)
-                yield item
-    for channels, count in sorted(converted.items()):
-        kind, target = ("grey", "RGB") if channels == 1 else ("colour", "grey")
+    predicted = itertools.chain.from_iterable(predict_batch(model, batch, device, config, planner) for batch in batches)
+    converted = 0
+    for item in tqdm(predicted, total=len(dataset), desc="Predicting", unit="img", disable=not config.progress):
+        converted += item.converted
+        yield item
+    if converted:
+        kind, target = ("grey", "RGB") if dataset.n_channels == 3 else ("colour", "grey")
         logger.warning(
-            "%d %s image(s) were converted to %s for the %d-channel model", count, kind, target, dataset.n_channels
+            "%d %s image(s) were converted to %s for the %d-channel model", converted, kind, target, dataset.n_channels
         )
