@@ -81,24 +81,16 @@ class Preprocessing:
         return {f"{METADATA_PREFIX}{key}": value for key, value in entries.items()}
 
 
-@dataclass(frozen=True)
-class ExportReport:
-    """How the written file was checked."""
-
-    checked_with: str
-    """``torch.jit.load``, ``onnxruntime``, or why outputs were not compared."""
-    max_abs_difference: float | None
-    """Largest difference from PyTorch over the checked inputs; ``None`` when outputs were not compared."""
-
-
 def export_model(
     model: nn.Module,
     export_format: str,
     path: str | Path,
     sample_size: tuple[int, int],
     preprocessing: Preprocessing | None = None,
-) -> ExportReport:
-    """Write ``model`` in ``export_format`` to ``path`` for ``[N, C, H, W]`` float32 input, check it and log one line.
+) -> float | None:
+    """Write ``model`` in ``export_format`` to ``path`` for ``[N, C, H, W]`` float32 input, check it and log one line;
+    the largest difference from PyTorch over the checked inputs (None when outputs were not compared: ONNX without
+    onnxruntime).
 
     ``sample_size`` is ``(width, height)`` of the sample input used to trace the model (``--export-size WxH``); both
     must be multiples of 16. ``preprocessing`` goes into an ONNX file's ``metadata_props``.
@@ -126,10 +118,12 @@ def export_model(
         with replacing(path, "--export") as temporary, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if export_format == "torchscript":
-                run, checked_with = _export_torchscript(model, temporary, sample), "torch.jit.load"
+                with torch.no_grad():
+                    torch.jit.trace(model, sample, check_trace=False).save(str(temporary))
+                run, checked_with = torch.jit.load(str(temporary), map_location="cpu"), "torch.jit.load"
             else:
                 run, checked_with = _export_onnx(model, temporary, sample, preprocessing, weights_file)
-            report = ExportReport(checked_with, None if run is None else _compare(path, model, (sample, other), run))
+            difference = None if run is None else _compare(path, model, (sample, other), run)
     except BaseException:
         if weights_file is not None:
             weights_file.unlink(missing_ok=True)
@@ -140,11 +134,9 @@ def export_model(
             weights_file.name,
             path.name,
         )
-    difference = "n/a" if report.max_abs_difference is None else f"{report.max_abs_difference:.3g}"
-    logger.info(
-        "Exported %s to %s (checked with %s, max |difference| %s)", export_format, path, checked_with, difference
-    )
-    return report
+    shown = "n/a" if difference is None else f"{difference:.3g}"
+    logger.info("Exported %s to %s (checked with %s, max |difference| %s)", export_format, path, checked_with, shown)
+    return difference
 
 
 @torch.inference_mode()
@@ -162,13 +154,6 @@ def _compare(path: Path, model: nn.Module, inputs: Sequence[Tensor], run: Runner
         if not torch.allclose(exported, reference, rtol=TOLERANCE, atol=TOLERANCE):
             raise ExportError(f"exported model {path} differs from PyTorch by up to {worst:.3g}; it was deleted")
     return worst
-
-
-def _export_torchscript(model: nn.Module, path: Path, sample: Tensor) -> Runner:
-    """Trace ``model`` into ``path``; the file loaded back."""
-    with torch.no_grad():
-        torch.jit.trace(model, sample, check_trace=False).save(str(path))
-    return torch.jit.load(str(path), map_location="cpu")
 
 
 def _export_onnx(
@@ -190,7 +175,6 @@ def _export_onnx(
             output_names=["logits"],
             # Named dimensions (torch.export.Dim.DYNAMIC), so tools show ``batch x 3 x height x width``.
             dynamic_shapes=({0: "batch", 2: "height", 3: "width"},),
-            dynamo=True,
             verbose=False,
         )
     except Exception as error:  # noqa: BLE001 - the exporter raises many types; the user needs the one line

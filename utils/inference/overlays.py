@@ -27,17 +27,8 @@ from utils.inference.file_plan import MASK_FORMATS
 
 logger = logging.getLogger(__name__)
 
-# Distinct, saturated colours for grey-valued masks (class 1 first).
-PALETTE = [
-    (255, 64, 64),
-    (64, 200, 64),
-    (64, 128, 255),
-    (255, 200, 0),
-    (200, 64, 255),
-    (0, 220, 220),
-    (255, 128, 0),
-    (255, 0, 160),
-]
+# Distinct, saturated colours for grey-valued masks (class 1 first), as RGB hex codes.
+PALETTE = [tuple(bytes.fromhex(code)) for code in "ff4040 40c840 4080ff ffc800 c840ff 00dcdc ff8000 ff00a0".split()]
 OVERLAY_ALPHA = 0.5
 GAP_PIXELS = 8
 # The caption and legend strip: text rows of this height and swatches of this side on small images, growing with the
@@ -91,18 +82,15 @@ def inside_edge(mask: Tensor) -> Tensor:
 def legend_entries(
     colours: Sequence[tuple[int, int, int]], mask_values: Sequence, class_names: Sequence[str] = ()
 ) -> list[tuple[tuple, str]]:
-    """``(colour, label)`` for every foreground class (class 0 is not drawn): its name, else ``value <mask value>``."""
-    return [(tuple(colours[k]), class_label(k, mask_values, class_names)) for k in range(1, len(colours))]
-
-
-def class_label(k: int, mask_values: Sequence, class_names: Sequence[str] = ()) -> str:
-    """How a person knows class ``k``: its name when the checkpoint has names, else its value in the mask files."""
-    if k < len(class_names):
-        return class_names[k]
-    value = mask_values[k] if k < len(mask_values) else k
-    if isinstance(value, Sequence):
-        value = "(" + ", ".join(str(int(channel)) for channel in value) + ")"  # an RGB colour of a colour-coded mask
-    return f"value {value}"
+    """``(colour, label)`` for every foreground class (class 0 is not drawn), labelled as a person knows it: its name
+    when the checkpoint has names, else its value in the mask files (``value 255``, ``value (128, 0, 0)``)."""
+    entries = []
+    for k in range(1, len(colours)):
+        value = mask_values[k] if k < len(mask_values) else k
+        if isinstance(value, Sequence):  # an RGB colour of a colour-coded mask
+            value = "(" + ", ".join(str(int(channel)) for channel in value) + ")"
+        entries.append((tuple(colours[k]), class_names[k] if k < len(class_names) else f"value {value}"))
+    return entries
 
 
 def with_captions(
@@ -121,22 +109,18 @@ def with_captions(
     widths = [swatch + 4 + int(probe.textlength(label, font=font)) + 12 for _, label in entries]
     caption_widths = [int(probe.textlength(caption, font=font)) + 4 for caption in captions]
     width = max([panel_width, *widths, *caption_widths])
-    # Legend entries run left to right in rows below the captions, a new row when the next entry would not fit.
-    places: list[tuple[int, int]] = []
-    row, used = 0, width
-    for entry_width in widths:
-        if used + entry_width > width and used:
-            row, used = row + 1, 0
-        places.append((height + row_pixels * row, 2 + used))
-        used += entry_width
-    canvas = Image.new("RGB", (width, height + row_pixels * (1 + row)), (255, 255, 255))
+    # Legend entries in a grid below the captions, each in a cell as wide as the widest, as many a row as fit.
+    cell = max(widths, default=1)
+    per_row = width // cell
+    canvas = Image.new("RGB", (width, height + row_pixels * (1 + -(-len(entries) // per_row))), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     x = 0
     for panel, caption in zip(panels, captions, strict=True):
         canvas.paste(Image.fromarray(panel.permute(1, 2, 0).numpy()), (x, 0))
         draw.text((x + 2, height + 2), caption, fill=(0, 0, 0), font=font)
         x += panel.shape[2] + GAP_PIXELS
-    for (colour, label), (top, x) in zip(entries, places, strict=True):
+    for index, (colour, label) in enumerate(entries):
+        top, x = height + row_pixels * (1 + index // per_row), 2 + cell * (index % per_row)
         draw.rectangle((x, top + 3, x + swatch - 1, top + 2 + swatch), fill=colour, outline=(0, 0, 0))
         draw.text((x + swatch + 4, top + 2), label, fill=(0, 0, 0), font=font)
     return canvas
