@@ -48,16 +48,10 @@ TTA_FLIPS: tuple[tuple[int, ...], ...] = ((), (3,), (2,), (2, 3))
 
 def forward_logits(model: nn.Module, images: Tensor, precision: str, tta: bool = False) -> Tensor:
     """float32 logits ``[N, K, H, W]`` of ``images``; with ``tta`` the mean over ``TTA_FLIPS``."""
-    if not tta:
-        return run_model(model, images, precision)
-    total: Tensor | None = None
-    for dims in TTA_FLIPS:
-        flipped = images.flip(dims) if dims else images
-        logits = run_model(model, flipped, precision)
-        logits = logits.flip(dims) if dims else logits
-        total = logits if total is None else total.add_(logits)
-    assert total is not None
-    return total / len(TTA_FLIPS)
+    logits = run_model(model, images, precision)
+    for dims in TTA_FLIPS[1:] if tta else ():
+        logits += run_model(model, images.flip(dims), precision).flip(dims)
+    return logits / len(TTA_FLIPS) if tta else logits
 
 
 # The UNet pools four times by 2: windows that start on multiples of this see the whole image's pooling grid.

@@ -42,8 +42,6 @@ MAX_FOLDERS_NAMED = 3
 # Predictions written at most this many images ahead of the writer threads, to bound memory.
 MAX_PENDING_WRITES = 16
 
-# PIL modes for colour masks, by number of channels per value.
-_COLOUR_MODES = {2: "LA", 3: "RGB", 4: "RGBA"}
 MAX_PNG_GREY_VALUE = 2**16 - 1
 
 
@@ -67,28 +65,19 @@ def check_mask_values(mask_values: Sequence) -> None:
         )
 
 
-def _value_table(mask_values: Sequence) -> tuple[np.ndarray, str]:
-    """A lookup table ``[K]`` or ``[K, channels]`` and the PIL mode to write it with (values checked at reading)."""
-    table = np.asarray(mask_values)
-    if table.ndim == 2:
-        return table.astype(np.uint8), _COLOUR_MODES[table.shape[1]]
-    if sorted(table.tolist()) == [0, 1] and len(table) == 2:
-        return table.astype(bool), "1"
-    if table.max(initial=0) > 255:
-        return table.astype(np.uint16), "I;16"
-    return table.astype(np.uint8), "L"
-
-
 def mask_to_image(class_mask: np.ndarray, mask_values: Sequence) -> Image.Image:
     """Map a ``[H, W]`` array of class indices to a PIL image holding ``mask_values[class]`` per pixel (one value
-    per class the model predicts: the checkpoint's reader checked that, ``utils.checkpoint.model``)."""
-    if class_mask.ndim != 2:
-        raise ValueError(f"expected a [H, W] class-index array, got shape {class_mask.shape}")
-    table, mode = _value_table(mask_values)
-    image = Image.fromarray(table[class_mask])
-    # Pillow infers the mode from dtype and shape; make sure it is the one the table promised.
-    assert image.mode == mode, (image.mode, mode)
-    return image
+    per class the model predicts: the checkpoint's reader checked that, ``utils.checkpoint.model``); Pillow takes the
+    mode from the table's type and shape (see the module docstring)."""
+    assert class_mask.ndim == 2, class_mask.shape
+    table = np.asarray(mask_values)
+    if table.ndim == 2:  # colours of 2, 3 or 4 channels
+        table = table.astype(np.uint8)
+    elif len(table) == 2 and sorted(table.tolist()) == [0, 1]:
+        table = table.astype(bool)
+    else:
+        table = table.astype(np.uint16 if table.max(initial=0) > 255 else np.uint8)
+    return Image.fromarray(table[class_mask])
 
 
 def write_prediction(
