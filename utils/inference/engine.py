@@ -31,13 +31,12 @@ from utils.checkpoint import model as model_spec
 from utils.datasets.dataset import cached_image, image_tensor, resized_image, unit_float
 from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
 from utils.datasets.pixel_cache import PixelCache
-from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
 from utils.hardware import SharedMemoryGuard, guarded_loader, pick_device, warn_if_emulated
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
 from utils.inference.export import Preprocessing
 from utils.inference.tiling import MemoryPlanner, forward_logits, predict_logits_tiled
-from utils.inference.writer import check_mask_values, default_mask_values
+from utils.inference.writer import mask_values_to_write
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +61,7 @@ def load_predictor(config: PredictConfig) -> tuple[torch.device, UNet, Preproces
     classes: the image scale, the mask value of each class, void values and class names (empty when the checkpoint
     has none)."""
     device, model, spec, scale = open_model(config)
-    mask_values, inference = spec.mask_values, spec.inference
-    if mask_values is None:
-        mask_values = default_mask_values(model.n_classes)
-        logger.warning("%s stores no mask_values; writing classes as %s", config.model, mask_values)
-    check_mask_values(mask_values)
-    void = sorted(set(inference.ignore_values) & {v for v in mask_values if isinstance(v, int)})
-    if void:
-        # A class written as a void value would read back as "not labelled": never write one.
-        raise CheckpointError(
-            f"{config.model} maps classes to mask value(s) {void} that it was trained to ignore (--ignore-value); "
-            "its mask_values are inconsistent, retrain or fix the checkpoint"
-        )
+    mask_values, inference = mask_values_to_write(spec, config.model), spec.inference
     logger.info("Model %s: %s, mask values %s, scale %s", config.model, model.constructor_args(), mask_values, scale)
     if model.n_classes > 1 and config.mask_threshold != DEFAULT_MASK_THRESHOLD:
         logger.warning(
@@ -121,12 +109,9 @@ class PredictionInputs(Dataset):
         self.keep_original, self.any_size = config.viz, config.tile is not None
         # --pixel-cache: the training cache's entries (same scale and channels) are read instead of decoding, and
         # a decoded input is stored for the next run. Not with --viz, which needs the full-size pixels anyway.
-        self.pixel_cache = (
-            PixelCache(config.pixel_cache, scale=self.scale, channels=self.n_channels)
-            if config.pixel_cache is not None and not config.viz and self.n_channels in (1, 3)
-            else None
-        )
-        if self.pixel_cache is not None:
+        self.pixel_cache = None
+        if config.pixel_cache is not None and not config.viz and self.n_channels in (1, 3):
+            self.pixel_cache = PixelCache(config.pixel_cache, scale=self.scale, channels=self.n_channels)
             self.pixel_cache.check_outside(*{path.parent for path in self.paths})
         # The dataset's conversion (grey <-> RGB by PIL mode) exists for 1- and 3-channel models only.
         self._convert_to = self.n_channels if self.n_channels in (1, 3) else None
@@ -195,10 +180,11 @@ def batches_by_shape(
     yield from waiting.values()
 
 
-def logits_to_classes(logits: Tensor, size: tuple[int, int], threshold: float) -> Tensor:
-    """``[K, h, w]`` logits to ``[H, W]`` class indices at ``size``: resize the logits first, then decide (milesial)."""
+def logits_to_classes(logits: Tensor, size: tuple[int, int], threshold: float) -> np.ndarray:
+    """``[K, h, w]`` logits to ``[H, W]`` uint8 class indices at ``size``: resize the logits first, then decide
+    (milesial)."""
     resized = F.interpolate(logits[None], size=size, mode="bilinear", align_corners=False)
-    return predict_classes(resized, threshold)[0]
+    return predict_classes(resized, threshold)[0].to(torch.uint8).cpu().numpy()
 
 
 @torch.inference_mode()
@@ -218,18 +204,17 @@ def predict_batch(
         return list(items)
     tile = config.tile_settings()
     if tile is None and memory is not None:
-        shape = tuple(items[0].image.shape)  # type: ignore[union-attr] - decoded items only
+        shape = items[0].image.shape  # type: ignore[union-attr] - decoded items only
         tile = memory.tile_if_needed(model, len(items), shape, config.tta, window_batch=config.batch_size)
     images = torch.stack([item.image for item in items]).to(device, non_blocking=True)
     if tile is None:
         logits = forward_logits(model, images, config.precision, config.tta)
     else:
         logits = predict_logits_tiled(model, images, tile, config.precision, config.batch_size)
-    predicted = []
-    for item, item_logits in zip(items, logits, strict=True):
-        classes = logits_to_classes(item_logits, item.original_size, config.mask_threshold)
-        predicted.append(replace(item, classes=classes.to(torch.uint8).cpu().numpy()))
-    return predicted
+    return [
+        replace(item, classes=logits_to_classes(item_logits, item.original_size, config.mask_threshold))
+        for item, item_logits in zip(items, logits, strict=True)
+    ]
 
 
 def predict_items(

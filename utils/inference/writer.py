@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
+from utils.checkpoint.model import ModelSpec
 from utils.errors import CheckpointError, UserError, count
 from utils.inference.config import PredictConfig
 from utils.inference.export import Preprocessing
@@ -45,24 +46,32 @@ MAX_PENDING_WRITES = 16
 MAX_PNG_GREY_VALUE = 2**16 - 1
 
 
-def default_mask_values(n_classes: int) -> list[int]:
-    """Mask values to use when a checkpoint carries none: ``[0, 1]`` for binary models (milesial's default)."""
-    return [0, 1] if n_classes <= 2 else list(range(n_classes))
+def mask_values_to_write(spec: ModelSpec, checkpoint: Path) -> list:
+    """The mask value each class is written as: the checkpoint's, else ``[0, 1]`` for a binary model (milesial's
+    default) and the class numbers for more classes, with one warning.
 
-
-def check_mask_values(mask_values: Sequence) -> None:
-    """Raise ``CheckpointError`` when a grey mask value is too wide for a PNG mask.
-
-    Everything else about a checkpoint's mask values (one per class, unique, integers or colours of 2-4 channels of
-    0..255) is checked where the file is read (``utils.checkpoint.model``); ``default_mask_values`` are valid.
+    ``CheckpointError`` for values a mask file cannot hold: a grey value too wide for a 16-bit PNG (written as it is
+    it would wrap around: another class's value, silently), or a void value (``--ignore-value`` in training), which
+    would read back as "not labelled". Everything else about them (one per class, unique, integers or colours of 2-4
+    channels of 0..255) is checked where the file is read (``utils.checkpoint.model``).
     """
+    mask_values = spec.mask_values
+    if mask_values is None:
+        mask_values = [0, 1] if spec.n_classes <= 2 else list(range(spec.n_classes))
+        logger.warning("%s stores no mask_values; writing classes as %s", checkpoint, mask_values)
     too_wide = [value for value in mask_values if not isinstance(value, Sequence) and value > MAX_PNG_GREY_VALUE]
     if too_wide:
-        # Written as they are they would wrap around in the 16-bit PNG: another class's value, silently.
         raise CheckpointError(
             f"the checkpoint's mask value {too_wide[0]} does not fit a 16-bit PNG mask (at most {MAX_PNG_GREY_VALUE}); "
             f"evaluate.py scores this model, but its masks cannot be written as images"
         )
+    void = sorted(set(spec.inference.ignore_values) & {value for value in mask_values if isinstance(value, int)})
+    if void:
+        raise CheckpointError(
+            f"{checkpoint} maps classes to mask value(s) {void} that it was trained to ignore (--ignore-value); "
+            "its mask_values are inconsistent, retrain or fix the checkpoint"
+        )
+    return mask_values
 
 
 def mask_to_image(class_mask: np.ndarray, mask_values: Sequence) -> Image.Image:
