@@ -202,11 +202,11 @@ def predict_batch(
     """
     if items[0].error is not None:
         return list(items)
+    images = torch.stack([item.image for item in items])  # type: ignore[misc] - decoded items only
     tile = config.tile_settings()
     if tile is None and memory is not None:
-        shape = items[0].image.shape  # type: ignore[union-attr] - decoded items only
-        tile = memory.tile_if_needed(model, len(items), shape, config.tta, window_batch=config.batch_size)
-    images = torch.stack([item.image for item in items]).to(device, non_blocking=True)
+        tile = memory.tile_if_needed(model, images.shape, config.tta, config.batch_size)
+    images = images.to(device, non_blocking=True)
     if tile is None:
         logits = forward_logits(model, images, config.precision, config.tta)
     else:

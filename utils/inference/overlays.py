@@ -128,27 +128,21 @@ def with_captions(
 
 def find_truth_mask(masks_dir: Path, image_path: Path) -> Path | None:
     """The mask in ``masks_dir`` named like ``image_path`` (``car.jpg`` -> ``car.png``, ``car_mask.gif``, ...)."""
-    for suffix in TRUTH_SUFFIXES:
-        for extension in MASK_FILE_SUFFIXES:
-            candidate = masks_dir / f"{image_path.stem}{suffix}{extension}"
-            if candidate.is_file():
-                return candidate
-    return None
+    names = (f"{image_path.stem}{suffix}{extension}" for suffix in TRUTH_SUFFIXES for extension in MASK_FILE_SUFFIXES)
+    return next((masks_dir / name for name in names if (masks_dir / name).is_file()), None)
 
 
 def load_truth_classes(mask_path: Path, mask_values: Sequence, size: tuple[int, int]) -> np.ndarray:
     """Class indices ``[H, W]`` of a true mask, resized (nearest) to ``size`` = ``(H, W)`` if it differs."""
     mask_image = load_image(mask_path)
-    if (mask_image.height, mask_image.width) != size:
+    if mask_image.size != size[::-1]:
         logger.warning(
             "truth mask %s is %dx%d, image is %dx%d; resizing the mask for display",
             mask_path,
-            mask_image.width,
-            mask_image.height,
-            size[1],
-            size[0],
+            *mask_image.size,
+            *size[::-1],
         )
-        mask_image = mask_image.resize((size[1], size[0]), Image.NEAREST)
+        mask_image = mask_image.resize(size[::-1], Image.NEAREST)
     return np.asarray(mask_classes(mask_image, 1.0, list(mask_values)), dtype=np.int64)
 
 

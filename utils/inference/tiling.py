@@ -206,28 +206,17 @@ class MemoryPlanner:
     """Where the free memory is read when ``budget_bytes`` is None; None as well: unknown, never tile on our own."""
     _warned: bool = field(default=False, init=False)
 
-    def budget(self) -> int | None:
-        """Bytes the next forward pass may use (read now: decoding and earlier batches change it)."""
-        if self.budget_bytes is not None or self.device is None:
-            return self.budget_bytes
-        free = free_bytes(self.device)
-        return None if free is None else int(free * USABLE_FRACTION)
-
     def tile_if_needed(
-        self,
-        model: nn.Module,
-        batch: int,
-        image_shape: tuple[int, ...],
-        tta: bool = False,
-        window_batch: int | None = None,
+        self, model: nn.Module, batch_shape: Sequence[int], tta: bool, window_batch: int
     ) -> TileSettings | None:
-        """None when ``batch`` whole images of ``image_shape`` ``[C, h, w]`` fit, else windows that do.
-
-        ``window_batch`` is how many windows run at once (default ``batch``).
-        """
-        _, height, width = image_shape
+        """None when a batch of ``batch_shape`` ``[N, C, h, w]`` fits whole, else windows that do, run
+        ``window_batch`` at a time. The free memory is read now: decoding and earlier batches change it."""
+        batch, _, height, width = batch_shape
         needed = estimate_forward_bytes(model, batch, height, width, tta)
-        budget = self.budget()
+        budget = self.budget_bytes
+        if budget is None and self.device is not None:
+            free = free_bytes(self.device)
+            budget = None if free is None else int(free * USABLE_FRACTION)
         if budget is None or needed <= budget:
             return None
         # The tiled pass keeps the blended logits (and weights) of the whole batch besides one batch of windows,
@@ -235,7 +224,7 @@ class MemoryPlanner:
         # window whose side plus 16 fits what is left.
         n_classes = int(getattr(model, "n_classes", 2))
         stitched = batch * height * width * (n_classes + 1) * BYTES_PER_FLOAT
-        window_pixel_bytes = (window_batch or batch) * _bytes_per_pixel(model, tta)
+        window_pixel_bytes = window_batch * _bytes_per_pixel(model, tta)
         side = math.isqrt(max(0, budget - stitched) // window_pixel_bytes)
         tile = (side - DOWNSAMPLING) // DOWNSAMPLING * DOWNSAMPLING
         if tile < MIN_TILE:
