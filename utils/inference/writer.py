@@ -8,6 +8,15 @@ compared with (or used in place of) the masks the model was trained on:
 * other grey values become an 8-bit ``'L'`` image, or 16-bit ``'I;16'`` when a value does not fit in a byte;
 * colour values (``[r, g, b]`` lists, one per class) become an ``'RGB'`` image (``'LA'``/``'RGBA'`` for 2/4 channels).
 
+Overlays (``--viz``), with the true mask beside them when one is given: class 0 is treated as background and left
+undrawn; the other classes are painted over the image in their own colour: the dataset's colour when its mask values
+are colours, else a fixed palette. A half-transparent colour can vanish on an object of about that colour (red on a
+maroon car), so each region also gets a one-pixel outline on its inside edge, black or white, whichever stands out
+more from the image under it. Below the image(s) a white strip holds the captions (``truth`` under the true mask's
+overlay, ``prediction`` under the model's) and a legend: a swatch of each foreground class's colour labelled with its
+name (``--class-names`` in training) or else its mask value (``value 255``), the value a person finds in the mask
+files. The image pixels themselves carry no text.
+
 Each file goes through ``utils.output_files`` (all or nothing). A failure of one file is that image's failure; a
 failure of the output location (a full disk, a read-only folder) ends the run with one error, since every later
 write would fail the same way.
@@ -23,14 +32,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image
+import torch
+from PIL import Image, ImageDraw, ImageFont
+from torch import Tensor
 
 from utils.checkpoint.model import ModelSpec
+from utils.datasets.dataset import mask_classes
+from utils.datasets.image_files import IMAGE_EXTENSIONS, load_image
 from utils.errors import CheckpointError, UserError, count
 from utils.inference.config import PredictConfig
 from utils.inference.export import Preprocessing
-from utils.inference.file_plan import OutputPlan
-from utils.inference.overlays import find_truth_mask, load_truth_classes, render_visualization
+from utils.inference.file_plan import MASK_FORMATS, OutputPlan
 from utils.output_files import OutputError, write_file
 
 if TYPE_CHECKING:  # utils.inference.engine imports the mask value checks from here
@@ -87,6 +99,142 @@ def mask_to_image(class_mask: np.ndarray, mask_values: Sequence) -> Image.Image:
     else:
         table = table.astype(np.uint16 if table.max(initial=0) > 255 else np.uint8)
     return Image.fromarray(table[class_mask])
+
+
+# Distinct, saturated colours for grey-valued masks (class 1 first), as RGB hex codes.
+PALETTE = [tuple(bytes.fromhex(code)) for code in "ff4040 40c840 4080ff ffc800 c840ff 00dcdc ff8000 ff00a0".split()]
+OVERLAY_ALPHA = 0.5
+GAP_PIXELS = 8
+# The caption and legend strip: text rows of this height and swatches of this side on small images, growing with the
+# image (text 1/40 of its height) so that captions stay readable on a 1918x1280 photo; at most this many entries.
+ROW_PIXELS = 16
+SWATCH_PIXELS = 10
+TEXT_HEIGHT_FRACTION = 1 / 40
+MAX_LEGEND_ENTRIES = 32
+CAPTIONS = ("truth", "prediction")
+# Truth masks are looked up by the image's name plus one of these suffixes (Carvana uses "_mask").
+TRUTH_SUFFIXES = ("", "_mask", "_masks", "-mask", "_label", "_labels", "_gt")
+# Every extension a dataset mask may have (image_files), the lossless ones first.
+MASK_FILE_SUFFIXES = (*MASK_FORMATS, *sorted(IMAGE_EXTENSIONS - set(MASK_FORMATS)))
+
+
+def class_colours(mask_values: Sequence) -> list[tuple[int, int, int]]:
+    """One RGB colour per class, as ``mask_values`` has one value per class (index 0, background, included for
+    indexing but never drawn): the masks' own colours, else the palette."""
+    if all(isinstance(value, Sequence) and len(value) >= 3 for value in mask_values):
+        return [tuple(int(channel) for channel in value[:3]) for value in mask_values]
+    return [(0, 0, 0)] + [PALETTE[(k - 1) % len(PALETTE)] for k in range(1, len(mask_values))]
+
+
+def overlay(image: Tensor, classes: np.ndarray, colours: Sequence[tuple[int, int, int]]) -> Tensor:
+    """Paint every non-background class of ``classes`` ``[H, W]`` over ``image`` ``[C, H, W]`` uint8."""
+    # Any channel count to 3 for display: grey repeated, a fourth channel dropped.
+    rgb = (image[:3] if image.shape[0] >= 3 else image[:1].expand(3, -1, -1)).contiguous()
+    class_map = torch.from_numpy(np.asarray(classes, dtype=np.int64))
+    present = [k for k in torch.unique(class_map).tolist() if k != 0]
+    if not present:
+        return rgb.clone()
+    masks = torch.stack([class_map == k for k in present])
+    from torchvision.utils import draw_segmentation_masks  # here: torchvision imports dynamo, seconds per start
+
+    painted = draw_segmentation_masks(rgb, masks, alpha=OVERLAY_ALPHA, colors=[colours[k] for k in present])
+    for mask in masks:
+        edge = inside_edge(mask)
+        # Rec. 601 luma of the image under the outline: a light background gets black, a dark one white.
+        luma = (torch.tensor([0.299, 0.587, 0.114]) @ rgb[:, edge].float()).mean()
+        painted[:, edge] = 0 if luma > 127 else 255
+    return painted
+
+
+def inside_edge(mask: Tensor) -> Tensor:
+    """The pixels of ``mask`` ``[H, W]`` bool with a 4-neighbour outside it (the image border does not count)."""
+    padded = torch.nn.functional.pad(mask[None, None].float(), (1, 1, 1, 1), mode="replicate")[0, 0] > 0.5
+    interior = padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
+    return mask & ~interior
+
+
+def legend_entries(
+    colours: Sequence[tuple[int, int, int]], mask_values: Sequence, class_names: Sequence[str] = ()
+) -> list[tuple[tuple, str]]:
+    """``(colour, label)`` for every foreground class (class 0 is not drawn), labelled as a person knows it: its name
+    when the checkpoint has names, else its value in the mask files (``value 255``, ``value (128, 0, 0)``)."""
+    entries = []
+    for k in range(1, len(colours)):
+        value = mask_values[k] if k < len(mask_values) else k
+        if isinstance(value, Sequence):  # an RGB colour of a colour-coded mask
+            value = "(" + ", ".join(str(int(channel)) for channel in value) + ")"
+        entries.append((tuple(colours[k]), class_names[k] if k < len(class_names) else f"value {value}"))
+    return entries
+
+
+def with_captions(
+    panels: Sequence[Tensor], captions: Sequence[str], legend: Sequence[tuple[tuple, str]]
+) -> Image.Image:
+    """``[3, H, W]`` uint8 panels in a row (white gaps), a caption under each, then the legend, on white."""
+    height = max(panel.shape[1] for panel in panels)
+    swatch = max(SWATCH_PIXELS, round(height * TEXT_HEIGHT_FRACTION))
+    row_pixels = swatch + ROW_PIXELS - SWATCH_PIXELS
+    font = ImageFont.load_default(size=swatch)
+    panel_width = sum(panel.shape[2] for panel in panels) + GAP_PIXELS * (len(panels) - 1)
+    entries = list(legend[:MAX_LEGEND_ENTRIES])
+    if len(legend) > MAX_LEGEND_ENTRIES:
+        entries.append(((255, 255, 255), f"... {len(legend) - MAX_LEGEND_ENTRIES} more classes"))
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    widths = [swatch + 4 + int(probe.textlength(label, font=font)) + 12 for _, label in entries]
+    caption_widths = [int(probe.textlength(caption, font=font)) + 4 for caption in captions]
+    width = max([panel_width, *widths, *caption_widths])
+    # Legend entries in a grid below the captions, each in a cell as wide as the widest, as many a row as fit.
+    cell = max(widths, default=1)
+    per_row = width // cell
+    canvas = Image.new("RGB", (width, height + row_pixels * (1 + -(-len(entries) // per_row))), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    x = 0
+    for panel, caption in zip(panels, captions, strict=True):
+        canvas.paste(Image.fromarray(panel.permute(1, 2, 0).numpy()), (x, 0))
+        draw.text((x + 2, height + 2), caption, fill=(0, 0, 0), font=font)
+        x += panel.shape[2] + GAP_PIXELS
+    for index, (colour, label) in enumerate(entries):
+        top, x = height + row_pixels * (1 + index // per_row), 2 + cell * (index % per_row)
+        draw.rectangle((x, top + 3, x + swatch - 1, top + 2 + swatch), fill=colour, outline=(0, 0, 0))
+        draw.text((x + swatch + 4, top + 2), label, fill=(0, 0, 0), font=font)
+    return canvas
+
+
+def find_truth_mask(masks_dir: Path, image_path: Path) -> Path | None:
+    """The mask in ``masks_dir`` named like ``image_path`` (``car.jpg`` -> ``car.png``, ``car_mask.gif``, ...)."""
+    names = (f"{image_path.stem}{suffix}{extension}" for suffix in TRUTH_SUFFIXES for extension in MASK_FILE_SUFFIXES)
+    return next((masks_dir / name for name in names if (masks_dir / name).is_file()), None)
+
+
+def load_truth_classes(mask_path: Path, mask_values: Sequence, size: tuple[int, int]) -> np.ndarray:
+    """Class indices ``[H, W]`` of a true mask, resized (nearest) to ``size`` = ``(H, W)`` if it differs."""
+    mask_image = load_image(mask_path)
+    if mask_image.size != size[::-1]:
+        logger.warning(
+            "truth mask %s is %dx%d, image is %dx%d; resizing the mask for display",
+            mask_path,
+            *mask_image.size,
+            *size[::-1],
+        )
+        mask_image = mask_image.resize(size[::-1], Image.NEAREST)
+    return np.asarray(mask_classes(mask_image, 1.0, list(mask_values)), dtype=np.int64)
+
+
+def render_visualization(
+    image: Tensor, predicted: np.ndarray, preprocessing: Preprocessing, truth: np.ndarray | None = None
+) -> Image.Image:
+    """The prediction overlay, or truth | prediction side by side when ``truth`` is given, captioned, with a legend:
+    classes in the colours of the checkpoint's mask values (``class_colours``), labelled by its class names or values.
+
+    The overlay pixels sit at the top left, as in the image (``[:H, :W]``; the prediction's at ``W + GAP_PIXELS``
+    beside the truth's); the captions and legend are below them.
+    """
+    colours = class_colours(preprocessing.mask_values)
+    legend = legend_entries(colours, preprocessing.mask_values, preprocessing.class_names)
+    predicted_overlay = overlay(image, predicted, colours)
+    if truth is None:
+        return with_captions([predicted_overlay], CAPTIONS[1:], legend)
+    return with_captions([overlay(image, truth, colours), predicted_overlay], CAPTIONS, legend)
 
 
 def write_prediction(
