@@ -25,6 +25,7 @@ fits, with one warning.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import re
@@ -98,53 +99,45 @@ def tile_spans(length: int, tile: int, overlap: float, align: int = DOWNSAMPLING
     return [(start, start + tile) for start in starts[:-1]] + [(last_start, length)]
 
 
-def span_weights(spans: Sequence[tuple[int, int]], tile: int) -> list[Tensor]:
-    """Per-window importance along one axis: a Gaussian centred on the window, sigma = ``tile / 8``, peak 1.
+def span_weight(length: int, tile: int) -> Tensor:
+    """Importance along one axis of a window ``length`` pixels long: a Gaussian centred on the window, sigma =
+    ``tile / 8``, peak 1.
 
     The 2-D weight of a window is the product of its row and column weights (nnU-Net's importance map, which is
     separable). Weights stay positive (at least 1e-6 of the peak), so every pixel has a defined weighted mean.
     """
-    sigma = tile * GAUSSIAN_SIGMA_SCALE
-    weights = []
-    for start, end in spans:
-        positions = torch.arange(start, end, dtype=torch.float32) + 0.5
-        centre = (start + end) / 2
-        weight = torch.exp(-0.5 * ((positions - centre) / sigma) ** 2)
-        weights.append(weight.clamp_min(1e-6))
-    return weights
+    offsets = torch.arange(length, dtype=torch.float32) + 0.5 - length / 2  # pixel centres from the window's centre
+    return torch.exp(-0.5 * (offsets / (tile * GAUSSIAN_SIGMA_SCALE)) ** 2).clamp_min(1e-6)
 
 
 def predict_logits_tiled(
     model: nn.Module, images: Tensor, tile: TileSettings, precision: str, batch_size: int
 ) -> Tensor:
     """Logits ``[N, K, h, w]`` of ``images`` ``[N, C, h, w]`` from Gaussian-blended sliding windows."""
-    _, _, height, width = images.shape
+    count, _, height, width = images.shape
     row_spans, col_spans = tile_spans(height, tile.size, tile.overlap), tile_spans(width, tile.size, tile.overlap)
     if len(row_spans) == len(col_spans) == 1:
         # One window is the whole image: its logits, exactly.
         return forward_logits(model, images, precision, tile.tta)
-    row_weights, col_weights = span_weights(row_spans, tile.size), span_weights(col_spans, tile.size)
     # Windows of one shape are batched together; there are at most four shapes (the last row/column run longer).
-    by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    for image_index in range(images.shape[0]):
-        for row, (top, bottom) in enumerate(row_spans):
-            for col, (left, right) in enumerate(col_spans):
-                by_shape.setdefault((bottom - top, right - left), []).append((image_index, row, col))
+    by_shape: dict[tuple[int, int], list[tuple[int, slice, slice]]] = {}
+    for index, (top, bottom), (left, right) in itertools.product(range(count), row_spans, col_spans):
+        by_shape.setdefault((bottom - top, right - left), []).append((index, slice(top, bottom), slice(left, right)))
     # The blended logit is the weighted mean: logits times weight, and the weights, summed over the windows.
     logit_sum: Tensor | None = None
-    weight_sum = torch.zeros(images.shape[0], 1, height, width, device=images.device)
-    for group in by_shape.values():
-        for chunk_start in range(0, len(group), batch_size):
-            chunk = group[chunk_start : chunk_start + batch_size]
-            crops = torch.stack([images[i, :, slice(*row_spans[r]), slice(*col_spans[c])] for i, r, c in chunk])
+    weight_sum = torch.zeros(count, 1, height, width, device=images.device)
+    for (window_height, window_width), windows in by_shape.items():
+        weight = span_weight(window_height, tile.size)[:, None] * span_weight(window_width, tile.size)[None, :]
+        weight = weight.to(images.device)
+        for start in range(0, len(windows), batch_size):
+            chunk = windows[start : start + batch_size]
+            crops = torch.stack([images[index, :, rows, cols] for index, rows, cols in chunk])
             logits = forward_logits(model, crops, precision, tile.tta)
             if logit_sum is None:
-                logit_sum = torch.zeros(images.shape[0], logits.shape[1], height, width, device=images.device)
-            for (image_index, row, col), window_logits in zip(chunk, logits, strict=True):
-                rows, cols = slice(*row_spans[row]), slice(*col_spans[col])
-                weight = (row_weights[row][:, None] * col_weights[col][None, :]).to(images.device)
-                logit_sum[image_index, :, rows, cols] += window_logits * weight
-                weight_sum[image_index, :, rows, cols] += weight
+                logit_sum = torch.zeros(count, logits.shape[1], height, width, device=images.device)
+            for (index, rows, cols), window_logits in zip(chunk, logits, strict=True):
+                logit_sum[index, :, rows, cols] += window_logits * weight
+                weight_sum[index, :, rows, cols] += weight
     assert logit_sum is not None
     return logit_sum / weight_sum
 
