@@ -80,11 +80,10 @@ def run(config: EvaluateConfig) -> int:
         progress=config.progress,
         description="Evaluating",
     )
-    if config.json_path is not None:
-        write_json(config, result, mask_values, scale, spec.inference.class_names)
     print(f"{config.model} on {count(result.n_images, 'image')} of {config.images_dir}:")
     print(format_table(result, mask_values, spec.inference.class_names))
     if config.json_path is not None:
+        write_json(config, result, mask_values, scale, spec.inference.class_names)
         print(f"Scores written to {config.json_path}")
     return 0
 

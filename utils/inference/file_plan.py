@@ -80,19 +80,17 @@ def plan_outputs(inputs: Sequence[Path], config: PredictConfig) -> list[OutputPl
             raise ConfigError(
                 f"--output got {len(config.outputs)} paths for {len(inputs)} input images; give one per input file"
             )
-        plans = [OutputPlan(out, out.with_name(f"{out.stem}{VIZ_SUFFIX}.png")) for out in config.outputs]
+        masks = [(out, out.stem) for out in config.outputs]
     else:
-        folders = [config.output_dir or path.parent for path in inputs]
-        plans = [
-            OutputPlan(folder / f"{path.stem}{OUTPUT_SUFFIX}.png", folder / f"{path.stem}{VIZ_SUFFIX}.png")
-            for path, folder in zip(inputs, folders, strict=True)
-        ]
-    outputs: list[tuple[Path, str]] = []
-    for path, plan in zip(inputs, plans, strict=True):
-        if not config.no_save:
-            outputs.append((plan.mask, f"the mask of {path}"))
-        if config.viz:
-            outputs.append((plan.viz, f"the overlay of {path}"))
+        masks = [((config.output_dir or path.parent) / f"{path.stem}{OUTPUT_SUFFIX}.png", path.stem) for path in inputs]
+    # An overlay goes beside its mask: <mask name>_VIZ.png, or <input name>_VIZ.png beside <input name>_OUT.png.
+    plans = [OutputPlan(mask, mask.with_name(f"{stem}{VIZ_SUFFIX}.png")) for mask, stem in masks]
+    outputs = [
+        (output, f"the {role} of {path}")
+        for path, plan in zip(inputs, plans, strict=True)
+        for output, role, wanted in ((plan.mask, "mask", not config.no_save), (plan.viz, "overlay", config.viz))
+        if wanted
+    ]
     # The folders a run reads from: each input's, folders given as inputs, and --masks.
     read_from = [path.parent for path in inputs] + [
         Path(pattern) for pattern in config.inputs if Path(pattern).is_dir()

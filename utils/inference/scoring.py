@@ -79,24 +79,22 @@ class SizeGroupedBatches:
 def format_table(result: EvalResult, mask_values: Sequence, class_names: Sequence[str] = ()) -> str:
     """Per-class Dice and IoU and their means as an aligned text table (with a name column when classes have names)."""
     labels = ["class", "mask value", *(["name"] if class_names else [])]
-    blank = [""] * (len(labels) - 1)
-    rows = [(*labels, "Dice", "IoU")]
+    rows = [[*labels, "Dice", "IoU"]]
     for index, (dice, iou) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True)):
         value = mask_values[index] if index < len(mask_values) else "?"
         name = [class_names[index] if index < len(class_names) else ""] if class_names else []
-        rows.append((str(index), str(value), *name, f"{dice:.4f}", f"{iou:.4f}"))
+        rows.append([str(index), str(value), *name, f"{dice:.4f}", f"{iou:.4f}"])
     # Macro rows are per-image means; micro rows score the pixels of the whole dataset at once.
-    macro, micro = result.reductions()["macro"], result.reductions()["micro"]
     foreground = "mean (classes 1+)" if len(result.per_class_dice) > 1 else "mean"
-    for prefix, scores in (("", macro), ("micro ", micro)):
-        rows.append((f"{prefix}{foreground}", *blank, f"{scores['dice']:.4f}", f"{scores['iou']:.4f}"))
-        with_background = f"{scores['dice_with_background']:.4f}", f"{scores['iou_with_background']:.4f}"
-        rows.append((f"{prefix}mean (all classes)", *blank, *with_background))
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    text_columns = len(labels)  # left-aligned; the scores are right-aligned
+    for prefix, scores in (("", result.reductions()["macro"]), ("micro ", result.reductions()["micro"])):
+        for label, key in ((foreground, ""), ("mean (all classes)", "_with_background")):
+            scored = [f"{scores['dice' + key]:.4f}", f"{scores['iou' + key]:.4f}"]
+            rows.append([prefix + label, *[""] * (len(labels) - 1), *scored])
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
     lines = [
         "  ".join(
-            cell.ljust(width) if column < text_columns else cell.rjust(width)
+            # The text columns left-aligned, the scores right-aligned.
+            cell.ljust(width) if column < len(labels) else cell.rjust(width)
             for column, (cell, width) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in rows
