@@ -142,7 +142,7 @@ class PredictionInputs(Dataset):
                 raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
             return InputItem(index, path, error=f"cannot read image {path}: {str(error) or type(error).__name__}")
-        converted = own_channels != self.n_channels
+        converted = own_channels != self.n_channels  # grey for an RGB model, or the reverse
         return InputItem(index, path, unit_float(image), (height, width), original, converted=converted)
 
 

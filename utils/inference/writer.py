@@ -179,9 +179,8 @@ def with_captions(
     entries = list(legend[:MAX_LEGEND_ENTRIES])
     if len(legend) > MAX_LEGEND_ENTRIES:
         entries.append(((255, 255, 255), f"... {len(legend) - MAX_LEGEND_ENTRIES} more classes"))
-    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    widths = [swatch + 4 + int(probe.textlength(label, font=font)) + 12 for _, label in entries]
-    caption_widths = [int(probe.textlength(caption, font=font)) + 4 for caption in captions]
+    widths = [swatch + 4 + int(font.getlength(label)) + 12 for _, label in entries]
+    caption_widths = [int(font.getlength(caption)) + 4 for caption in captions]
     width = max([panel_width, *widths, *caption_widths])
     # Legend entries in a grid below the captions, each in a cell as wide as the widest, as many a row as fit.
     cell = max(widths, default=1)
