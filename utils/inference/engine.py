@@ -40,8 +40,6 @@ from utils.inference.writer import mask_values_to_write
 
 logger = logging.getLogger(__name__)
 
-WORKERS_FIX = "--workers 0 (-j 0)"
-"""predict.py's flag that keeps decoding in the main process (see utils.hardware)."""
 T = TypeVar("T")
 
 
@@ -153,7 +151,7 @@ def item_loader(dataset: Dataset, *, batch_size: int, workers: int, pin_memory: 
         dataset,
         batch_size=batch_size,
         workers=workers,
-        workers_fix=WORKERS_FIX,
+        workers_fix="--workers 0 (-j 0)",  # the flag that keeps decoding in the main process
         collate_fn=list,  # the items kept apart; a builtin pickles for workers under any start method
         pin_memory=pin_memory,
     )

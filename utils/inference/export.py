@@ -47,8 +47,6 @@ ONNX_INSTALL_HINT = "pip install onnx onnxscript"
 EXTERNAL_DATA_ABOVE_BYTES = 2**31 - 64 * 2**20
 METADATA_PREFIX = "unet_ddp."
 
-Runner = Callable[[Tensor], Tensor]
-
 
 class ExportError(UserError):
     """The model could not be exported, or the exported file does not reproduce the model."""
@@ -140,7 +138,7 @@ def export_model(
 
 
 @torch.inference_mode()
-def _compare(path: Path, model: nn.Module, inputs: Sequence[Tensor], run: Runner) -> float:
+def _compare(path: Path, model: nn.Module, inputs: Sequence[Tensor], run: Callable[[Tensor], Tensor]) -> float:
     """The largest difference between the exported model's outputs (``run``) and ``model``'s on ``inputs``; an
     ``ExportError`` when one exceeds the tolerance."""
     worst = 0.0
@@ -158,7 +156,7 @@ def _compare(path: Path, model: nn.Module, inputs: Sequence[Tensor], run: Runner
 
 def _export_onnx(
     model: nn.Module, path: Path, sample: Tensor, preprocessing: Preprocessing | None, weights_file: Path | None
-) -> tuple[Runner | None, str]:
+) -> tuple[Callable[[Tensor], Tensor] | None, str]:
     """Export to ``path`` (a temporary name), its weights to ``weights_file`` when given (beside it); the file loaded
     back in onnxruntime (None without it: ``onnx.checker`` only) and how it was checked."""
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
