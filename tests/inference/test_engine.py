@@ -1,4 +1,4 @@
-"""utils.inference.engine, behind predict.py: batches by size, logits to classes, input decoding, batching."""
+"""utils.inference.engine, behind predict.py: batches by size, logits to classes, input decoding, prediction."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from utils.inference.engine import (
     PredictionInputs,
     batches_by_shape,
     logits_to_classes,
-    predict_batch,
+    predict_items,
 )
 from utils.inference.export import Preprocessing
 
@@ -94,9 +94,12 @@ def test_a_batch_predicts_what_each_image_alone_gives(tmp_path):
     paths = write_images(tmp_path, [(64, 48), (65, 49), (64, 48)])
     model = make_model(2)
     dataset = PredictionInputs(paths, HALF_RGB, PredictConfig())
-    items = [dataset[i] for i in range(3)]
-    assert len({tuple(item.image.shape) for item in items}) == 1
-    predictions = predict_batch(model, items, torch.device("cpu"), PredictConfig())
+    assert len({tuple(dataset[i].image.shape) for i in range(3)}) == 1
+    batches = []
+    model.register_forward_hook(lambda module, inputs, output: batches.append(len(inputs[0])))
+    config = PredictConfig(batch_size=3, workers=0, no_progress=True)
+    predictions = sorted(predict_items(model, dataset, torch.device("cpu"), config), key=lambda item: item.index)
+    assert batches == [3]
     for path, prediction in zip(paths, predictions, strict=True):
         assert prediction.classes.shape == (Image.open(path).height, Image.open(path).width)
         np.testing.assert_array_equal(prediction.classes, reference_classes(model, path, 0.5))

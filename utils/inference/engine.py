@@ -89,7 +89,7 @@ class InputItem:
     converted: bool = False
     """Whether the file's photo was converted to the model's kind (grey to RGB, or the reverse)."""
     classes: np.ndarray | None = None
-    """Class indices ``[H, W]`` at ``original_size`` (``predict_batch``); none when the input could not be read."""
+    """Class indices ``[H, W]`` at ``original_size`` (``predict_items``); none when the input could not be read."""
 
 
 class PredictionInputs(Dataset):
@@ -185,36 +185,6 @@ def logits_to_classes(logits: Tensor, size: tuple[int, int], threshold: float) -
     return predict_classes(resized, threshold)[0].to(torch.uint8).cpu().numpy()
 
 
-@torch.inference_mode()
-def predict_batch(
-    model: nn.Module,
-    items: Sequence[InputItem],
-    device: torch.device,
-    config: PredictConfig,
-    memory: MemoryPlanner | None = None,
-) -> list[InputItem]:
-    """Predict a batch of items whose network-input images all have the same shape, as ``config`` says (precision,
-    threshold, --tta, --tile: windows run --batch-size at a time); a batch of an unreadable input comes back as it is.
-
-    Without ``--tile``, ``memory`` (when given) decides whether the whole-image pass fits, else which windows to use.
-    """
-    if items[0].error is not None:
-        return list(items)
-    images = torch.stack([item.image for item in items])  # type: ignore[misc] - decoded items only
-    tile = config.tile_settings()
-    if tile is None and memory is not None:
-        tile = memory.tile_if_needed(model, images.shape, config.tta, config.batch_size)
-    images = images.to(device, non_blocking=True)
-    if tile is None:
-        logits = forward_logits(model, images, config.precision, config.tta)
-    else:
-        logits = predict_logits_tiled(model, images, tile, config.precision, config.batch_size)
-    return [
-        replace(item, classes=logits_to_classes(item_logits, item.original_size, config.mask_threshold))
-        for item, item_logits in zip(items, logits, strict=True)
-    ]
-
-
 def predict_items(
     model: nn.Module,
     dataset: PredictionInputs,
@@ -224,16 +194,36 @@ def predict_items(
 ) -> Iterator[InputItem]:
     """Yield every input with its ``classes`` (in completion order, not input order); unreadable ones carry ``error``.
 
-    ``config`` gives the batch size, the loader workers, the progress bar and what ``predict_batch`` reads. Without
+    Batches of one network-input size are predicted as ``config`` says (precision, threshold, --tta, --tile: windows
+    run --batch-size at a time); it also gives the batch size, the loader workers and the progress bar. Without
     ``--tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch whose
     whole-image pass would not fit runs in windows the planner sizes, with one warning.
     """
     model.eval()
     planner = memory if memory is not None else MemoryPlanner(device=device)
+
+    @torch.inference_mode()
+    def predict(items: list[InputItem]) -> list[InputItem]:
+        """A batch of items whose network-input images all have the same shape; an unreadable input as it is."""
+        if items[0].error is not None:
+            return items
+        images = torch.stack([item.image for item in items])  # type: ignore[misc] - decoded items only
+        # Without --tile, the planner decides whether the whole-image pass fits, else which windows to use.
+        tile = config.tile_settings() or planner.tile_if_needed(model, images.shape, config.tta, config.batch_size)
+        images = images.to(device, non_blocking=True)
+        if tile is None:
+            logits = forward_logits(model, images, config.precision, config.tta)
+        else:
+            logits = predict_logits_tiled(model, images, tile, config.precision, config.batch_size)
+        return [
+            replace(item, classes=logits_to_classes(item_logits, item.original_size, config.mask_threshold))
+            for item, item_logits in zip(items, logits, strict=True)
+        ]
+
     loader = item_loader(dataset, batch_size=config.batch_size, workers=config.workers)
     items = itertools.chain.from_iterable(loader)
     batches = batches_by_shape(items, config.batch_size, lambda item: None if item.error else item.image.shape)
-    predicted = itertools.chain.from_iterable(predict_batch(model, batch, device, config, planner) for batch in batches)
+    predicted = itertools.chain.from_iterable(map(predict, batches))
     converted = 0
     for item in tqdm(predicted, total=len(dataset), desc="Predicting", unit="img", disable=not config.progress):
         converted += item.converted
