@@ -91,10 +91,8 @@ def plan_outputs(inputs: Sequence[Path], config: PredictConfig) -> list[OutputPl
         for output, role, wanted in ((plan.mask, "mask", not config.no_save), (plan.viz, "overlay", config.viz))
         if wanted
     ]
-    # The folders a run reads from: each input's, folders given as inputs, and --masks.
-    read_from = [path.parent for path in inputs] + [
-        Path(pattern) for pattern in config.inputs if Path(pattern).is_dir()
-    ]
+    # The folders a run reads from: each input's (a folder given as an input is its images' folder) and --masks.
+    read_from = [path.parent for path in inputs]
     if config.masks_dir is not None:
         read_from.append(config.masks_dir)
     check_outputs(outputs, prediction_reads(inputs, config), read_from)
