@@ -150,16 +150,12 @@ USABLE_FRACTION = 0.5
 GIB = 1024**3
 
 
-def _bytes_per_pixel(model: nn.Module, tta: bool) -> int:
-    """Peak bytes of a forward pass per network-input pixel of one image."""
-    base_channels = int(getattr(model, "base_channels", 64))
-    in_channels, n_classes = int(getattr(model, "n_channels", 3)), int(getattr(model, "n_classes", 2))
-    return (ACTIVATION_FLOATS * base_channels + in_channels + n_classes * (3 if tta else 1)) * BYTES_PER_FLOAT
-
-
 def estimate_forward_bytes(model: nn.Module, batch: int, height: int, width: int, tta: bool = False) -> int:
     """Peak bytes of one forward pass of ``batch`` images of ``height`` x ``width`` network pixels."""
-    return batch * height * width * _bytes_per_pixel(model, tta)
+    base_channels = int(getattr(model, "base_channels", 64))
+    in_channels, n_classes = int(getattr(model, "n_channels", 3)), int(getattr(model, "n_classes", 2))
+    per_pixel = ACTIVATION_FLOATS * base_channels + in_channels + n_classes * (3 if tta else 1)
+    return batch * height * width * per_pixel * BYTES_PER_FLOAT
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -217,7 +213,7 @@ class MemoryPlanner:
         # window whose side plus 16 fits what is left.
         n_classes = int(getattr(model, "n_classes", 2))
         stitched = batch * height * width * (n_classes + 1) * BYTES_PER_FLOAT
-        window_pixel_bytes = window_batch * _bytes_per_pixel(model, tta)
+        window_pixel_bytes = estimate_forward_bytes(model, window_batch, 1, 1, tta)
         side = math.isqrt(max(0, budget - stitched) // window_pixel_bytes)
         tile = (side - DOWNSAMPLING) // DOWNSAMPLING * DOWNSAMPLING
         if tile < MIN_TILE:
