@@ -25,9 +25,10 @@ from collections.abc import Sequence
 
 from torch.utils.data import Subset
 
+from utils.checkpoint.model import check_expected
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import validation_positions
-from utils.errors import DatasetError, count
+from utils.errors import count
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.inference.config import EvaluateConfig, parse_inference_config
 from utils.inference.engine import item_loader, open_model
@@ -53,6 +54,9 @@ def run(config: EvaluateConfig) -> int:
         # The model's void values (--ignore-value in training) are not classes: their pixels are not scored.
         ignore_values=spec.inference.ignore_values,
     )
+    # The dataset converts photos to a 1- or 3-channel model's kind; its images cannot feed a model of other channels.
+    images_from = f"--imgs {config.images_dir}"
+    check_expected(spec, {"n_channels": dataset.channels}, config.model, source="--model", images_from=images_from)
     mask_values = align_mask_values(dataset, spec.mask_values, config.model)
     # --split: exactly the validation images of the run that wrote the file, whatever else the folders hold.
     scored = dataset
@@ -65,12 +69,6 @@ def run(config: EvaluateConfig) -> int:
             other_split=config.other_split,
         )
         scored = Subset(dataset, positions)
-    # The dataset converts photos to a 1- or 3-channel model's kind; its images cannot feed a model of other channels.
-    if dataset.channels != model.n_channels:
-        raise DatasetError(
-            f"the images in {config.images_dir} have {dataset.channels} channel(s) but "
-            f"{config.model} expects {model.n_channels}"
-        )
     loader = item_loader(scored, batch_size=config.batch_size, workers=config.workers, pin_memory=device.type == "cuda")
     model.to(device)
     result = evaluate_segmentation(
@@ -82,11 +80,10 @@ def run(config: EvaluateConfig) -> int:
         progress=config.progress,
         description="Evaluating",
     )
-    if config.json_path is not None:
-        write_json(config, result, mask_values, scale, spec.inference.class_names)
     print(f"{config.model} on {count(result.n_images, 'image')} of {config.images_dir}:")
     print(format_table(result, mask_values, spec.inference.class_names))
     if config.json_path is not None:
+        write_json(config, result, mask_values, scale, spec.inference.class_names)
         print(f"Scores written to {config.json_path}")
     return 0
 

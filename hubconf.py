@@ -58,7 +58,6 @@ def unet_carvana(pretrained: bool = False, scale: float = 0.5):
 
     ``pretrained=True`` is refused in one line: weights come from a local file, loaded with the ``unet`` entry point.
     """
-    from unet import UNet
     from utils.errors import CheckpointError
 
     if pretrained:
@@ -67,6 +66,6 @@ def unet_carvana(pretrained: bool = False, scale: float = 0.5):
             "torch.hub.load(<this checkout>, 'unet', source='local', checkpoint='<file>.pth') (milesial's released "
             "unet_carvana .pth files load too, once downloaded)"
         )
-    model = UNet(n_channels=3, n_classes=2, bilinear=False)
+    model = unet(n_channels=3, n_classes=2, bilinear=False, base_channels=64)
     model.scale = scale
-    return model.eval()
+    return model

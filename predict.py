@@ -23,24 +23,16 @@ if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gi
 import logging  # noqa: E402 - after the start-up handler above, as every import below
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from unet import UNet
 from utils.errors import count
 from utils.inference.config import PredictConfig, parse_inference_config
-from utils.inference.engine import PredictionInputs, load_predictor, predict_items, run_export
-from utils.inference.export import Preprocessing
-from utils.inference.file_plan import (
-    check_writable,
-    collect_inputs,
-    input_folders,
-    plan_outputs,
-    prediction_outputs,
-    read_files,
-)
-from utils.inference.writer import Writer, prediction_summary, write_predictions
+from utils.inference.engine import PredictionInputs, load_predictor, predict_items
+from utils.inference.export import Preprocessing, export_model
+from utils.inference.file_plan import collect_inputs, plan_outputs, prediction_reads
+from utils.inference.writer import prediction_summary, write_predictions
 from utils.launch.runner import run_single_process
 from utils.output_files import check_outputs
 
@@ -56,22 +48,13 @@ def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConf
     """Predict and write every input of ``config`` as the checkpoint's ``preprocessing`` says; the exit status (see
     the module docstring)."""
     inputs = collect_inputs(config.inputs)
-    plans = plan_outputs(inputs, config.inputs, config.outputs, config.output_dir)
-    check_outputs(
-        prediction_outputs(inputs, plans, masks=not config.no_save, viz=config.viz),
-        read_paths(inputs, config),
-        input_folders(config.inputs, inputs, config.masks_dir),
-    )
-    # An input's mask and overlay share a folder (plan_outputs).
-    folders = {plan.mask.parent for plan in plans}
-    check_writable(folders)
+    plans = plan_outputs(inputs, config)
     model.to(device)
-    dataset = PredictionInputs(inputs, preprocessing, config)
-    writer = Writer(preprocessing, config)
-    predictions = predict_items(model, dataset, device, config)
-    failures = write_predictions(predictions, writer, plans)
+    predictions = predict_items(model, PredictionInputs(inputs, preprocessing, config), device, config)
+    failures = write_predictions(predictions, plans, preprocessing, config)
     if failures:
         logger.error("%d of %s failed (named above)", len(failures), count(len(inputs), "image"))
+    folders = {plan.mask.parent for plan in plans}
     written = len(inputs) - len(failures)
     logger.info(
         "%s", prediction_summary(written, len(inputs), masks=not config.no_save, viz=config.viz, folders=folders)
@@ -79,16 +62,20 @@ def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConf
     return PARTIAL_FAILURE_EXIT_CODE if failures else 0
 
 
-def read_paths(inputs: Sequence[Path], config: PredictConfig) -> dict[Path, str]:
-    """Every file the run reads or must keep: the inputs, the true masks of --viz and the checkpoint."""
-    return read_files(config.model, {config.masks_dir: "a true mask in --masks"}, inputs)
-
-
 def run(config: PredictConfig) -> int:
     """Export and/or predict as ``config`` says; returns the exit status (see the module docstring)."""
     device, model, preprocessing = load_predictor(config)
     if config.export_format is not None:
-        run_export(model, config, preprocessing, read_paths(collect_inputs(config.inputs), config))
+        # The file may replace neither the checkpoint, an input, a training run's file, nor an existing file without
+        # --overwrite; it carries the preprocessing record (in an ONNX file's metadata).
+        check_outputs(
+            [(config.export_path, "--export")],
+            prediction_reads(collect_inputs(config.inputs), config),
+            writes_images=False,
+            replaces_torchscript=config.overwrite and config.export_format == "torchscript",
+            overwrite=config.overwrite,
+        )
+        export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
         if not config.inputs:
             return 0
     return predict_files(model, preprocessing, config, device)

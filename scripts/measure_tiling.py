@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import predict  # noqa: E402
 from utils.datasets.mask_values import mask_array  # noqa: E402
-from utils.inference.overlays import find_truth_mask  # noqa: E402
+from utils.inference.writer import find_truth_mask  # noqa: E402
 
 
 def _dice(predicted: np.ndarray, truth: np.ndarray) -> float:

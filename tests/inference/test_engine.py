@@ -1,4 +1,4 @@
-"""utils.inference.engine, the pieces behind predict.py: size buckets, logits to classes, input decoding, batching."""
+"""utils.inference.engine, behind predict.py: batches by size, logits to classes, input decoding, prediction."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import (
     InputItem,
     PredictionInputs,
-    ShapeBuckets,
+    batches_by_shape,
     logits_to_classes,
-    predict_batch,
+    predict_items,
 )
 from utils.inference.export import Preprocessing
 
@@ -30,24 +30,34 @@ def _item(index: int, height: int, width: int) -> InputItem:
     return InputItem(index, Path(f"{index}.png"), torch.zeros(3, height, width), (height, width))
 
 
-def test_buckets_release_full_batches_of_one_size_even_when_sizes_interleave():
-    buckets = ShapeBuckets(batch_size=2)
-    assert buckets.add(_item(0, 8, 8)) == []
-    assert buckets.add(_item(1, 8, 16)) == []
-    [batch] = buckets.add(_item(2, 8, 8))
-    assert [item.index for item in batch] == [0, 2]
-    assert [[item.index for item in batch] for batch in buckets.flush()] == [[1]]
-    assert buckets.flush() == []
+def _batches(items: list[InputItem], batch_size: int, consumed: list[int]):
+    """``batches_by_shape`` over ``items``, recording in ``consumed`` the indices it has read so far."""
+
+    def feed():
+        for item in items:
+            consumed.append(item.index)
+            yield item
+
+    return batches_by_shape(feed(), batch_size, lambda item: None if item.error else item.image.shape)
 
 
-def test_buckets_bound_the_number_of_waiting_images():
-    buckets = ShapeBuckets(batch_size=4, max_pending=3)
-    released = []
-    for index in range(8):
-        # Every image its own size: without the bound all eight would wait until the end.
-        released += buckets.add(_item(index, 8, 8 + index))
-    assert sum(len(batch) for batch in released) == 5
-    assert sum(len(batch) for batch in buckets.flush()) == 3
+def test_batches_of_one_size_go_as_soon_as_full_even_when_sizes_interleave():
+    unreadable = InputItem(3, Path("3.png"), error="cannot read image 3.png")
+    consumed = []
+    batches = _batches([_item(0, 8, 8), _item(1, 8, 16), unreadable, _item(2, 8, 8), _item(4, 8, 16)], 2, consumed)
+    # An unreadable input goes alone, at once; a batch as soon as its size has batch_size images.
+    assert next(batches) == [unreadable] and consumed == [0, 1, 3]
+    assert [item.index for item in next(batches)] == [0, 2] and consumed == [0, 1, 3, 2]
+    assert [item.index for item in next(batches)] == [1, 4]
+    assert list(batches) == []
+
+
+def test_batches_bound_the_number_of_waiting_images():
+    consumed = []
+    # Every image its own size: without the bound all twelve would wait until the end. At most 4 x 2 wait.
+    batches = _batches([_item(index, 8, 8 + index) for index in range(12)], 2, consumed)
+    assert [item.index for item in next(batches)] == [0] and len(consumed) == 9
+    assert sum(len(batch) for batch in batches) == 11
 
 
 def test_logits_are_resized_before_the_decision():
@@ -74,7 +84,7 @@ def test_inputs_decode_resize_and_report_unusable_files_without_raising(tmp_path
     assert dataset[1].error.startswith(f"cannot read image {broken}")
     # A grey photo for an RGB model is converted (its grey repeated), as training converts it.
     converted = dataset[2]
-    assert converted.error is None and converted.converted_from == 1 and converted.image.shape == (3, 10, 10)
+    assert converted.error is None and converted.converted and converted.image.shape == (3, 10, 10)
     assert torch.equal(converted.image[0], converted.image[2])
     assert dataset[3].error.startswith(f"cannot read image {tmp_path / 'gone.png'}")
 
@@ -84,9 +94,12 @@ def test_a_batch_predicts_what_each_image_alone_gives(tmp_path):
     paths = write_images(tmp_path, [(64, 48), (65, 49), (64, 48)])
     model = make_model(2)
     dataset = PredictionInputs(paths, HALF_RGB, PredictConfig())
-    items = [dataset[i] for i in range(3)]
-    assert len({tuple(item.image.shape) for item in items}) == 1
-    predictions = predict_batch(model, items, torch.device("cpu"), PredictConfig())
+    assert len({tuple(dataset[i].image.shape) for i in range(3)}) == 1
+    batches = []
+    model.register_forward_hook(lambda module, inputs, output: batches.append(len(inputs[0])))
+    config = PredictConfig(batch_size=3, workers=0, no_progress=True)
+    predictions = sorted(predict_items(model, dataset, torch.device("cpu"), config), key=lambda item: item.index)
+    assert batches == [3]
     for path, prediction in zip(paths, predictions, strict=True):
         assert prediction.classes.shape == (Image.open(path).height, Image.open(path).width)
         np.testing.assert_array_equal(prediction.classes, reference_classes(model, path, 0.5))

@@ -148,6 +148,5 @@ def test_images_that_cannot_feed_the_models_channels_are_one_error_line(carvana_
     checkpoint = save_checkpoint(tmp_path / "m.pth", UNet(4, 2, base_channels=8), [0, 1])
     code = run_evaluate("-m", str(checkpoint), "--imgs", str(carvana_data.imgs), "--masks", str(carvana_data.masks))
     assert code == USER_ERROR_EXIT_CODE
-    assert f"the images in {carvana_data.imgs} have 3 channel(s) but {checkpoint} expects 4" in one_error_line(
-        capsys.readouterr().err
-    )
+    line = one_error_line(capsys.readouterr().err)
+    assert f"--model {checkpoint} expects 4-channel images but the images in --imgs {carvana_data.imgs} have 3" in line

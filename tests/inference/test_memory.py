@@ -14,8 +14,7 @@ from PIL import Image
 from tests.conftest import REPO_ROOT, child_env
 from tests.helpers import make_model, one_error_line, save_checkpoint, structured_image, write_images
 from utils.errors import UserError
-from utils.inference.memory import MemoryPlanner, estimate_forward_bytes
-from utils.inference.tiling import DOWNSAMPLING
+from utils.inference.tiling import DOWNSAMPLING, MemoryPlanner, estimate_forward_bytes
 
 MIB = 1024**2
 
@@ -33,20 +32,20 @@ def test_the_planner_keeps_whole_images_that_fit_and_picks_the_largest_window_th
     model = make_model(2)
     budget = 200 * MIB
     planner = MemoryPlanner(budget)
-    assert planner.tile_if_needed(model, 1, (3, 256, 256)) is None
-    tile = planner.tile_if_needed(model, 1, (3, 4096, 4096))
+    assert planner.tile_if_needed(model, (1, 3, 256, 256), False, 1) is None
+    tile = planner.tile_if_needed(model, (1, 3, 4096, 4096), False, 1)
     assert tile is not None and tile.size % DOWNSAMPLING == 0 and tile.overlap == 0.5
     stitched = 4096 * 4096 * 3 * 4
     windows = estimate_forward_bytes(model, 1, tile.size + DOWNSAMPLING, tile.size + DOWNSAMPLING)
     assert windows + stitched <= budget
     bigger = tile.size + DOWNSAMPLING
     assert estimate_forward_bytes(model, 1, bigger + DOWNSAMPLING, bigger + DOWNSAMPLING) + stitched > budget
-    assert MemoryPlanner(None).tile_if_needed(model, 1, (3, 1 << 14, 1 << 14)) is None  # unknown: never guess
+    assert MemoryPlanner(None).tile_if_needed(model, (1, 3, 1 << 14, 1 << 14), False, 1) is None  # unknown: never guess
 
 
 def test_too_little_memory_even_for_small_windows_is_a_user_error():
     with pytest.raises(UserError, match=r"a 8192x8192 image needs about .* GiB .* lower --scale"):
-        MemoryPlanner(64 * MIB).tile_if_needed(make_model(2), 1, (3, 8192, 8192))
+        MemoryPlanner(64 * MIB).tile_if_needed(make_model(2), (1, 3, 8192, 8192), False, 1)
 
 
 # predict.main in a child whose address space is capped a little above what it maps after importing torch: the
@@ -111,7 +110,7 @@ def test_a_batch_over_the_budget_predicts_exactly_as_the_windows_the_planner_nam
     planner = MemoryPlanner(budget)
     config = PredictConfig(batch_size=1, workers=0, no_progress=True)
     [planned] = predict_items(model, dataset, torch.device("cpu"), config, memory=planner)
-    tile = MemoryPlanner(budget).tile_if_needed(model, 1, (3, 128, 160), window_batch=1)
+    tile = MemoryPlanner(budget).tile_if_needed(model, (1, 3, 128, 160), False, 1)
     assert tile is not None and tile.size < 128
     windows = PredictConfig(batch_size=1, workers=0, no_progress=True, tile=tile.size, tile_overlap=tile.overlap)
     [explicit] = predict_items(model, dataset, torch.device("cpu"), windows)

@@ -19,8 +19,7 @@ from utils.checkpoint.files import load_checkpoint_file
 from utils.checkpoint.format import KEY_INFERENCE, InferenceRecord
 from utils.checkpoint.model import load_model
 from utils.errors import USER_ERROR_EXIT_CODE, count
-from utils.inference.overlays import class_colours, legend_entries
-from utils.inference.writer import prediction_summary
+from utils.inference.writer import class_colours, legend_entries, prediction_summary
 
 
 def last_line(text: str) -> str:

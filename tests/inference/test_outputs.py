@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
 
-from utils.checkpoint.model import check_mask_values_of
+from utils.checkpoint.format import InferenceRecord
+from utils.checkpoint.model import ModelSpec, check_mask_values_of
 from utils.errors import CheckpointError
-from utils.inference.outputs import check_mask_values, default_mask_values, mask_to_image
+from utils.inference.writer import mask_to_image, mask_values_to_write
 
 CLASSES = np.array([[0, 1, 1], [1, 0, 0]], dtype=np.uint8)
 THREE_CLASSES = np.array([[0, 1, 2], [2, 1, 0]], dtype=np.uint8)
@@ -53,18 +56,31 @@ def test_colour_values_become_an_rgb_image_with_each_class_colour():
     assert pixels[1, 0].tolist() == colours[2]
 
 
-def test_mask_values_are_checked_where_the_checkpoint_is_read_and_wide_grey_values_before_writing():
+def _spec(n_classes: int, mask_values: list | None, ignore_values: tuple[int, ...] = ()) -> ModelSpec:
+    return ModelSpec(
+        n_classes=n_classes, mask_values=mask_values, inference=InferenceRecord(ignore_values=ignore_values)
+    )
+
+
+def test_mask_values_are_checked_where_the_checkpoint_is_read_and_what_a_mask_cannot_hold_before_writing():
     # predict.py writes what the reader let through: one value per class, grey values and colours not mixed.
     with pytest.raises(CheckpointError, match="name 2 values but the model predicts 3"):
         check_mask_values_of([0, 1], 3, "m.pth")
     with pytest.raises(CheckpointError, match="mix grey values and colours"):
         check_mask_values_of([0, [1, 2, 3]], 2, "m.pth")
-    check_mask_values([0, 65535])
+    assert mask_values_to_write(_spec(2, [0, 65535]), Path("m.pth")) == [0, 65535]
     with pytest.raises(CheckpointError, match="does not fit a 16-bit PNG mask"):
-        check_mask_values([0, 65536])
+        mask_values_to_write(_spec(2, [0, 65536]), Path("m.pth"))
+    # A class written as a void value would read back as "not labelled".
+    assert mask_values_to_write(_spec(2, [0, 255], ignore_values=(128,)), Path("m.pth")) == [0, 255]
+    with pytest.raises(
+        CheckpointError, match=r"m.pth maps classes to mask value\(s\) \[255\] that it was trained to ignore"
+    ):
+        mask_values_to_write(_spec(2, [0, 255], ignore_values=(255,)), Path("m.pth"))
 
 
-def test_default_values_follow_milesial_for_binary_models():
-    assert default_mask_values(1) == [0, 1]
-    assert default_mask_values(2) == [0, 1]
-    assert default_mask_values(4) == [0, 1, 2, 3]
+def test_default_values_follow_milesial_for_binary_models(caplog):
+    assert mask_values_to_write(_spec(1, None), Path("m.pth")) == [0, 1]
+    assert "m.pth stores no mask_values; writing classes as [0, 1]" in caplog.text
+    assert mask_values_to_write(_spec(2, None), Path("m.pth")) == [0, 1]
+    assert mask_values_to_write(_spec(4, None), Path("m.pth")) == [0, 1, 2, 3]

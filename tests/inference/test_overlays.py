@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from utils.inference.export import Preprocessing
-from utils.inference.overlays import (
+from utils.inference.writer import (
     GAP_PIXELS,
     OVERLAY_ALPHA,
     PALETTE,

@@ -39,8 +39,8 @@ def test_inputs_from_the_training_cache_equal_decoded_ones(tmp_path: Path) -> No
         plain, read = decoded[index], cached[index]
         assert read.error is None and torch.equal(read.image, plain.image)
         assert read.original_size == plain.original_size == (HEIGHT, WIDTH)
-        assert read.converted_from == plain.converted_from
-    assert cached[1].converted_from == 1, "the grey photo is still reported as converted"
+        assert read.converted == plain.converted
+    assert cached[1].converted, "the grey photo is still reported as converted"
     assert entries(cache) == filled, "training's entries were found: nothing new was written"
 
     # The item really comes from the entry: a different array stored under its key is what predict sees.

@@ -205,7 +205,7 @@ def load_model(
     return model, spec
 
 
-# Grey mask values are written to PNG (16 bits at most) by predict: utils.inference.outputs.
+# Grey mask values are written to PNG (16 bits at most) by predict: utils.inference.writer.
 MAX_GREY_MASK_VALUE = 2**32 - 1
 """The widest grey value a mask file can hold (32-bit masks train); predict refuses more than PNG's 16 bits."""
 _COLOUR_CHANNELS = (2, 3, 4)

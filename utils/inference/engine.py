@@ -12,12 +12,12 @@ Tiled inference (``TileSettings``, for images too large to run whole) lives in `
 
 from __future__ import annotations
 
-import functools
+import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -31,20 +31,16 @@ from utils.checkpoint import model as model_spec
 from utils.datasets.dataset import cached_image, image_tensor, resized_image, unit_float
 from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
 from utils.datasets.pixel_cache import PixelCache
-from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
 from utils.hardware import SharedMemoryGuard, guarded_loader, pick_device, warn_if_emulated
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
-from utils.inference.export import Preprocessing, export_model
-from utils.inference.memory import MemoryPlanner
-from utils.inference.outputs import check_mask_values, default_mask_values
-from utils.inference.tiling import forward_logits, predict_logits_tiled
-from utils.output_files import check_outputs
+from utils.inference.export import Preprocessing
+from utils.inference.tiling import MemoryPlanner, forward_logits, predict_logits_tiled
+from utils.inference.writer import mask_values_to_write
 
 logger = logging.getLogger(__name__)
 
-WORKERS_FIX = "--workers 0 (-j 0)"
-"""predict.py's flag that keeps decoding in the main process (see utils.hardware)."""
+T = TypeVar("T")
 
 
 def open_model(config: InferenceConfig) -> tuple[torch.device, UNet, model_spec.ModelSpec, float]:
@@ -63,18 +59,7 @@ def load_predictor(config: PredictConfig) -> tuple[torch.device, UNet, Preproces
     classes: the image scale, the mask value of each class, void values and class names (empty when the checkpoint
     has none)."""
     device, model, spec, scale = open_model(config)
-    mask_values, inference = spec.mask_values, spec.inference
-    if mask_values is None:
-        mask_values = default_mask_values(model.n_classes)
-        logger.warning("%s stores no mask_values; writing classes as %s", config.model, mask_values)
-    check_mask_values(mask_values)
-    void = sorted(set(inference.ignore_values) & {v for v in mask_values if isinstance(v, int)})
-    if void:
-        # A class written as a void value would read back as "not labelled": never write one.
-        raise CheckpointError(
-            f"{config.model} maps classes to mask value(s) {void} that it was trained to ignore (--ignore-value); "
-            "its mask_values are inconsistent, retrain or fix the checkpoint"
-        )
+    mask_values, inference = mask_values_to_write(spec, config.model), spec.inference
     logger.info("Model %s: %s, mask values %s, scale %s", config.model, model.constructor_args(), mask_values, scale)
     if model.n_classes > 1 and config.mask_threshold != DEFAULT_MASK_THRESHOLD:
         logger.warning(
@@ -86,26 +71,6 @@ def load_predictor(config: PredictConfig) -> tuple[torch.device, UNet, Preproces
         )
     preprocessing = Preprocessing(scale, mask_values, model.n_channels, inference.ignore_values, inference.class_names)
     return device, model.eval(), preprocessing
-
-
-def run_export(
-    model: nn.Module, config: PredictConfig, preprocessing: Preprocessing, protected: dict[Path, str]
-) -> None:
-    """predict.py's ``--export``: the file may replace neither ``protected`` (the checkpoint, the inputs), a training
-    run's file, nor an existing file without ``--overwrite`` (``check_outputs``); it carries ``preprocessing`` (in an
-    ONNX file's metadata)."""
-    assert config.export_format is not None and config.export_path is not None
-    check_outputs(
-        [(config.export_path, "--export")],
-        protected,
-        writes_images=False,
-        replaces_torchscript=config.overwrite and config.export_format == "torchscript",
-        overwrite=config.overwrite,
-    )
-    report = export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
-    report_fields = (report.format, report.path, report.checked_with)
-    difference = "n/a" if report.max_abs_difference is None else f"{report.max_abs_difference:.3g}"
-    logger.info("Exported %s to %s (checked with %s, max |difference| %s)", *report_fields, difference)
 
 
 @dataclass
@@ -121,10 +86,10 @@ class InputItem:
     original: Tensor | None = None
     """``[C, H, W]`` uint8 pixels of the file, kept only for visualisation."""
     error: str | None = None
-    converted_from: int | None = None
-    """The file's channel count when it was converted to the model's (grey photo for an RGB model, or the reverse)."""
+    converted: bool = False
+    """Whether the file's photo was converted to the model's kind (grey to RGB, or the reverse)."""
     classes: np.ndarray | None = None
-    """Class indices ``[H, W]`` at ``original_size`` (``predict_batch``); none when the input could not be read."""
+    """Class indices ``[H, W]`` at ``original_size`` (``predict_items``); none when the input could not be read."""
 
 
 class PredictionInputs(Dataset):
@@ -142,12 +107,9 @@ class PredictionInputs(Dataset):
         self.keep_original, self.any_size = config.viz, config.tile is not None
         # --pixel-cache: the training cache's entries (same scale and channels) are read instead of decoding, and
         # a decoded input is stored for the next run. Not with --viz, which needs the full-size pixels anyway.
-        self.pixel_cache = (
-            PixelCache(config.pixel_cache, scale=self.scale, channels=self.n_channels)
-            if config.pixel_cache is not None and not config.viz and self.n_channels in (1, 3)
-            else None
-        )
-        if self.pixel_cache is not None:
+        self.pixel_cache = None
+        if config.pixel_cache is not None and not config.viz and self.n_channels in (1, 3):
+            self.pixel_cache = PixelCache(config.pixel_cache, scale=self.scale, channels=self.n_channels)
             self.pixel_cache.check_outside(*{path.parent for path in self.paths})
         # The dataset's conversion (grey <-> RGB by PIL mode) exists for 1- and 3-channel models only.
         self._convert_to = self.n_channels if self.n_channels in (1, 3) else None
@@ -178,8 +140,8 @@ class PredictionInputs(Dataset):
                 raise ValueError(f"it has {image.shape[0]} channel(s) but the model expects {self.n_channels}")
         except Exception as error:  # noqa: BLE001 - any decoding failure is reported per file and the run goes on
             return InputItem(index, path, error=f"cannot read image {path}: {str(error) or type(error).__name__}")
-        converted_from = own_channels if own_channels != self.n_channels else None
-        return InputItem(index, path, unit_float(image), (height, width), original, converted_from=converted_from)
+        converted = own_channels != self.n_channels  # grey for an RGB model, or the reverse
+        return InputItem(index, path, unit_float(image), (height, width), original, converted=converted)
 
 
 def item_loader(dataset: Dataset, *, batch_size: int, workers: int, pin_memory: bool = False) -> SharedMemoryGuard:
@@ -189,84 +151,38 @@ def item_loader(dataset: Dataset, *, batch_size: int, workers: int, pin_memory: 
         dataset,
         batch_size=batch_size,
         workers=workers,
-        workers_fix=WORKERS_FIX,
+        workers_fix="--workers 0 (-j 0)",  # the flag that keeps decoding in the main process
         collate_fn=list,  # the items kept apart; a builtin pickles for workers under any start method
         pin_memory=pin_memory,
     )
 
 
-class ShapeBuckets:
-    """Collects items by image shape and releases full batches, so interleaved sizes still make full batches.
+def batches_by_shape(
+    items: Iterable[T], batch_size: int, shape_of: Callable[[T], tuple[int, ...] | None]
+) -> Iterator[list[T]]:
+    """Batches of up to ``batch_size`` items of one image shape (``shape_of``), in the order they fill up, so that
+    interleaved sizes still make full batches; nothing is resized or padded.
 
-    Nothing is resized or padded. At most ``max_pending`` items wait; beyond that the fullest bucket is released
-    early (many distinct sizes would otherwise hold every image in memory). ``shape_of`` tells an item's image shape
-    (default: a decoded ``InputItem``'s; ``evaluate.py`` buckets its dataset's dicts).
+    At most ``4 * batch_size`` items wait; beyond that the fullest partial batch goes early (many distinct sizes would
+    otherwise hold every image in memory). An item of shape None (an input that could not be read) goes alone, at once.
     """
-
-    def __init__(
-        self,
-        batch_size: int,
-        max_pending: int | None = None,
-        shape_of: Callable[[Any], tuple[int, ...]] = lambda item: tuple(item.image.shape),
-    ) -> None:
-        self.batch_size = batch_size
-        self.max_pending = max_pending if max_pending is not None else 4 * batch_size
-        self.shape_of = shape_of
-        self._buckets: dict[tuple[int, ...], list[Any]] = {}
-
-    def add(self, item: Any) -> list[list[Any]]:
-        """Add one decoded item; returns the batches that are ready (possibly none)."""
-        shape = self.shape_of(item)
-        bucket = self._buckets.setdefault(shape, [])
+    waiting: dict[tuple[int, ...] | None, list[T]] = {}
+    for item in items:
+        shape = shape_of(item)
+        bucket = waiting.setdefault(shape, [])
         bucket.append(item)
-        ready = []
-        if len(bucket) == self.batch_size:
-            ready.append(self._buckets.pop(shape))
-        if sum(len(bucket) for bucket in self._buckets.values()) > self.max_pending:
-            fullest = max(self._buckets, key=lambda shape: len(self._buckets[shape]))
-            ready.append(self._buckets.pop(fullest))
-        return ready
-
-    def flush(self) -> list[list[Any]]:
-        """All remaining partial batches."""
-        ready = list(self._buckets.values())
-        self._buckets.clear()
-        return ready
+        if shape is None or len(bucket) == batch_size:
+            yield waiting.pop(shape)
+        elif sum(map(len, waiting.values())) > 4 * batch_size:
+            yield waiting.pop(max(waiting, key=lambda key: len(waiting[key])))
+    yield from waiting.values()
 
 
-def logits_to_classes(logits: Tensor, size: tuple[int, int], threshold: float) -> Tensor:
-    """``[K, h, w]`` logits to ``[H, W]`` class indices at ``size``: resize the logits first, then decide (milesial)."""
+def logits_to_classes(logits: Tensor, size: tuple[int, int], threshold: float) -> np.ndarray:
+    """``[K, h, w]`` logits to ``[H, W]`` uint8 class indices at ``size``: resize the logits first, then decide
+    (milesial)."""
     resized = F.interpolate(logits[None], size=size, mode="bilinear", align_corners=False)
-    return predict_classes(resized, threshold)[0]
-
-
-@torch.inference_mode()
-def predict_batch(
-    model: nn.Module,
-    items: Sequence[InputItem],
-    device: torch.device,
-    config: PredictConfig,
-    memory: MemoryPlanner | None = None,
-) -> list[InputItem]:
-    """Predict a batch of items whose network-input images all have the same shape, as ``config`` says (precision,
-    threshold, --tta, --tile: windows run --batch-size at a time).
-
-    Without ``--tile``, ``memory`` (when given) decides whether the whole-image pass fits, else which windows to use.
-    """
-    tile = config.tile_settings()
-    if tile is None and memory is not None:
-        shape = tuple(items[0].image.shape)  # type: ignore[union-attr] - decoded items only
-        tile = memory.tile_if_needed(model, len(items), shape, config.tta, window_batch=config.batch_size)
-    images = torch.stack([item.image for item in items]).to(device, non_blocking=True)
-    if tile is None:
-        logits = forward_logits(model, images, config.precision, config.tta)
-    else:
-        logits = predict_logits_tiled(model, images, tile, config.precision, config.batch_size)
-    predicted = []
-    for item, item_logits in zip(items, logits, strict=True):
-        classes = logits_to_classes(item_logits, item.original_size, config.mask_threshold)
-        predicted.append(replace(item, classes=classes.to(torch.uint8).cpu().numpy()))
-    return predicted
+    return predict_classes(resized, threshold)[0].to(torch.uint8).cpu().numpy()
 
 
 def predict_items(
@@ -278,35 +194,42 @@ def predict_items(
 ) -> Iterator[InputItem]:
     """Yield every input with its ``classes`` (in completion order, not input order); unreadable ones carry ``error``.
 
-    ``config`` gives the batch size, the loader workers, the progress bar and what ``predict_batch`` reads. Without
+    Batches of one network-input size are predicted as ``config`` says (precision, threshold, --tta, --tile: windows
+    run --batch-size at a time); it also gives the batch size, the loader workers and the progress bar. Without
     ``--tile``, each batch is first checked against ``memory`` (default: the device's free memory); a batch whose
     whole-image pass would not fit runs in windows the planner sizes, with one warning.
     """
     model.eval()
-    loader = item_loader(dataset, batch_size=config.batch_size, workers=config.workers)
-    buckets = ShapeBuckets(config.batch_size)
     planner = memory if memory is not None else MemoryPlanner(device=device)
-    run = functools.partial(predict_batch, model, device=device, config=config, memory=planner)
 
-    def batches() -> Iterator[list[InputItem]]:
-        for loaded in loader:
-            for item in loaded:
-                if item.error is not None:
-                    yield [item]
-                else:
-                    yield from map(run, buckets.add(item))
-        yield from map(run, buckets.flush())
+    @torch.inference_mode()
+    def predict(items: list[InputItem]) -> list[InputItem]:
+        """A batch of items whose network-input images all have the same shape; an unreadable input as it is."""
+        if items[0].error is not None:
+            return items
+        images = torch.stack([item.image for item in items])  # type: ignore[misc] - decoded items only
+        # Without --tile, the planner decides whether the whole-image pass fits, else which windows to use.
+        tile = config.tile_settings() or planner.tile_if_needed(model, images.shape, config.tta, config.batch_size)
+        images = images.to(device, non_blocking=True)
+        if tile is None:
+            logits = forward_logits(model, images, config.precision, config.tta)
+        else:
+            logits = predict_logits_tiled(model, images, tile, config.precision, config.batch_size)
+        return [
+            replace(item, classes=logits_to_classes(item_logits, item.original_size, config.mask_threshold))
+            for item, item_logits in zip(items, logits, strict=True)
+        ]
 
-    converted: dict[int, int] = {}
-    with tqdm(total=len(dataset), desc="Predicting", unit="img", disable=not config.progress) as bar:
-        for predicted in batches():
-            for item in predicted:
-                if item.converted_from is not None:
-                    converted[item.converted_from] = converted.get(item.converted_from, 0) + 1
-                bar.update(1)
-                yield item
-    for channels, count in sorted(converted.items()):
-        kind, target = ("grey", "RGB") if channels == 1 else ("colour", "grey")
+    loader = item_loader(dataset, batch_size=config.batch_size, workers=config.workers)
+    items = itertools.chain.from_iterable(loader)
+    batches = batches_by_shape(items, config.batch_size, lambda item: None if item.error else item.image.shape)
+    predicted = itertools.chain.from_iterable(map(predict, batches))
+    converted = 0
+    for item in tqdm(predicted, total=len(dataset), desc="Predicting", unit="img", disable=not config.progress):
+        converted += item.converted
+        yield item
+    if converted:
+        kind, target = ("grey", "RGB") if dataset.n_channels == 3 else ("colour", "grey")
         logger.warning(
-            "%d %s image(s) were converted to %s for the %d-channel model", count, kind, target, dataset.n_channels
+            "%d %s image(s) were converted to %s for the %d-channel model", converted, kind, target, dataset.n_channels
         )

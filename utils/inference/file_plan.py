@@ -9,8 +9,8 @@ from __future__ import annotations
 import glob
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 from utils.datasets.image_files import (
     IMAGE_EXTENSIONS,
@@ -20,6 +20,10 @@ from utils.datasets.image_files import (
     index_folder,
 )
 from utils.errors import ConfigError
+from utils.output_files import check_outputs
+
+if TYPE_CHECKING:  # utils.inference.config imports MASK_FORMATS from here
+    from utils.inference.config import PredictConfig
 
 # Masks must be stored losslessly: a JPEG would blur class values into each other.
 MASK_FORMATS = (".png", ".gif", ".bmp", ".tif", ".tiff")
@@ -58,50 +62,48 @@ def collect_inputs(patterns: Sequence[str]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-@dataclass(frozen=True)
-class OutputPlan:
+class OutputPlan(NamedTuple):
     """Where one input's mask and visualisation go."""
 
     mask: Path
     viz: Path
 
 
-def plan_outputs(
-    inputs: Sequence[Path], patterns: Sequence[str], outputs: Sequence[Path] | None, output_dir: Path | None
-) -> list[OutputPlan]:
-    """Output paths per input (``inputs`` as ``collect_inputs(patterns)`` found them; ``outputs``: ``--output``).
-
-    Raises ``ConfigError`` on a count mismatch or two inputs writing one file.
-    """
-    if outputs is not None:
-        if not all(Path(pattern).is_file() for pattern in patterns):
+def plan_outputs(inputs: Sequence[Path], config: PredictConfig) -> list[OutputPlan]:
+    """Output paths per input (``inputs`` as ``collect_inputs(config.inputs)`` found them), checked before anything
+    runs: ``ConfigError`` on a count mismatch of ``--output``, an output over a file the run reads or must keep, or
+    an output folder that cannot be written."""
+    if config.outputs is not None:
+        if not all(Path(pattern).is_file() for pattern in config.inputs):
             raise ConfigError("--output pairs outputs with input files; for folders and globs use --output-dir")
-        if len(outputs) != len(inputs):
+        if len(config.outputs) != len(inputs):
             raise ConfigError(
-                f"--output got {len(outputs)} paths for {len(inputs)} input images; give one per input file"
+                f"--output got {len(config.outputs)} paths for {len(inputs)} input images; give one per input file"
             )
-        plans = [OutputPlan(out, out.with_name(f"{out.stem}{VIZ_SUFFIX}.png")) for out in outputs]
+        masks = [(out, out.stem) for out in config.outputs]
     else:
-        plans = []
-        for path in inputs:
-            folder = output_dir if output_dir is not None else path.parent
-            plans.append(
-                OutputPlan(folder / f"{path.stem}{OUTPUT_SUFFIX}.png", folder / f"{path.stem}{VIZ_SUFFIX}.png")
-            )
+        masks = [((config.output_dir or path.parent) / f"{path.stem}{OUTPUT_SUFFIX}.png", path.stem) for path in inputs]
+    # An overlay goes beside its mask: <mask name>_VIZ.png, or <input name>_VIZ.png beside <input name>_OUT.png.
+    plans = [OutputPlan(mask, mask.with_name(f"{stem}{VIZ_SUFFIX}.png")) for mask, stem in masks]
+    outputs = [
+        (output, f"the {role} of {path}")
+        for path, plan in zip(inputs, plans, strict=True)
+        for output, role, wanted in ((plan.mask, "mask", not config.no_save), (plan.viz, "overlay", config.viz))
+        if wanted
+    ]
+    # The folders a run reads from: each input's (a folder given as an input is its images' folder) and --masks.
+    read_from = [path.parent for path in inputs]
+    if config.masks_dir is not None:
+        read_from.append(config.masks_dir)
+    check_outputs(outputs, prediction_reads(inputs, config), read_from)
+    # An input's mask and overlay share a folder.
+    check_writable({plan.mask.parent for plan in plans})
     return plans
 
 
-def prediction_outputs(
-    inputs: Sequence[Path], plans: Sequence[OutputPlan], masks: bool, viz: bool
-) -> list[tuple[Path, str]]:
-    """The files a prediction run writes, each with what it is (for ``check_outputs``)."""
-    outputs: list[tuple[Path, str]] = []
-    for path, plan in zip(inputs, plans, strict=True):
-        if masks:
-            outputs.append((plan.mask, f"the mask of {path}"))
-        if viz:
-            outputs.append((plan.viz, f"the overlay of {path}"))
-    return outputs
+def prediction_reads(inputs: Iterable[Path], config: PredictConfig) -> dict[Path, str]:
+    """Every file predict.py reads or must keep: the inputs, the true masks of --viz and the checkpoint."""
+    return read_files(config.model, {config.masks_dir: "a true mask in --masks"}, inputs)
 
 
 def read_files(checkpoint: Path, folders: Mapping[Path | None, str], inputs: Iterable[Path] = ()) -> dict[Path, str]:
@@ -114,13 +116,6 @@ def read_files(checkpoint: Path, folders: Mapping[Path | None, str], inputs: Ite
     found.update((path, "the input") for path in inputs)
     found[checkpoint] = "the checkpoint"
     return found
-
-
-def input_folders(patterns: Sequence[str], inputs: Sequence[Path], *extra: Path | None) -> list[Path]:
-    """The folders a run reads from: each input's folder, folders given as inputs, and ``extra`` (such as --masks)."""
-    folders = [path.parent for path in inputs] + [Path(pattern) for pattern in patterns if Path(pattern).is_dir()]
-    folders.extend(folder for folder in extra if folder is not None)
-    return list(dict.fromkeys(folders))
 
 
 def check_writable(folders: set[Path]) -> None:

@@ -3,6 +3,7 @@ and ``--json`` (checked before the run, written whole)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -16,7 +17,7 @@ from utils.errors import DatasetError
 from utils.evaluation import EvalResult
 from utils.hardware import SharedMemoryGuard
 from utils.inference.config import EvaluateConfig
-from utils.inference.engine import ShapeBuckets
+from utils.inference.engine import batches_by_shape
 from utils.inference.file_plan import read_files
 from utils.output_files import check_outputs, write_text
 
@@ -60,7 +61,7 @@ class SizeGroupedBatches:
     """Stacked batches of up to the loader's ``batch_size`` items of one image size, from ``engine.item_loader``'s
     lists of items.
 
-    Images of mixed sizes are grouped by size as ``predict.py`` groups them (``ShapeBuckets``): since the score is a
+    Images of mixed sizes are grouped by size as ``predict.py`` groups them (``batches_by_shape``): since the score is a
     mean over images, grouping does not change it.
     """
 
@@ -70,38 +71,30 @@ class SizeGroupedBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        buckets = ShapeBuckets(self.loader.batch_size, shape_of=lambda item: tuple(item["image"].shape))
-        for items in self.loader:
-            for item in items:
-                yield from map(_stack, buckets.add(item))
-        yield from map(_stack, buckets.flush())
-
-
-def _stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        items = itertools.chain.from_iterable(self.loader)
+        for batch in batches_by_shape(items, self.loader.batch_size, lambda item: item["image"].shape):
+            yield {key: torch.stack([item[key] for item in batch]) for key in batch[0]}
 
 
 def format_table(result: EvalResult, mask_values: Sequence, class_names: Sequence[str] = ()) -> str:
     """Per-class Dice and IoU and their means as an aligned text table (with a name column when classes have names)."""
     labels = ["class", "mask value", *(["name"] if class_names else [])]
-    blank = [""] * (len(labels) - 1)
-    rows = [(*labels, "Dice", "IoU")]
+    rows = [[*labels, "Dice", "IoU"]]
     for index, (dice, iou) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True)):
         value = mask_values[index] if index < len(mask_values) else "?"
         name = [class_names[index] if index < len(class_names) else ""] if class_names else []
-        rows.append((str(index), str(value), *name, f"{dice:.4f}", f"{iou:.4f}"))
+        rows.append([str(index), str(value), *name, f"{dice:.4f}", f"{iou:.4f}"])
     # Macro rows are per-image means; micro rows score the pixels of the whole dataset at once.
-    macro, micro = result.reductions()["macro"], result.reductions()["micro"]
     foreground = "mean (classes 1+)" if len(result.per_class_dice) > 1 else "mean"
-    for prefix, scores in (("", macro), ("micro ", micro)):
-        rows.append((f"{prefix}{foreground}", *blank, f"{scores['dice']:.4f}", f"{scores['iou']:.4f}"))
-        with_background = f"{scores['dice_with_background']:.4f}", f"{scores['iou_with_background']:.4f}"
-        rows.append((f"{prefix}mean (all classes)", *blank, *with_background))
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    text_columns = len(labels)  # left-aligned; the scores are right-aligned
+    for prefix, scores in (("", result.reductions()["macro"]), ("micro ", result.reductions()["micro"])):
+        for label, key in ((foreground, ""), ("mean (all classes)", "_with_background")):
+            scored = [f"{scores['dice' + key]:.4f}", f"{scores['iou' + key]:.4f}"]
+            rows.append([prefix + label, *[""] * (len(labels) - 1), *scored])
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
     lines = [
         "  ".join(
-            cell.ljust(width) if column < text_columns else cell.rjust(width)
+            # The text columns left-aligned, the scores right-aligned.
+            cell.ljust(width) if column < len(labels) else cell.rjust(width)
             for column, (cell, width) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in rows

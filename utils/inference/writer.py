@@ -1,6 +1,22 @@
 """Writing predictions: masks and overlays encoded in writer threads, overlapping the next forward passes; the run's
 last line says what was written where, so a person knows where to look.
 
+Class ``k`` is written as ``mask_values[k]``, as in milesial/Pytorch-UNet's ``mask_to_image``, so a prediction can be
+compared with (or used in place of) the masks the model was trained on:
+
+* ``[0, 1]`` (Carvana) becomes a 1-bit PNG (PIL mode ``'1'``);
+* other grey values become an 8-bit ``'L'`` image, or 16-bit ``'I;16'`` when a value does not fit in a byte;
+* colour values (``[r, g, b]`` lists, one per class) become an ``'RGB'`` image (``'LA'``/``'RGBA'`` for 2/4 channels).
+
+Overlays (``--viz``), with the true mask beside them when one is given: class 0 is treated as background and left
+undrawn; the other classes are painted over the image in their own colour: the dataset's colour when its mask values
+are colours, else a fixed palette. A half-transparent colour can vanish on an object of about that colour (red on a
+maroon car), so each region also gets a one-pixel outline on its inside edge, black or white, whichever stands out
+more from the image under it. Below the image(s) a white strip holds the captions (``truth`` under the true mask's
+overlay, ``prediction`` under the model's) and a legend: a swatch of each foreground class's colour labelled with its
+name (``--class-names`` in training) or else its mask value (``value 255``), the value a person finds in the mask
+files. The image pixels themselves carry no text.
+
 Each file goes through ``utils.output_files`` (all or nothing). A failure of one file is that image's failure; a
 failure of the output location (a full disk, a read-only folder) ends the run with one error, since every later
 write would fail the same way.
@@ -12,17 +28,25 @@ import logging
 from collections import deque
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from utils.errors import UserError, count
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+from torch import Tensor
+
+from utils.checkpoint.model import ModelSpec
+from utils.datasets.dataset import mask_classes
+from utils.datasets.image_files import IMAGE_EXTENSIONS, load_image
+from utils.errors import CheckpointError, UserError, count
 from utils.inference.config import PredictConfig
-from utils.inference.engine import InputItem
 from utils.inference.export import Preprocessing
-from utils.inference.file_plan import OutputPlan
-from utils.inference.outputs import mask_to_image
-from utils.inference.overlays import find_truth_mask, load_truth_classes, render_visualization
+from utils.inference.file_plan import MASK_FORMATS, OutputPlan
 from utils.output_files import OutputError, write_file
+
+if TYPE_CHECKING:  # utils.inference.engine imports the mask value checks from here
+    from utils.inference.engine import InputItem
 
 logger = logging.getLogger(__name__)
 
@@ -31,52 +55,227 @@ MAX_FOLDERS_NAMED = 3
 # Predictions written at most this many images ahead of the writer threads, to bound memory.
 MAX_PENDING_WRITES = 16
 
+MAX_PNG_GREY_VALUE = 2**16 - 1
 
-@dataclass
-class Writer:
-    """Turns predictions into files; runs in writer threads so PNG encoding overlaps the next forward pass."""
 
-    preprocessing: Preprocessing
-    """The checkpoint's mask values and class names."""
-    config: PredictConfig
-    """Which files to write (--no-save, --viz) and the true masks beside the overlays (--masks)."""
+def mask_values_to_write(spec: ModelSpec, checkpoint: Path) -> list:
+    """The mask value each class is written as: the checkpoint's, else ``[0, 1]`` for a binary model (milesial's
+    default) and the class numbers for more classes, with one warning.
 
-    def write(self, item: InputItem, plan: OutputPlan) -> str | None:
-        """Write one predicted input's files; returns an error message instead of raising (the input's own when it
-        could not be read), except for an ``OutputError`` of the output location (see the module docstring)."""
-        if item.classes is None:
-            return item.error
-        try:
-            if not self.config.no_save:
-                mask = mask_to_image(item.classes, self.preprocessing.mask_values)
-                write_file(plan.mask, mask.save, f"the mask of {item.path}")
-            if self.config.viz:
-                self._write_viz(item, plan.viz)
-        except (OSError, ValueError, UserError) as error:
-            if isinstance(error, OutputError) and error.location_failure:
-                raise
-            return f"{item.path}: could not write its output: {error}"
-        return None
+    ``CheckpointError`` for values a mask file cannot hold: a grey value too wide for a 16-bit PNG (written as it is
+    it would wrap around: another class's value, silently), or a void value (``--ignore-value`` in training), which
+    would read back as "not labelled". Everything else about them (one per class, unique, integers or colours of 2-4
+    channels of 0..255) is checked where the file is read (``utils.checkpoint.model``).
+    """
+    mask_values = spec.mask_values
+    if mask_values is None:
+        mask_values = [0, 1] if spec.n_classes <= 2 else list(range(spec.n_classes))
+        logger.warning("%s stores no mask_values; writing classes as %s", checkpoint, mask_values)
+    too_wide = [value for value in mask_values if not isinstance(value, Sequence) and value > MAX_PNG_GREY_VALUE]
+    if too_wide:
+        raise CheckpointError(
+            f"the checkpoint's mask value {too_wide[0]} does not fit a 16-bit PNG mask (at most {MAX_PNG_GREY_VALUE}); "
+            f"evaluate.py scores this model, but its masks cannot be written as images"
+        )
+    void = sorted(set(spec.inference.ignore_values) & {value for value in mask_values if isinstance(value, int)})
+    if void:
+        raise CheckpointError(
+            f"{checkpoint} maps classes to mask value(s) {void} that it was trained to ignore (--ignore-value); "
+            "its mask_values are inconsistent, retrain or fix the checkpoint"
+        )
+    return mask_values
 
-    def _write_viz(self, item: InputItem, path: Path) -> None:
-        assert item.original is not None and item.classes is not None
-        truth = None
-        masks_dir = self.config.masks_dir
-        mask_values = self.preprocessing.mask_values
-        if masks_dir is not None:
-            truth_path = find_truth_mask(masks_dir, item.path)
-            if truth_path is None:
-                logger.warning("no true mask for %s in %s; writing the prediction overlay alone", item.path, masks_dir)
-            else:
-                truth = load_truth_classes(truth_path, mask_values, item.original_size)
-        overlay = render_visualization(item.original, item.classes, self.preprocessing, truth)
-        write_file(path, overlay.save, f"the overlay of {item.path}")
+
+def mask_to_image(class_mask: np.ndarray, mask_values: Sequence) -> Image.Image:
+    """Map a ``[H, W]`` array of class indices to a PIL image holding ``mask_values[class]`` per pixel (one value
+    per class the model predicts: the checkpoint's reader checked that, ``utils.checkpoint.model``); Pillow takes the
+    mode from the table's type and shape (see the module docstring)."""
+    assert class_mask.ndim == 2, class_mask.shape
+    table = np.asarray(mask_values)
+    if table.ndim == 2:  # colours of 2, 3 or 4 channels
+        table = table.astype(np.uint8)
+    elif len(table) == 2 and sorted(table.tolist()) == [0, 1]:
+        table = table.astype(bool)
+    else:
+        table = table.astype(np.uint16 if table.max(initial=0) > 255 else np.uint8)
+    return Image.fromarray(table[class_mask])
+
+
+# Distinct, saturated colours for grey-valued masks (class 1 first), as RGB hex codes.
+PALETTE = [tuple(bytes.fromhex(code)) for code in "ff4040 40c840 4080ff ffc800 c840ff 00dcdc ff8000 ff00a0".split()]
+OVERLAY_ALPHA = 0.5
+GAP_PIXELS = 8
+# The caption and legend strip: text rows of this height and swatches of this side on small images, growing with the
+# image (text 1/40 of its height) so that captions stay readable on a 1918x1280 photo; at most this many entries.
+ROW_PIXELS = 16
+SWATCH_PIXELS = 10
+TEXT_HEIGHT_FRACTION = 1 / 40
+MAX_LEGEND_ENTRIES = 32
+CAPTIONS = ("truth", "prediction")
+# Truth masks are looked up by the image's name plus one of these suffixes (Carvana uses "_mask").
+TRUTH_SUFFIXES = ("", "_mask", "_masks", "-mask", "_label", "_labels", "_gt")
+# Every extension a dataset mask may have (image_files), the lossless ones first.
+MASK_FILE_SUFFIXES = (*MASK_FORMATS, *sorted(IMAGE_EXTENSIONS - set(MASK_FORMATS)))
+
+
+def class_colours(mask_values: Sequence) -> list[tuple[int, int, int]]:
+    """One RGB colour per class, as ``mask_values`` has one value per class (index 0, background, included for
+    indexing but never drawn): the masks' own colours, else the palette."""
+    if all(isinstance(value, Sequence) and len(value) >= 3 for value in mask_values):
+        return [tuple(int(channel) for channel in value[:3]) for value in mask_values]
+    return [(0, 0, 0)] + [PALETTE[(k - 1) % len(PALETTE)] for k in range(1, len(mask_values))]
+
+
+def overlay(image: Tensor, classes: np.ndarray, colours: Sequence[tuple[int, int, int]]) -> Tensor:
+    """Paint every non-background class of ``classes`` ``[H, W]`` over ``image`` ``[C, H, W]`` uint8."""
+    # Any channel count to 3 for display: grey repeated, a fourth channel dropped.
+    rgb = (image[:3] if image.shape[0] >= 3 else image[:1].expand(3, -1, -1)).contiguous()
+    class_map = torch.from_numpy(np.asarray(classes, dtype=np.int64))
+    present = [k for k in torch.unique(class_map).tolist() if k != 0]
+    if not present:
+        return rgb.clone()
+    masks = torch.stack([class_map == k for k in present])
+    from torchvision.utils import draw_segmentation_masks  # here: torchvision imports dynamo, seconds per start
+
+    painted = draw_segmentation_masks(rgb, masks, alpha=OVERLAY_ALPHA, colors=[colours[k] for k in present])
+    for mask in masks:
+        edge = inside_edge(mask)
+        # Rec. 601 luma of the image under the outline: a light background gets black, a dark one white.
+        luma = (torch.tensor([0.299, 0.587, 0.114]) @ rgb[:, edge].float()).mean()
+        painted[:, edge] = 0 if luma > 127 else 255
+    return painted
+
+
+def inside_edge(mask: Tensor) -> Tensor:
+    """The pixels of ``mask`` ``[H, W]`` bool with a 4-neighbour outside it (the image border does not count)."""
+    padded = torch.nn.functional.pad(mask[None, None].float(), (1, 1, 1, 1), mode="replicate")[0, 0] > 0.5
+    interior = padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
+    return mask & ~interior
+
+
+def legend_entries(
+    colours: Sequence[tuple[int, int, int]], mask_values: Sequence, class_names: Sequence[str] = ()
+) -> list[tuple[tuple, str]]:
+    """``(colour, label)`` for every foreground class (class 0 is not drawn), labelled as a person knows it: its name
+    when the checkpoint has names, else its value in the mask files (``value 255``, ``value (128, 0, 0)``)."""
+    entries = []
+    for k in range(1, len(colours)):
+        value = mask_values[k] if k < len(mask_values) else k
+        if isinstance(value, Sequence):  # an RGB colour of a colour-coded mask
+            value = "(" + ", ".join(str(int(channel)) for channel in value) + ")"
+        entries.append((tuple(colours[k]), class_names[k] if k < len(class_names) else f"value {value}"))
+    return entries
+
+
+def with_captions(
+    panels: Sequence[Tensor], captions: Sequence[str], legend: Sequence[tuple[tuple, str]]
+) -> Image.Image:
+    """``[3, H, W]`` uint8 panels in a row (white gaps), a caption under each, then the legend, on white."""
+    height = max(panel.shape[1] for panel in panels)
+    swatch = max(SWATCH_PIXELS, round(height * TEXT_HEIGHT_FRACTION))
+    row_pixels = swatch + ROW_PIXELS - SWATCH_PIXELS
+    font = ImageFont.load_default(size=swatch)
+    panel_width = sum(panel.shape[2] for panel in panels) + GAP_PIXELS * (len(panels) - 1)
+    entries = list(legend[:MAX_LEGEND_ENTRIES])
+    if len(legend) > MAX_LEGEND_ENTRIES:
+        entries.append(((255, 255, 255), f"... {len(legend) - MAX_LEGEND_ENTRIES} more classes"))
+    widths = [swatch + 4 + int(font.getlength(label)) + 12 for _, label in entries]
+    caption_widths = [int(font.getlength(caption)) + 4 for caption in captions]
+    width = max([panel_width, *widths, *caption_widths])
+    # Legend entries in a grid below the captions, each in a cell as wide as the widest, as many a row as fit.
+    cell = max(widths, default=1)
+    per_row = width // cell
+    canvas = Image.new("RGB", (width, height + row_pixels * (1 + -(-len(entries) // per_row))), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    x = 0
+    for panel, caption in zip(panels, captions, strict=True):
+        canvas.paste(Image.fromarray(panel.permute(1, 2, 0).numpy()), (x, 0))
+        draw.text((x + 2, height + 2), caption, fill=(0, 0, 0), font=font)
+        x += panel.shape[2] + GAP_PIXELS
+    for index, (colour, label) in enumerate(entries):
+        top, x = height + row_pixels * (1 + index // per_row), 2 + cell * (index % per_row)
+        draw.rectangle((x, top + 3, x + swatch - 1, top + 2 + swatch), fill=colour, outline=(0, 0, 0))
+        draw.text((x + swatch + 4, top + 2), label, fill=(0, 0, 0), font=font)
+    return canvas
+
+
+def find_truth_mask(masks_dir: Path, image_path: Path) -> Path | None:
+    """The mask in ``masks_dir`` named like ``image_path`` (``car.jpg`` -> ``car.png``, ``car_mask.gif``, ...)."""
+    names = (f"{image_path.stem}{suffix}{extension}" for suffix in TRUTH_SUFFIXES for extension in MASK_FILE_SUFFIXES)
+    return next((masks_dir / name for name in names if (masks_dir / name).is_file()), None)
+
+
+def load_truth_classes(mask_path: Path, mask_values: Sequence, size: tuple[int, int]) -> np.ndarray:
+    """Class indices ``[H, W]`` of a true mask, resized (nearest) to ``size`` = ``(H, W)`` if it differs."""
+    mask_image = load_image(mask_path)
+    if mask_image.size != size[::-1]:
+        logger.warning(
+            "truth mask %s is %dx%d, image is %dx%d; resizing the mask for display",
+            mask_path,
+            *mask_image.size,
+            *size[::-1],
+        )
+        mask_image = mask_image.resize(size[::-1], Image.NEAREST)
+    return np.asarray(mask_classes(mask_image, 1.0, list(mask_values)), dtype=np.int64)
+
+
+def render_visualization(
+    image: Tensor, predicted: np.ndarray, preprocessing: Preprocessing, truth: np.ndarray | None = None
+) -> Image.Image:
+    """The prediction overlay, or truth | prediction side by side when ``truth`` is given, captioned, with a legend:
+    classes in the colours of the checkpoint's mask values (``class_colours``), labelled by its class names or values.
+
+    The overlay pixels sit at the top left, as in the image (``[:H, :W]``; the prediction's at ``W + GAP_PIXELS``
+    beside the truth's); the captions and legend are below them.
+    """
+    colours = class_colours(preprocessing.mask_values)
+    legend = legend_entries(colours, preprocessing.mask_values, preprocessing.class_names)
+    predicted_overlay = overlay(image, predicted, colours)
+    if truth is None:
+        return with_captions([predicted_overlay], CAPTIONS[1:], legend)
+    return with_captions([overlay(image, truth, colours), predicted_overlay], CAPTIONS, legend)
+
+
+def write_prediction(
+    item: InputItem, plan: OutputPlan, preprocessing: Preprocessing, config: PredictConfig
+) -> str | None:
+    """Write one predicted input's files as ``config`` says (--no-save, --viz, the true masks of --masks) with the
+    checkpoint's mask values and class names; returns an error message instead of raising (the input's own when it
+    could not be read), except for an ``OutputError`` of the output location (see the module docstring)."""
+    if item.classes is None:
+        return item.error
+    try:
+        if not config.no_save:
+            mask = mask_to_image(item.classes, preprocessing.mask_values)
+            write_file(plan.mask, mask.save, f"the mask of {item.path}")
+        if config.viz:
+            assert item.original is not None
+            truth = None
+            if config.masks_dir is not None:
+                truth_path = find_truth_mask(config.masks_dir, item.path)
+                if truth_path is None:
+                    logger.warning(
+                        "no true mask for %s in %s; writing the prediction overlay alone", item.path, config.masks_dir
+                    )
+                else:
+                    truth = load_truth_classes(truth_path, preprocessing.mask_values, item.original_size)
+            overlay = render_visualization(item.original, item.classes, preprocessing, truth)
+            write_file(plan.viz, overlay.save, f"the overlay of {item.path}")
+    except (OSError, ValueError, UserError) as error:
+        if isinstance(error, OutputError) and error.location_failure:
+            raise
+        return f"{item.path}: could not write its output: {error}"
+    return None
 
 
 def write_predictions(
-    predictions: Generator[InputItem, None, None], writer: Writer, plans: Sequence[OutputPlan]
+    predictions: Generator[InputItem, None, None],
+    plans: Sequence[OutputPlan],
+    preprocessing: Preprocessing,
+    config: PredictConfig,
 ) -> list[str]:
-    """Write every prediction in ``writer``'s threads; returns the failures (each logged), inputs' and writes'.
+    """Write every prediction (``write_prediction``) in writer threads; returns the failures (each logged), inputs'
+    and writes'.
 
     At most ``MAX_PENDING_WRITES`` predictions wait for a thread, so a fast model cannot fill memory with them. An
     ``OutputError`` of the output location is raised once the threads stop; writes not yet started are cancelled and
@@ -93,8 +292,8 @@ def write_predictions(
 
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="predict-writer")
     try:
-        for prediction in predictions:
-            pending.append(pool.submit(writer.write, prediction, plans[prediction.index]))
+        for item in predictions:
+            pending.append(pool.submit(write_prediction, item, plans[item.index], preprocessing, config))
             while len(pending) > MAX_PENDING_WRITES:
                 collect(pending.popleft())
         while pending:
