@@ -24,7 +24,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -241,25 +240,10 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------ size
 
     def log_budget(self) -> None:
-        """One line before training: how much disk the files of this run take at most, so a full disk is foreseen.
-
-        Full-state files (last.pth, INTERRUPTED.pth, the kept epoch files) hold the weights plus the optimizer's
-        per-parameter state; best.pth and best-K.pth the weights only. Estimated from the tensors (the optimizer's
-        state does not exist before the first step); pickling adds a few kB.
-        """
-        if not self.ctx.is_main:
-            return
-        epochs = range(self.position.epoch + 1, self.parts.config.epoch_range()[1] + 1)  # the epochs this run trains
-        budget = checkpoint_budget(self.parts.raw_model, self.parts.step.optimizer, self.config, epochs)
-        logger.info(
-            "Checkpoints: a full-state file (last.pth, INTERRUPTED.pth, checkpoint_epoch{N}.pth) is about %s, best.pth "
-            "(weights only) about %s; this run keeps at most %d full-state and %d weights-only files, about %s",
-            _megabytes(budget.full_state_bytes),
-            _megabytes(budget.weights_only_bytes),
-            budget.full_state_files,
-            budget.weights_only_files,
-            _megabytes(budget.total_bytes),
-        )
+        """One line before training: how much disk the files of this run take at most, so a full disk is foreseen."""
+        if self.ctx.is_main:
+            epochs = range(self.position.epoch + 1, self.parts.config.epoch_range()[1] + 1)  # the epochs it trains
+            logger.info(budget_line(self.parts.raw_model, self.parts.step.optimizer, self.config, epochs))
 
 
 def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
@@ -288,51 +272,29 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
         restore_rng_state(state.rng)
 
 
-def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
-    """Tensors of a parameter's size that ``optimizer`` keeps per parameter (Adam: exp_avg and exp_avg_sq)."""
-    defaults = optimizer.defaults
-    if isinstance(optimizer, torch.optim.RMSprop):
-        return 1 + int(defaults.get("momentum", 0) > 0) + int(bool(defaults.get("centered")))
-    if isinstance(optimizer, torch.optim.SGD):
-        return int(defaults.get("momentum", 0) > 0)
-    return 2  # Adam, AdamW and most adaptive optimizers
-
-
-@dataclass(frozen=True)
-class CheckpointBudget:
-    full_state_bytes: int
-    weights_only_bytes: int
-    full_state_files: int
-    """At most this many full-state files at once: last.pth, INTERRUPTED.pth and the kept epoch files."""
-    weights_only_files: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.full_state_bytes * self.full_state_files + self.weights_only_bytes * self.weights_only_files
-
-
-def checkpoint_budget(
+def budget_line(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: CheckpointSection, epochs: range
-) -> CheckpointBudget:
-    """The files a run that trains ``epochs`` keeps at most under the checkpoint flags ``config``, and their sizes."""
+) -> str:
+    """The files a run that trains ``epochs`` keeps at most under the checkpoint flags ``config``, and their sizes.
+
+    Full-state files (last.pth, INTERRUPTED.pth, the kept epoch files) hold the weights plus the optimizer's
+    per-parameter state; best.pth and best-K.pth the weights only. Estimated from the tensors (the optimizer's state
+    does not exist before the first step); pickling adds a few kB.
+    """
     weights = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
     parameters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return CheckpointBudget(
-        full_state_bytes=weights + parameters * optimizer_slots(optimizer),
-        weights_only_bytes=weights,
-        full_state_files=2 + epoch_files_written(config, epochs),
-        weights_only_files=1 + config.keep_best,
+    # Tensors of a parameter's size kept per parameter: AdamW's two averages; RMSprop's one, and its momentum buffer.
+    slots = 1 + int(optimizer.defaults["momentum"] > 0) if isinstance(optimizer, torch.optim.RMSprop) else 2
+    full_state = weights + parameters * slots
+    epoch_files = sum(1 for number in epochs if is_due(config.save_every, number))
+    full_files = 2 + (min(epoch_files, config.keep_last) if config.keep_last else epoch_files)
+    weights_files = 1 + config.keep_best
+    total = full_state * full_files + weights * weights_files
+    return (
+        f"Checkpoints: a full-state file (last.pth, INTERRUPTED.pth, checkpoint_epoch{{N}}.pth) is about "
+        f"{full_state / 1e6:.1f} MB, best.pth (weights only) about {weights / 1e6:.1f} MB; this run keeps at most "
+        f"{full_files} full-state and {weights_files} weights-only files, about {total / 1e6:.1f} MB"
     )
-
-
-def epoch_files_written(config: CheckpointSection, epochs: range) -> int:
-    """checkpoint_epoch{N}.pth files a run that trains ``epochs`` writes (every --save_every), after --keep-last."""
-    written = sum(1 for number in epochs if is_due(config.save_every, number))
-    return min(written, config.keep_last) if config.keep_last else written
-
-
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:.1f} MB"
 
 
 def _write_copies(payload: dict[str, Any], targets: Sequence[Path]) -> None:
