@@ -185,7 +185,7 @@ def test_resume_from_a_copy_of_the_newest_state_continues_its_folder(
     assert copy.stat().st_mtime_ns >= written
     os.utime(copy, ns=(written + 10**9, written + 10**9))
     assert folder.checkpoints()[0] == copy
-    assert folder.can_continue_from(folder.last, load_resume_checkpoint(folder.last))
+    assert folder.can_continue_from(load_resume_checkpoint(folder.last))
     capsys.readouterr()
     assert runner.main("unet", *SHORT, "-e", "1", "--resume", str(folder.last)) == 0
     out = capsys.readouterr().out

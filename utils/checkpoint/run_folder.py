@@ -232,57 +232,36 @@ class RunFolder:
             )
         return None
 
-    def can_continue_from(self, path: Path, state: TrainingState) -> bool:
-        """Whether a run resumed from ``path`` (a file in this folder, read as ``state``) may write here.
+    def can_continue_from(self, state: TrainingState) -> bool:
+        """Whether a run resumed from ``state`` (read from a file of this folder) may write here.
 
-        Only when nothing newer would be overwritten: the folder holds no run, or ``path`` holds its newest state. The
-        newest state is the one ``--resume auto`` takes (``find_resume_checkpoint``: the most recently written
-        checkpoint that loads completely). ``path`` holds it when it is that file, or when both record the same
-        position (global step, epoch, step in the epoch) and the same tensor digests: the names one save writes
-        (``last.pth``, ``checkpoint_epoch{N}.pth``, ``best.pth``) are copies of one file's bytes, and an
-        ``INTERRUPTED.pth`` saved at the step ``last.pth`` holds has its tensors. Every doubt (no digests, only corrupt
-        checkpoints, a run that saved nothing yet) answers False: the resume then writes to a new folder instead.
+        Only when nothing newer would be overwritten: the folder holds no run, or no checkpoint of it records a further
+        position than ``state`` (``recorded_position``). The states of one folder are one line of history (a resume
+        from an older state writes to a new folder), so one position is one state, whichever names hold it: the
+        names one save writes (``last.pth``, ``checkpoint_epoch{N}.pth``) are copies of one file's bytes, and an
+        ``INTERRUPTED.pth`` saved at the step ``last.pth`` holds has its tensors. Every doubt (only unreadable
+        checkpoints, a run that saved nothing yet, a further file that fails its digests) answers False: the resume
+        then writes to a new folder instead.
         """
         if not self.holds_a_run():
             return True
-        candidates = self.checkpoints()
-        if candidates and candidates[0].resolve() == path.resolve():
-            # The newest file is ``path``, which the caller has just read completely: it is what
-            # find_resume_checkpoint would return, without reading it (hundreds of MB) a second time.
-            return True
-        try:
-            found = self.find_resume_checkpoint()
-        except CheckpointError:
-            return False
-        if found is None:
-            return False
-        newest_path, newest = found
-        if newest_path.resolve() == path.resolve():
-            return True
-        return (
-            state.digests is not None
-            and state.digests == newest.digests
-            and _position(state.position) == _position(newest.position)
-        )
+        recorded = [position for position in map(recorded_position, self.checkpoint_files()) if position is not None]
+        return bool(recorded) and max(recorded) <= _position(state.position)
 
-    def take_to_continue(self, path: Path, state: TrainingState) -> bool:
-        """Lock this folder when a run resumed from ``path`` may continue here (``can_continue_from``); else False.
+    def take_to_continue(self, state: TrainingState) -> bool:
+        """Lock this folder when a run resumed from ``state`` may continue here (``can_continue_from``); else False.
 
-        When it may not, the folder is left untouched (its lock file too). When it may, the folder is locked, and if
-        its checkpoints changed meanwhile (another run saved between the answer and the lock) the answer is given
-        again under the lock. A live run's folder is refused, naming its process. (It exists: it holds ``path``.)
+        When it may not, the folder is left untouched (its lock file too). When it may, the folder is locked and the
+        answer given again under the lock (another run may have saved between the answer and the lock). A live run's
+        folder is refused, naming its process. (It exists: it holds the resumed file.)
         """
-        listing = self._listing()
-        if not self.can_continue_from(path, state):
+        if not self.can_continue_from(state):
             return False
         self.lock()
-        if self._listing() == listing or self.can_continue_from(path, state):
+        if self.can_continue_from(state):
             return True
         self.unlock()
         return False
-
-    def _listing(self) -> list[tuple[str, int]]:
-        return sorted((checkpoint.name, checkpoint.stat().st_mtime_ns) for checkpoint in self.checkpoint_files())
 
     def prune_epoch_checkpoints(self, keep_last: int) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoint_epoch files (by epoch number); returns those deleted."""
@@ -356,13 +335,6 @@ class RunSeries:
             with contextlib.suppress(OSError):  # no lock file: never taken
                 taken[folder] = folder.lock_file.stat().st_mtime_ns
         return max(taken, key=taken.__getitem__, default=None)
-
-    def continue_newest(self) -> RunFolder:
-        """The newest folder, locked by this process; refused when a live run holds it."""
-        folder = self.newest()
-        folder.check_creatable()
-        folder.lock()
-        return folder
 
     def start_new(self, reason: str | None = None) -> RunFolder:
         """The newest folder if it holds no run, else the next number; locked by this process.
@@ -444,50 +416,39 @@ def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> Run
     if resume is None and restart_count == 0:
         return _took(series.start_new())
     if resume is None or resume == RESUME_AUTO:
-        folder = _took(series.continue_newest()).folder
-        found = folder.find_resume_checkpoint()
-        if found is None:
-            logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
-            return RunChoice(folder)
+        folder = series.newest()
+    else:
+        # A restart continues the folder its first attempt took: the one PATH lies in, or the series' newest.
+        candidates = [folder for folder in (series.contains(Path(resume)), series.newest()) if folder is not None]
+        folder = series.taken_last(candidates) if restart_count > 0 else None
+        if folder is None:  # a first attempt (or one whose first attempt failed before it chose)
+            return _resume_from_path(resume, series)
+    folder.check_creatable()
+    folder.lock()
+    _took(folder)
+    found = folder.find_resume_checkpoint()
+    if found is not None:
         path, state = found
+        if restart_count > 0:
+            logger.info("torchrun restart %d continues %s, from its newest checkpoint %s", restart_count, folder, path)
         return RunChoice(folder, str(path), state)
-    if restart_count > 0:
-        return _restart_from_path(resume, series, restart_count)
-    return _resume_from_path(resume, series)
+    if resume is None or resume == RESUME_AUTO:
+        logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
+        return RunChoice(folder)
+    logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, folder, resume)
+    return RunChoice(folder, resume, _read_resume_file(resume))
 
 
 def _resume_from_path(resume: str, series: RunSeries) -> RunChoice:
-    resume_path = Path(resume)
+    """A first attempt's --resume PATH: the folder PATH lies in when PATH holds its newest state, else a new one."""
     state = _read_resume_file(resume)
-    own = series.contains(resume_path)
+    own = series.contains(Path(resume))
     if own is None:  # a file from outside the series: nothing of the series to continue
         return _took(series.start_new(), resume, state)
-    if own.take_to_continue(resume_path, state):
+    if own.take_to_continue(state):
         return _took(own, resume, state)
     reason = f"--resume {resume} is not the newest state of {own} (continuing there would overwrite newer checkpoints)"
     return _took(series.start_new(reason), resume, state)
-
-
-def _restart_from_path(resume: str, series: RunSeries, restart_count: int) -> RunChoice:
-    # The first attempt took either the folder PATH lies in or the series' newest (a new one, or an empty one).
-    candidates = [folder for folder in (series.contains(Path(resume)), series.newest()) if folder is not None]
-    first = series.taken_last(candidates)
-    if first is None:  # neither was ever locked: the first attempt failed before it chose, so choose as it would have
-        return _resume_from_path(resume, series)
-    first.lock()
-    _took(first)
-    found = first.find_resume_checkpoint()
-    if found is None:
-        logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, first, resume)
-        return RunChoice(first, resume, _read_resume_file(resume))
-    path, state = found
-    logger.info(
-        "torchrun restart %d continues %s, the folder its first attempt took, from its newest checkpoint %s",
-        restart_count,
-        first,
-        path,
-    )
-    return RunChoice(first, str(path), state)
 
 
 def _read_resume_file(resume: str) -> TrainingState:
