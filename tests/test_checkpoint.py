@@ -23,6 +23,7 @@ from unet import UNet
 from utils.checkpoint.files import (
     copy_checkpoint_atomic,
     load_checkpoint_file,
+    load_resume_checkpoint,
     read_model_weights,
     save_checkpoint_atomic,
 )
@@ -34,9 +35,10 @@ from utils.checkpoint.format import (
     KEY_MODEL_ARGS,
     KEY_TENSOR_DIGESTS,
     InferenceRecord,
+    TrainingState,
+    TrainPosition,
 )
 from utils.checkpoint.model import load_model
-from utils.checkpoint.state import TrainingState, TrainPosition, load_resume_checkpoint
 from utils.errors import CheckpointError
 
 
@@ -344,7 +346,7 @@ def test_a_newer_format_is_refused_by_every_read(tmp_path: Path) -> None:
 def test_a_training_state_survives_its_own_write_and_read(tmp_path: Path) -> None:
     state = TrainingState.of(load_checkpoint_file(FIXTURES / "v1_train.pth"), "v1_train.pth")
     state.weights.inference = InferenceRecord(scale=0.5, ignore_values=(), channels=1)
-    # No field at its default, so a field written under another name than position_of reads would show.
+    # No field at its default, so a field written under another name than TrainPosition.of reads would show.
     state.position = TrainPosition(3, 30, 2, 0.75, [[0.75, 20], [0.5, 10]], 2, 1)
     save_checkpoint_atomic(state.to_payload(), tmp_path / "again.pth")
     again = TrainingState.of(load_checkpoint_file(tmp_path / "again.pth"), "again.pth")

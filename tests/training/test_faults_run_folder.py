@@ -15,8 +15,8 @@ import pytest
 
 from tests.conftest import TrainRunner, finish, load_checkpoint, wait_for_step
 from tests.helpers import one_error_line
+from utils.checkpoint.files import load_resume_checkpoint
 from utils.checkpoint.run_folder import RunFolder, RunSeries, choose_run
-from utils.checkpoint.state import load_resume_checkpoint
 from utils.errors import ConfigError
 
 LONG = ["-e", "30", "--log-every", "1"]

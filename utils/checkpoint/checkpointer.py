@@ -30,8 +30,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
-from utils.checkpoint.format import KEY_ARGS, KEY_MODEL_ARGS, InferenceRecord, LoadedWeights, all_finite
-from utils.checkpoint.state import WEIGHTS_ONLY_KEYS, TrainingState, dataset_record, restore_rng_state
+from utils.checkpoint.format import (
+    KEY_ARGS,
+    KEY_MODEL_ARGS,
+    WEIGHTS_ONLY_KEYS,
+    InferenceRecord,
+    LoadedWeights,
+    TrainingState,
+    all_finite,
+    dataset_record,
+    restore_rng_state,
+)
 from utils.errors import UserError, count
 from utils.launch.process_group import DistributedContext, agree_on_errors, raised_on_every_rank
 

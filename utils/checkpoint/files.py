@@ -28,6 +28,7 @@ from utils.checkpoint.format import (
     KEY_FORMAT_VERSION,
     KEY_TENSOR_DIGESTS,
     LoadedWeights,
+    TrainingState,
     check_format_version,
     tensor_digests,
     verify_checkpoint,
@@ -67,7 +68,7 @@ def write_failure_message(path: str | Path, error: OSError) -> str:
 
 
 def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    # A temporary name that ends in .tmp: format.PARTIAL_FILE_PATTERN, which a run folder's start-up clears.
+    # A temporary name that ends in .tmp: run_folder.PARTIAL_FILE_PATTERN, which a run folder's start-up clears.
     try:
         with replacing(path, keep_suffix=False) as temporary:
             write(temporary)
@@ -140,3 +141,9 @@ def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
 def read_model_weights(path: str | Path) -> LoadedWeights:
     """Model weights from our checkpoints, milesial/Pytorch-UNet files or the documented DDP script's files."""
     return weights_of(load_checkpoint_file(path), path)
+
+
+def load_resume_checkpoint(path: str | Path) -> TrainingState:
+    """The state of a checkpoint that holds everything needed to continue training, else a CheckpointError naming
+    what is missing."""
+    return TrainingState.of(load_checkpoint_file(path), path)

@@ -1,4 +1,5 @@
-"""The one checkpoint format: its key constants, the records it holds, its digests and the formats users bring.
+"""The one checkpoint format: its keys, the records it holds, its typed write and read, its digests and the formats
+users bring.
 
 Our files record a sha256 of every tensor (``KEY_TENSOR_DIGESTS``, computed once at save) and every read checks it,
 so bytes changed on disk are an error naming the file, not wrong weights (a file of our format whose digests were
@@ -9,19 +10,24 @@ which carry no digests) and checks the format version. Foreign files: milesial/P
 What inference needs to prepare images (the training scale, the void mask values, the image channels) is its own
 record (``KEY_INFERENCE``, ``InferenceRecord``), written at save time, so renaming a training flag can never change
 how predict resizes; files written before the record existed are read from their ``args`` in one place
-(``InferenceRecord.of``). Reading and writing files is ``utils.checkpoint.files``; the training state
-``utils.checkpoint.state``; the model a file describes ``utils.checkpoint.model``.
+(``InferenceRecord.of``).
+
+``TrainingState`` is the one typed write (``to_payload``) and read (``of``) of a resumable checkpoint; where the run
+stands is its ``TrainPosition``, whose field names are their keys. Reading and writing files is
+``utils.checkpoint.files``; the model a file describes ``utils.checkpoint.model``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import re
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from utils.errors import CheckpointError
@@ -36,13 +42,8 @@ KEY_MASK_VALUES = "mask_values"
 KEY_OPTIMIZER = "optimizer"
 KEY_SCHEDULER = "scheduler"
 KEY_SCALER = "scaler"
-KEY_EPOCH = "epoch"
-KEY_GLOBAL_STEP = "global_step"
-KEY_STEP_IN_EPOCH = "step_in_epoch"
 KEY_RNG = "rng_state"
 KEY_ARGS = "args"
-KEY_BEST_DICE = "best_dice"
-KEY_BEST_RANKING = "best_ranking"
 KEY_WORLD_SIZE = "world_size"
 KEY_DATASET = "dataset"
 KEY_TENSOR_DIGESTS = "tensor_sha256"
@@ -51,15 +52,9 @@ KEY_INFERENCE = "inference"
 # weights being trained (what a resume continues), in every full-state file of the run, so a resume from any of them is
 # exact and every reader of ``model_state`` gets the average unchanged (utils.training.ema).
 KEY_LIVE_MODEL = "live_model_state"
-# --patience: the epoch of best_dice and the validations since the last improvement (utils.training.early_stop).
-KEY_BEST_EPOCH = "best_epoch"
-KEY_VALIDATIONS_WITHOUT_IMPROVEMENT = "validations_without_improvement"
+# Where the run stands (epoch, global_step, step_in_epoch, best_dice, ...): TrainPosition's fields, under their names.
 # sha256 of the run's split.json (utils.datasets.splits.SplitRecord.digest): a resume on another split is refused.
 KEY_SPLIT_DIGEST = "split_sha256"
-
-# Names of files being written: ``.<final name>.<random>.tmp`` beside the final name. A crash can leave one behind
-# (never under a final name); ``RunFolder.remove_partial_files`` clears them when the next run takes the folder's lock.
-PARTIAL_FILE_PATTERN = re.compile(r"^\..+\.pth\.[A-Za-z0-9_]+\.tmp$")
 
 # Prefixes added by wrappers: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -267,3 +262,172 @@ def _strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str,
                 key = key[len(prefix) :]
         cleaned[key] = value
     return cleaned
+
+
+# What best.pth and best-K.pth hold: the weights, what inference rebuilds the model and prepares images from, and where
+# the run stood; no optimizer state (two more copies of the weights' size with AdamW), so they cannot be resumed.
+WEIGHTS_ONLY_KEYS = (
+    KEY_FORMAT_VERSION,
+    KEY_MODEL,
+    KEY_MODEL_ARGS,
+    KEY_MASK_VALUES,
+    KEY_INFERENCE,
+    "epoch",
+    "global_step",
+    "best_dice",
+    KEY_SPLIT_DIGEST,  # evaluate.py --split refuses another split than the weights were trained on
+)
+RESUME_KEYS = (KEY_MODEL, KEY_OPTIMIZER, KEY_SCHEDULER, "epoch", "global_step", "step_in_epoch")
+
+
+@dataclass
+class TrainPosition:
+    """Where training stands: ``epoch`` epochs fully done, plus ``step_in_epoch`` batches of the next one.
+
+    Each field is saved under its own name: ``TrainingState.to_payload`` writes the fields as they are, ``of`` reads
+    them back with the defaults of files that predate some.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    step_in_epoch: int = 0
+    best_dice: float = float("-inf")
+    best_ranking: list[list[float]] = field(default_factory=list)
+    """--keep-best: ``[dice, global_step]`` of the states in ``best-1.pth``, ``best-2.pth``, ... (best first)."""
+    best_epoch: int = 0
+    """The epoch whose validation gave ``best_dice`` (0: none yet)."""
+    validations_without_improvement: int = 0
+    """--patience: validations since the last one that improved on the best Dice by more than --min-delta."""
+
+    @classmethod
+    def of(cls, payload: Mapping[str, Any]) -> TrainPosition:
+        """The position ``payload`` records, each field as the type of its default; a key an older file lacks (or
+        holds as None) keeps the default."""
+        defaults = vars(cls())
+        kept = {
+            name: type(default)(payload[name]) for name, default in defaults.items() if payload.get(name) is not None
+        }
+        return cls(**kept)
+
+
+@dataclass
+class TrainingState:
+    """Everything a resumable checkpoint holds: the one typed write (``to_payload``) and read (``of``) of its keys.
+
+    ``weights`` are the weights being trained (the unwrapped module's state dict) with the record that describes them
+    (its arguments, mask values, inference record and split digest), as every reader of model weights takes them;
+    ``optimizer``, ``scheduler`` and ``scaler`` are state dicts (``scaler`` None unless fp16 scaling is on).
+    ``run_args`` are the run's flags, kept for the resume checks and the epoch plan; nothing that prepares images for
+    inference reads them (that is ``weights.inference``).
+    """
+
+    weights: LoadedWeights
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any] | None
+    position: TrainPosition
+    run_args: dict[str, Any]
+    world_size: int
+    dataset: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    ema: dict[str, torch.Tensor] | None = None
+    """--ema: the averaged weights (a state dict like ``weights.state_dict``); None when the run keeps no average."""
+
+    def to_payload(self) -> dict[str, Any]:
+        """The checkpoint dictionary (DESIGN.md, format version 1), RNG state captured now when not set."""
+        weights = self.weights
+        return {
+            KEY_FORMAT_VERSION: FORMAT_VERSION,
+            # With an average, model_state is the average (what inference reads) and the live weights move aside.
+            KEY_MODEL: weights.state_dict if self.ema is None else self.ema,
+            KEY_MODEL_ARGS: dict(weights.model_args),
+            KEY_MASK_VALUES: list(weights.mask_values),
+            KEY_INFERENCE: weights.inference.as_dict(),
+            KEY_OPTIMIZER: self.optimizer,
+            KEY_SCHEDULER: self.scheduler,
+            KEY_SCALER: self.scaler,
+            KEY_RNG: capture_rng_state() if self.rng is None else self.rng,
+            KEY_ARGS: dict(self.run_args),
+            KEY_WORLD_SIZE: self.world_size,
+            KEY_DATASET: self.dataset,
+            KEY_SPLIT_DIGEST: weights.split_digest,
+            # The position's field names are its keys: TrainPosition.of reads them.
+            **asdict(self.position),
+            **({} if self.ema is None else {KEY_LIVE_MODEL: weights.state_dict}),
+        }
+
+    @classmethod
+    def of(cls, payload: dict[str, Any], path: str | Path) -> TrainingState:
+        """The state in ``payload`` (read from ``path`` by ``load_checkpoint_file``), else a CheckpointError."""
+        missing = [key for key in RESUME_KEYS if key not in payload]
+        if missing:
+            raise CheckpointError(
+                f"{path} cannot be resumed: it lacks {', '.join(missing)} (weights-only files start a new run with "
+                f"--load)"
+            )
+        weights, ema = weights_of(payload, path), None
+        if isinstance(payload.get(KEY_LIVE_MODEL), dict):  # an --ema run: model_state is the average
+            weights, ema = dataclasses.replace(weights, state_dict=payload[KEY_LIVE_MODEL]), weights.state_dict
+        run_args = payload.get(KEY_ARGS)
+        dataset = payload.get(KEY_DATASET)
+        return cls(
+            weights=weights,
+            optimizer=payload[KEY_OPTIMIZER],
+            scheduler=payload[KEY_SCHEDULER],
+            scaler=payload.get(KEY_SCALER) or None,
+            position=TrainPosition.of(payload),
+            run_args=dict(run_args) if isinstance(run_args, dict) else {},
+            world_size=int(payload.get(KEY_WORLD_SIZE) or 1),
+            dataset=dataset if isinstance(dataset, dict) else None,
+            rng=payload.get(KEY_RNG),
+            ema=ema,
+        )
+
+
+def dataset_record(image_ids: Sequence[str]) -> dict[str, Any]:
+    """What a checkpoint records of its dataset: the number of images and a sha256 of their sorted ids."""
+    digest = hashlib.sha256("\n".join(sorted(image_ids)).encode()).hexdigest()
+    return {"fingerprint": digest, "images": len(image_ids)}
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """torch/CUDA/numpy/python RNG states as tensors and plain values (loadable with weights_only=True).
+
+    Training draws no random numbers after initialisation (data order and augmentation are pure functions of the
+    seed, epoch and index), so these are stored for completeness and for anything a user adds, not for exactness.
+    """
+    numpy_state = np.random.get_state()
+    python_state = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
+            "pos": int(numpy_state[2]),
+            "has_gauss": int(numpy_state[3]),
+            "cached_gaussian": float(numpy_state[4]),
+        },
+        "python": {"version": python_state[0], "state": list(python_state[1]), "gauss_next": python_state[2]},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
+    python_state = state["python"]
+    random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)

@@ -56,9 +56,8 @@ from typing import Any
 
 import torch
 
-from utils.checkpoint.files import write_failure_message
-from utils.checkpoint.format import PARTIAL_FILE_PATTERN
-from utils.checkpoint.state import TrainingState, TrainPosition, load_resume_checkpoint, position_of
+from utils.checkpoint.files import load_resume_checkpoint, write_failure_message
+from utils.checkpoint.format import TrainingState, TrainPosition
 from utils.errors import CheckpointError, ConfigError
 from utils.launch.process_group import DistributedContext, decide_on_main
 from utils.training.config import RESUME_AUTO
@@ -66,6 +65,9 @@ from utils.training.config import RESUME_AUTO
 logger = logging.getLogger(__name__)
 
 _EPOCH_PATTERN = re.compile(r"^checkpoint_epoch(\d+)\.pth$")
+# Names of files being written: ``.<final name>.<random>.tmp`` beside the final name (``utils.checkpoint.files``). A
+# crash can leave one behind (never under a final name); ``remove_partial_files`` clears them under the folder's lock.
+PARTIAL_FILE_PATTERN = re.compile(r"^\..+\.pth\.[A-Za-z0-9_]+\.tmp$")
 
 
 def series_name(exp_name: str, fold: int | None) -> str:
@@ -376,7 +378,7 @@ def recorded_position(path: Path) -> tuple[int, int, int] | None:
     checkpoints. The full read (digests included) happens when the file is chosen.
     """
     try:
-        return _position(position_of(torch.load(path, map_location="cpu", weights_only=True, mmap=True)))
+        return _position(TrainPosition.of(torch.load(path, map_location="cpu", weights_only=True, mmap=True)))
     except Exception:  # any unreadable file ranks last; its full read names what is wrong with it
         return None
 

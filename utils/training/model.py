@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unet import UNetArgs
 from unet import build_model as build_architecture
+from utils.checkpoint.format import TrainingState, dataset_record
 from utils.checkpoint.model import check_expected, load_model, spec_of
-from utils.checkpoint.state import TrainingState, dataset_record
 from utils.datasets.splits import check_same_split
 from utils.errors import ConfigError
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
