@@ -52,9 +52,9 @@ KEY_INFERENCE = "inference"
 # weights being trained (what a resume continues), in every full-state file of the run, so a resume from any of them is
 # exact and every reader of ``model_state`` gets the average unchanged (utils.training.ema).
 KEY_LIVE_MODEL = "live_model_state"
-# Where the run stands (epoch, global_step, step_in_epoch, best_dice, ...): TrainPosition's fields, under their names.
 # sha256 of the run's split.json (utils.datasets.splits.SplitRecord.digest): a resume on another split is refused.
 KEY_SPLIT_DIGEST = "split_sha256"
+# Where the run stands (epoch, global_step, step_in_epoch, best_dice, ...): TrainPosition's fields, under their names.
 
 # Prefixes added by wrappers: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -90,22 +90,21 @@ class InferenceRecord:
         damaged file) are dropped rather than trusted.
         """
         record = raw.get(KEY_INFERENCE)
-        if not isinstance(record, Mapping):
-            run_args = raw.get(KEY_ARGS)
-            run_args = run_args if isinstance(run_args, Mapping) else {}
-            model_args = raw.get(KEY_MODEL_ARGS)
-            channels = model_args.get("n_channels") if isinstance(model_args, Mapping) else None
+        if not isinstance(record, Mapping):  # the run's flags have the record's names; the channels are the model's
+            run_args, model_args = (raw.get(key) for key in (KEY_ARGS, KEY_MODEL_ARGS))
             record = {
-                "scale": run_args.get("scale"),
-                "ignore_values": run_args.get("ignore_values"),
-                "channels": channels,
-                "class_names": run_args.get("class_names"),
+                **(run_args if isinstance(run_args, Mapping) else {}),
+                "channels": model_args.get("n_channels") if isinstance(model_args, Mapping) else None,
             }
+        scale, channels, names = record.get("scale"), record.get("channels"), record.get("class_names")
+        if isinstance(names, str):  # a run's args hold the flag's text ("background,car"); the record holds the list
+            names = split_class_names(names)
+        usable_scale = isinstance(scale, int | float) and not isinstance(scale, bool) and 0 < scale <= 1
         return cls(
-            scale=_usable_scale(record.get("scale")),
-            ignore_values=_usable_tuple(record.get("ignore_values"), _is_int),
-            channels=_usable_channels(record.get("channels")),
-            class_names=_usable_names(record.get("class_names")),
+            scale=float(scale) if usable_scale else None,
+            ignore_values=_tuple_of(record.get("ignore_values"), _is_int),
+            channels=channels if _is_int(channels) and channels >= 1 else None,
+            class_names=_tuple_of(names, lambda name: isinstance(name, str)),
         )
 
 
@@ -113,28 +112,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _usable_scale(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        return None
-    return float(value)
-
-
-def _usable_tuple(values: Any, usable: Callable[[Any], bool]) -> tuple:
+def _tuple_of(values: Any, usable: Callable[[Any], bool]) -> tuple:
     """``values`` as a tuple when they are a list or tuple of usable items, else empty."""
     if not isinstance(values, list | tuple) or not all(usable(value) for value in values):
         return ()
     return tuple(values)
-
-
-def _usable_channels(value: Any) -> int | None:
-    return value if _is_int(value) and value >= 1 else None
-
-
-def _usable_names(values: Any) -> tuple[str, ...]:
-    # A run's args hold the flag's text ("background,car"); the record holds the list.
-    if isinstance(values, str):
-        return split_class_names(values)
-    return _usable_tuple(values, lambda value: isinstance(value, str))
 
 
 @dataclass

@@ -129,9 +129,9 @@ class RunFolder:
             except OSError as error:
                 if error.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                     raise
-                holder = _read_pid(fd)
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()  # the PID its holder wrote
                 os.close(fd)
-                return holder or -1
+                return int(holder) if holder.isdecimal() and int(holder) > 0 else -1
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             os.fsync(fd)
@@ -159,25 +159,9 @@ class RunFolder:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def is_locked_by_another(self) -> bool:
-        """Whether a live process holds this folder's lock (without taking it)."""
-        if self._lock_fd is not None or not self.lock_file.is_file():
-            return False
-        try:
-            fd = os.open(self.lock_file, os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        finally:
-            os.close(fd)
-        return False
-
     def holds_a_run(self) -> bool:
-        """Whether an earlier or live run owns this folder: checkpoints, metrics, or its lock held."""
-        return bool(self.checkpoint_files()) or self.metrics.exists() or self.is_locked_by_another()
+        """Whether an earlier run wrote this folder: checkpoints or metrics (a live one holds its lock too)."""
+        return bool(self.checkpoint_files()) or self.metrics.exists()
 
     def check_creatable(self) -> None:
         """A run folder that cannot exist (a file in its way) stops the run now rather than at its first save."""
@@ -380,13 +364,6 @@ def recorded_position(path: Path) -> tuple[int, int, int] | None:
     try:
         return _position(TrainPosition.of(torch.load(path, map_location="cpu", weights_only=True, mmap=True)))
     except Exception:  # any unreadable file ranks last; its full read names what is wrong with it
-        return None
-
-
-def _read_pid(fd: int) -> int | None:
-    try:
-        return int(os.pread(fd, 32, 0).decode().strip() or 0) or None
-    except (OSError, ValueError):
         return None
 
 
