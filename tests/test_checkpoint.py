@@ -85,12 +85,14 @@ def test_milesial_bare_state_dict_with_mask_values_loads_without_flags(tmp_path:
     assert_same_weights(rebuilt, model)
 
 
-def test_ddp_prefixed_state_dict_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "_orig_mod.module."])
+def test_ddp_prefixed_state_dict_loads(tmp_path: Path, prefix: str) -> None:
+    """DDP's prefix, torch.compile's, and both (a compiled DDP model's keys)."""
     model = tiny_unet()
-    prefixed = {f"module.{key}": value for key, value in model.state_dict().items()}
+    prefixed = {f"{prefix}{key}": value for key, value in model.state_dict().items()}
     torch.save({"model_state_dict": prefixed, "mask_values": [0, 1]}, tmp_path / "ddp.pth")
     loaded = read_model_weights(tmp_path / "ddp.pth")
-    assert all(not key.startswith("module.") for key in loaded.state_dict)
+    assert loaded.state_dict.keys() == model.state_dict().keys()
     rebuilt, _ = rebuild(tmp_path / "ddp.pth")
     assert_same_weights(rebuilt, model)
 

@@ -29,7 +29,6 @@ from utils.checkpoint.format import (
     KEY_TENSOR_DIGESTS,
     LoadedWeights,
     TrainingState,
-    check_format_version,
     tensor_digests,
     verify_checkpoint,
     weights_of,
@@ -133,7 +132,6 @@ def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
         ) from error
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a checkpoint dictionary")
-    check_format_version(obj, path)
     verify_checkpoint(obj, path)
     return obj
 

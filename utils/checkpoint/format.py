@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,8 +57,8 @@ KEY_LIVE_MODEL = "live_model_state"
 KEY_SPLIT_DIGEST = "split_sha256"
 # Where the run stands (epoch, global_step, step_in_epoch, best_dice, ...): TrainPosition's fields, under their names.
 
-# Prefixes added by wrappers: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# Prefixes added by wrappers, in any order: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
+_WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
 # Keys under which other training scripts nest the model's weights.
 _NESTED_WEIGHT_KEYS = ("model_state_dict", "state_dict", "model")
 
@@ -137,7 +138,14 @@ def tensor_digests(payload: Mapping[str, Any]) -> dict[str, str]:
 
 
 def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
-    """Refuse a file whose tensors changed since the save (digest) or whose model weights are NaN or inf."""
+    """Refuse a file of a newer format version, one whose tensors changed since the save (digest), or one whose model
+    weights are NaN or inf: every read passes here (weights, --resume, run-folder scans)."""
+    version = raw.get(KEY_FORMAT_VERSION, FORMAT_VERSION)  # foreign files (milesial's, the DDP script's) have none
+    if not _is_int(version) or version > FORMAT_VERSION:  # a newer layout is never half-understood
+        raise CheckpointError(
+            f"checkpoint {path} has format version {version!r}; this version of unet-ddp reads up to "
+            f"{FORMAT_VERSION}. Upgrade unet-ddp"
+        )
     recorded = raw.get(KEY_TENSOR_DIGESTS)
     if recorded is None and KEY_FORMAT_VERSION in raw:
         # Every file of our format is written with its digests (save_checkpoint_atomic): one without them was edited
@@ -202,18 +210,6 @@ def _tensor_sha256(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def check_format_version(raw: Mapping[str, Any], path: str | Path) -> None:
-    # Every read passes here (weights, --resume, run-folder scans): a newer layout is never half-understood.
-    if KEY_FORMAT_VERSION not in raw:
-        return  # a foreign file (milesial's, the DDP script's): no version to check
-    version = raw[KEY_FORMAT_VERSION]
-    if not _is_int(version) or version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format version {version!r}; this version of unet-ddp reads up to "
-            f"{FORMAT_VERSION}. Upgrade unet-ddp"
-        )
-
-
 def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
     """The model weights of ``raw`` (``load_checkpoint_file``'s result for ``path``), wrapper prefixes removed."""
     state_dict, model_args = _model_weights(raw), raw.get(KEY_MODEL_ARGS) if _is_ours(raw) else None
@@ -221,9 +217,8 @@ def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
         raise CheckpointError(f"{path} is not a model checkpoint: it holds no tensors of model weights")
     mask_values = raw.get(KEY_MASK_VALUES)
     split_digest = raw.get(KEY_SPLIT_DIGEST) if _is_ours(raw) and isinstance(raw.get(KEY_SPLIT_DIGEST), str) else None
-    return LoadedWeights(
-        _strip_wrapper_prefixes(state_dict), model_args, mask_values, InferenceRecord.of(raw), split_digest
-    )
+    unwrapped = {_WRAPPER_PREFIXES.sub("", key): tensor for key, tensor in state_dict.items()}
+    return LoadedWeights(unwrapped, model_args, mask_values, InferenceRecord.of(raw), split_digest)
 
 
 def _model_weights(raw: Mapping[str, Any]) -> Any:
@@ -234,16 +229,6 @@ def _model_weights(raw: Mapping[str, Any]) -> Any:
         if isinstance(raw.get(key), dict):
             return dict(raw[key])
     return {key: value for key, value in raw.items() if key != KEY_MASK_VALUES}
-
-
-def _strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    cleaned = {}
-    for key, value in state_dict.items():
-        for prefix in _WRAPPER_PREFIXES:
-            while key.startswith(prefix):
-                key = key[len(prefix) :]
-        cleaned[key] = value
-    return cleaned
 
 
 # What best.pth and best-K.pth hold: the weights, what inference rebuilds the model and prepares images from, and where

@@ -273,9 +273,6 @@ class RunFolder:
         return removed
 
 
-_SERIES_PATTERN = re.compile(r"^(?P<base>.+)-(?P<number>[2-9]|[1-9]\d+)$")
-
-
 class RunSeries:
     """The run folders of one ``--exp_name``: ``<exp_name>``, ``<exp_name>-2``, ... (see the module docstring)."""
 
@@ -291,12 +288,9 @@ class RunSeries:
         """Number of the newest existing folder of the series (1 when none exists)."""
         if not self.checkpoint_dir.is_dir():
             return 1
-        numbers = [1]
-        for entry in self.checkpoint_dir.iterdir():
-            match = _SERIES_PATTERN.match(entry.name)
-            if match and match.group("base") == self.exp_name and entry.is_dir():
-                numbers.append(int(match.group("number")))
-        return max(numbers)
+        numbered = re.compile(rf"{re.escape(self.exp_name)}-([2-9]|[1-9]\d+)")  # <exp_name>-2, <exp_name>-3, ...
+        matches = (numbered.fullmatch(entry.name) for entry in self.checkpoint_dir.iterdir() if entry.is_dir())
+        return max([1, *(int(match.group(1)) for match in matches if match)])
 
     def newest(self) -> RunFolder:
         return self.folder(self.newest_number())
@@ -304,11 +298,8 @@ class RunSeries:
     def contains(self, path: Path) -> RunFolder | None:
         """The folder of the series that ``path`` (a checkpoint) lies in, if any."""
         parent = path.resolve().parent
-        for number in range(1, self.newest_number() + 1):
-            folder = self.folder(number)
-            if folder.path.resolve() == parent:
-                return folder
-        return None
+        folders = (self.folder(number) for number in range(1, self.newest_number() + 1))
+        return next((folder for folder in folders if folder.path.resolve() == parent), None)
 
     def taken_last(self, candidates: list[RunFolder]) -> RunFolder | None:
         """Of ``candidates``, the folder whose lock a process took most recently; None when none was ever taken.
