@@ -20,6 +20,7 @@ A resume is one ``restore`` of every part that has ``state_dict()``/``load_state
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -128,15 +129,14 @@ class Checkpointer:
         # Read on global rank 0 only; the other ranks learn its decision through the stop agreement.
         self.timer = SaveTimer(config.save_every_minutes)
         self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
-        # What every file records of the run besides its state: fixed when the run starts.
+        # What every file records of the run besides its state, fixed when the run starts: the weights' record (how
+        # images were prepared, --scale, --ignore-value, channels, and --class-names: read from the flags once, by the
+        # reader of files that predate the record, so a reader of the file never depends on what a flag is called).
         data = parts.data
-        # How images were prepared (--scale, --ignore-value, channels) and --class-names, read from the flags once, by
-        # the reader of files that predate the record: a reader of the file never depends on what a flag is called.
-        self._inference = InferenceRecord.of(
-            {KEY_ARGS: parts.run_args, KEY_MODEL_ARGS: {"n_channels": data.n_channels}}
-        )
+        inference = InferenceRecord.of({KEY_ARGS: parts.run_args, KEY_MODEL_ARGS: {"n_channels": data.n_channels}})
+        split_digest = data.split.digest if data.split is not None else None
+        self._record = LoadedWeights({}, parts.model_args, data.mask_values, inference, split_digest)
         self._dataset = dataset_record(data.train_dataset.ids)
-        self._split_digest = data.split.digest if data.split is not None else None
 
     # ------------------------------------------------------------------------------------------------ when
 
@@ -218,9 +218,8 @@ class Checkpointer:
     def payload(self) -> dict[str, Any]:
         """The checkpoint of the current state, as every save writes it (the benchmark times the same)."""
         parts, scaler = self.parts, self.parts.step.scaler
-        model = parts.raw_model.state_dict()
         return TrainingState(
-            weights=LoadedWeights(model, parts.model_args, parts.data.mask_values, self._inference, self._split_digest),
+            weights=dataclasses.replace(self._record, state_dict=parts.raw_model.state_dict()),
             optimizer=parts.step.optimizer.state_dict(),
             scheduler=parts.scheduler.state_dict(),
             scaler=scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,

@@ -75,14 +75,10 @@ class ModelSpec(UNetArgs):
         return DEFAULT_SCALE if self.inference.scale is None else self.inference.scale
 
     @property
-    def unet_args(self) -> UNetArgs:
-        """The constructor arguments alone, every one (the optional ones a file may omit filled in)."""
-        return UNetArgs(**{field.name: getattr(self, field.name) for field in dataclasses.fields(UNetArgs)})
-
-    @property
     def model_args(self) -> dict[str, Any]:
-        """The constructor arguments as checkpoints store them (``UNetArgs.as_dict``): what ``build_model`` takes."""
-        return self.unet_args.as_dict()
+        """The constructor arguments alone, as checkpoints store them (``UNetArgs.as_dict``): what ``build_model``
+        takes."""
+        return UNetArgs(**{field.name: getattr(self, field.name) for field in dataclasses.fields(UNetArgs)}).as_dict()
 
 
 def infer_model_args(state_dict: Mapping[str, torch.Tensor], path: str | Path) -> dict[str, Any]:
@@ -142,22 +138,22 @@ def check_expected(
     ``source`` names the flag the file came from (``--load``, ``--model``, ...), ``images_from`` where the images
     whose channel count is ``expected["n_channels"]`` come from (``--imgs``, ...).
     """
-    stored = dataclasses.asdict(spec.unet_args)
     for key, value in expected.items():
-        if value is None or stored[key] == value:
+        stored = getattr(spec, key)  # a spec is its UNetArgs, the optional ones a file may omit filled in
+        if value is None or stored == value:
             continue
         if key == "n_channels":
             raise CheckpointError(
-                f"{source} {path} expects {stored[key]}-channel images but the images in {images_from} have {value} "
+                f"{source} {path} expects {stored}-channel images but the images in {images_from} have {value} "
                 "channels; use a checkpoint trained on such images"
             )
         flag = ARG_FLAGS[key]
         if key in ("bilinear", "deep_supervision"):
-            fix = f"pass {flag}" if stored[key] else f"drop {flag}"
+            fix = f"pass {flag}" if stored else f"drop {flag}"
         else:
-            fix = f"pass {flag} {stored[key]}"
+            fix = f"pass {flag} {stored}"
         raise CheckpointError(
-            f"{source} {path} was trained with {key}={stored[key]!r} but {flag} asks for {value!r}; {fix} or use a "
+            f"{source} {path} was trained with {key}={stored!r} but {flag} asks for {value!r}; {fix} or use a "
             f"matching checkpoint"
         )
 
@@ -308,8 +304,6 @@ def _mask_value_key(value: Any, where: str) -> tuple[int, ...]:
 
 
 def _is_integer(value: Any, high: int) -> bool:
-    if isinstance(value, bool):
-        return True  # milesial's 1-bit masks give [False, True]
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return isinstance(value, int) and 0 <= value <= high
+    """An integer in 0..``high``: an int, a float without a fraction, or a bool (milesial's 1-bit masks give False,
+    True)."""
+    return isinstance(value, int | float) and 0 <= value <= high and float(value).is_integer()

@@ -44,7 +44,6 @@ locked folder. Leftover temporary files are removed only under the lock.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -126,9 +125,7 @@ class RunFolder:
             fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as error:
-                if error.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                    raise
+            except BlockingIOError:  # EWOULDBLOCK: another process holds it
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip()  # the PID its holder wrote
                 os.close(fd)
                 return int(holder) if holder.isdecimal() and int(holder) > 0 else -1
@@ -234,17 +231,20 @@ class RunFolder:
         recorded = [position for position in map(recorded_position, self.checkpoint_files()) if position is not None]
         return bool(recorded) and max(recorded) <= _position(state.position)
 
-    def take_to_continue(self, state: TrainingState) -> bool:
-        """Lock this folder when a run resumed from ``state`` may continue here (``can_continue_from``); else False.
+    def take_if(self, may_write: Callable[[RunFolder], bool], *, in_use_is_an_error: bool = False) -> bool:
+        """Lock this folder when ``may_write(self)``, asked again under the lock (another run may have saved or ended
+        in between); else False, the folder untouched (its lock file too).
 
-        When it may not, the folder is left untouched (its lock file too). When it may, the folder is locked and the
-        answer given again under the lock (another run may have saved between the answer and the lock). A live run's
-        folder is refused, naming its process. (It exists: it holds the resumed file.)
+        A folder a live process holds is passed over (False), or with ``in_use_is_an_error`` refused in one line that
+        names that process.
         """
-        if not self.can_continue_from(state):
+        if not may_write(self):
             return False
-        self.lock()
-        if self.can_continue_from(state):
+        if in_use_is_an_error:
+            self.lock()
+        elif self.try_lock() is not None:
+            return False
+        if may_write(self):
             return True
         self.unlock()
         return False
@@ -320,16 +320,11 @@ class RunSeries:
         an earlier run (nothing when the run writes to the first folder).
         """
         number = self.newest_number()
-        first = self.folder(number)
-        first.check_creatable()
-        while True:
-            folder = self.folder(number)
-            if not folder.holds_a_run() and folder.try_lock() is None:
-                if folder.holds_a_run():  # a run finished between the check and the lock
-                    folder.unlock()
-                else:
-                    break
+        folder = self.folder(number)
+        folder.check_creatable()
+        while not folder.take_if(lambda candidate: not candidate.holds_a_run()):
             number += 1
+            folder = self.folder(number)
         if reason is not None:
             logger.info("%s; this run writes to %s", reason, folder)
         elif number > 1:
@@ -415,7 +410,8 @@ def _resume_from_path(resume: str, series: RunSeries) -> RunChoice:
     own = series.contains(Path(resume))
     if own is None:  # a file from outside the series: nothing of the series to continue
         return _took(series.start_new(), resume, state)
-    if own.take_to_continue(state):
+    # Asked before the lock too: a folder it may not continue is left untouched, and a live run's is refused.
+    if own.take_if(lambda folder: folder.can_continue_from(state), in_use_is_an_error=True):
         return _took(own, resume, state)
     reason = f"--resume {resume} is not the newest state of {own} (continuing there would overwrite newer checkpoints)"
     return _took(series.start_new(reason), resume, state)
