@@ -120,12 +120,9 @@ def resolve_scale(spec: ModelSpec, flag_value: float | None, path: str | Path) -
         return spec.scale
     if trained_at is not None and flag_value != trained_at:
         logger.warning(
-            "--scale %s differs from the scale %s was trained at (%s); using %s as asked (drop --scale to use %s)",
-            flag_value,
-            path,
-            trained_at,
-            flag_value,
-            trained_at,
+            "--scale %(asked)s differs from the scale %(path)s was trained at (%(trained)s); using %(asked)s as asked "
+            "(drop --scale to use %(trained)s)",
+            {"asked": flag_value, "path": path, "trained": trained_at},
         )
     return flag_value
 

@@ -162,9 +162,7 @@ class RunFolder:
 
     def check_creatable(self) -> None:
         """A run folder that cannot exist (a file in its way) stops the run now rather than at its first save."""
-        existing = self.path
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+        existing = next(folder for folder in (self.path, *self.path.parents) if folder.exists())
         if not existing.is_dir():
             raise ConfigError(
                 f"the run folder {self.path} cannot be created: {existing} is a file, not a folder; choose another "
