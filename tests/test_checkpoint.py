@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import pickle
 import resource
@@ -24,6 +23,7 @@ from unet import UNet
 from utils.checkpoint.files import (
     copy_checkpoint_atomic,
     load_checkpoint_file,
+    load_resume_checkpoint,
     read_model_weights,
     save_checkpoint_atomic,
 )
@@ -35,9 +35,10 @@ from utils.checkpoint.format import (
     KEY_MODEL_ARGS,
     KEY_TENSOR_DIGESTS,
     InferenceRecord,
+    TrainingState,
+    TrainPosition,
 )
 from utils.checkpoint.model import load_model
-from utils.checkpoint.state import TrainingState, TrainPosition, load_resume_checkpoint
 from utils.errors import CheckpointError
 
 
@@ -84,12 +85,14 @@ def test_milesial_bare_state_dict_with_mask_values_loads_without_flags(tmp_path:
     assert_same_weights(rebuilt, model)
 
 
-def test_ddp_prefixed_state_dict_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "_orig_mod.module."])
+def test_ddp_prefixed_state_dict_loads(tmp_path: Path, prefix: str) -> None:
+    """DDP's prefix, torch.compile's, and both (a compiled DDP model's keys)."""
     model = tiny_unet()
-    prefixed = {f"module.{key}": value for key, value in model.state_dict().items()}
+    prefixed = {f"{prefix}{key}": value for key, value in model.state_dict().items()}
     torch.save({"model_state_dict": prefixed, "mask_values": [0, 1]}, tmp_path / "ddp.pth")
     loaded = read_model_weights(tmp_path / "ddp.pth")
-    assert all(not key.startswith("module.") for key in loaded.state_dict)
+    assert loaded.state_dict.keys() == model.state_dict().keys()
     rebuilt, _ = rebuild(tmp_path / "ddp.pth")
     assert_same_weights(rebuilt, model)
 
@@ -237,33 +240,6 @@ def test_a_copy_is_a_separate_atomic_file_with_the_same_bytes_and_mode(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pth", "last.pth"]
 
 
-def _copy_range_refused_after_one_chunk(real):
-    """os.copy_file_range as a filesystem that copies one small chunk, then refuses (EXDEV, as across filesystems)."""
-    calls = []
-
-    def copy_file_range(source_fd: int, target_fd: int, count: int) -> int:
-        calls.append(count)
-        if len(calls) > 1:
-            raise OSError(errno.EXDEV, "Invalid cross-device link")
-        return real(source_fd, target_fd, min(count, 4096))
-
-    return copy_file_range
-
-
-@pytest.mark.parametrize("copy_range", ["missing", "refused after one chunk"])
-def test_a_copy_without_copy_file_range_has_the_same_bytes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy_range: str
-) -> None:
-    save_checkpoint_atomic(_trained_payload(), tmp_path / "last.pth")
-    if copy_range == "missing":  # not Linux, or an old Python: plain reads and writes do the copy
-        monkeypatch.delattr(os, "copy_file_range")
-    else:  # the plain copy continues from where the refused one stopped
-        monkeypatch.setattr(os, "copy_file_range", _copy_range_refused_after_one_chunk(os.copy_file_range))
-    copy_checkpoint_atomic(tmp_path / "last.pth", tmp_path / "best.pth")
-    assert (tmp_path / "best.pth").read_bytes() == (tmp_path / "last.pth").read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pth", "last.pth"]
-
-
 def test_every_tensor_is_digested_and_a_changed_one_is_named(tmp_path: Path) -> None:
     path = tmp_path / "last.pth"
     save_checkpoint_atomic(_trained_payload(), path)
@@ -372,7 +348,7 @@ def test_a_newer_format_is_refused_by_every_read(tmp_path: Path) -> None:
 def test_a_training_state_survives_its_own_write_and_read(tmp_path: Path) -> None:
     state = TrainingState.of(load_checkpoint_file(FIXTURES / "v1_train.pth"), "v1_train.pth")
     state.weights.inference = InferenceRecord(scale=0.5, ignore_values=(), channels=1)
-    # No field at its default, so a field written under another name than position_of reads would show.
+    # No field at its default, so a field written under another name than TrainPosition.of reads would show.
     state.position = TrainPosition(3, 30, 2, 0.75, [[0.75, 20], [0.5, 10]], 2, 1)
     save_checkpoint_atomic(state.to_payload(), tmp_path / "again.pth")
     again = TrainingState.of(load_checkpoint_file(tmp_path / "again.pth"), "again.pth")

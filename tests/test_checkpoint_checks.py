@@ -86,6 +86,27 @@ def test_the_unedited_file_loads(tmp_path: Path) -> None:
     assert load_model(milesial_bits)[1].mask_values == [False, True]
 
 
+PLAIN_ARGS = {"n_channels": 3, "n_classes": 2, "bilinear": False, "base_channels": 8}
+ARGS_CASES = [
+    ({**PLAIN_ARGS, "n_classes": True}, r"model_args n_classes=True is not of type int"),
+    ({**PLAIN_ARGS, "bilinear": "no"}, r"model_args bilinear='no' is not of type bool"),
+    ({**PLAIN_ARGS, "depth": 5}, r"model_args has unknown keys \['depth'\]"),
+    ({"n_channels": 3, "n_classes": 2, "bilinear": False}, r"model_args has missing keys \['base_channels'\]"),
+    ({**PLAIN_ARGS, "base_channels": 0}, r"describe no model \(UNet needs positive sizes"),
+    ({**PLAIN_ARGS, "encoder": "vgg"}, r"describe no model \(unknown encoder 'vgg'"),
+    ({**PLAIN_ARGS, "encoder": "resnet18", "bilinear": True}, r"bilinear upsampling, which only the unet encoder has"),
+    ([3, 2], r"model_args is a list, not a mapping"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), ARGS_CASES)
+def test_model_args_that_build_no_model_are_refused_before_anything_is_built(tmp_path: Path, args, expected) -> None:
+    from utils.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=expected):
+        load_model(_crafted(tmp_path / "args.pth", _set(KEY_MODEL_ARGS, args)))
+
+
 def test_our_format_without_its_digests_is_refused(tmp_path: Path) -> None:
     from utils.errors import CheckpointError
 

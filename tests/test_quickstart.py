@@ -18,7 +18,7 @@ from scripts.quickstart_samples import overlay_samples
 from tests.conftest import REPO_ROOT, TrainRunner, child_env
 from tests.helpers import one_error_line
 from utils.checkpoint.files import load_checkpoint_file
-from utils.checkpoint.state import TrainingState
+from utils.checkpoint.format import TrainingState
 from utils.errors import USER_ERROR_EXIT_CODE
 
 

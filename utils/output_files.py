@@ -177,7 +177,7 @@ def replacing(path: Path, role: str | None = None, *, durable: bool = True, keep
     If the block raises, the temporary file is removed and ``path`` is left as it was. The temporary name keeps the
     suffix (PIL and exporters choose the format by it) and starts with a dot (folder inputs skip hidden files);
     without ``keep_suffix`` it ends in ``.tmp`` instead (``.last.pth.<random>.tmp``: a checkpoint's, which nothing
-    that takes ``*.pth`` files may mistake for one; ``utils.checkpoint.format.PARTIAL_FILE_PATTERN``).
+    that takes ``*.pth`` files may mistake for one; ``utils.checkpoint.run_folder.PARTIAL_FILE_PATTERN``).
     The folder is created if missing (``--json``, ``--export`` may name a new one). OS errors become ``OutputError``
     naming ``role`` (or the path) and the fix, raised from the ``OSError``.
     """

@@ -110,7 +110,7 @@ def _one_step(trainer: Trainer) -> None:
 
 def _measure(trainer: Trainer, folder: Path, repeat: int) -> dict[str, Any]:
     from utils.checkpoint.files import load_checkpoint_file
-    from utils.checkpoint.state import TrainingState
+    from utils.checkpoint.format import TrainingState
 
     device = trainer.step.device
     first, copied, saved_again = folder / "saved.pth", folder / "copied.pth", folder / "saved-again.pth"

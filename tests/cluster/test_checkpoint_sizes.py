@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from tests.conftest import TrainRunner, load_checkpoint
 from tests.helpers import one_error_line, tiny_unet
-from utils.checkpoint.checkpointer import checkpoint_budget, epoch_files_written, optimizer_slots
+from utils.checkpoint.checkpointer import budget_line
 from utils.checkpoint.files import read_model_weights
 from utils.training.config import CheckpointSection
 
@@ -43,18 +45,34 @@ def test_best_files_hold_the_weights_only_and_still_load_everywhere(
     assert "best.pth cannot be resumed" in message and "--load" in message
 
 
+BUDGET = re.compile(
+    r"a full-state file .* is about ([\d.]+) MB, best.pth \(weights only\) about ([\d.]+) MB; this run keeps at most "
+    r"(\d+) full-state and (\d+) weights-only files, about ([\d.]+) MB"
+)
+
+
+def budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, epochs: range, **flags: int) -> tuple:
+    """The figures of the budget line: MB of a full-state and a weights-only file, their counts, MB in all."""
+    line = budget_line(model, optimizer, CheckpointSection(**flags), epochs)
+    full, weights, full_files, weights_files, total = BUDGET.search(line).groups()
+    return float(full), float(weights), int(full_files), int(weights_files), float(total)
+
+
 def test_budget_arithmetic() -> None:
     model = tiny_unet()
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     adamw = torch.optim.AdamW(model.parameters())
-    assert optimizer_slots(adamw) == 2
-    assert optimizer_slots(torch.optim.RMSprop(model.parameters(), momentum=0.9)) == 2
-    assert optimizer_slots(torch.optim.SGD(model.parameters(), lr=0.1)) == 0
-    budget = checkpoint_budget(model, adamw, CheckpointSection(save_every=1, keep_last=3, keep_best=0), range(1, 6))
-    assert budget.full_state_bytes == weights + 2 * parameters
-    assert budget.total_bytes == 5 * budget.full_state_bytes + weights  # last, INTERRUPTED, 3 epoch files; best.pth
-    assert epoch_files_written(CheckpointSection(save_every=1, keep_last=0), range(1, 6)) == 5
-    assert epoch_files_written(CheckpointSection(save_every=2, keep_last=0), range(1, 6)) == 2
-    assert epoch_files_written(CheckpointSection(save_every=1, keep_last=2), range(3, 6)) == 2
-    assert epoch_files_written(CheckpointSection(save_every=0, keep_last=0), range(1, 6)) == 0
+    full = weights + 2 * parameters  # AdamW: two averages per parameter
+    # last, INTERRUPTED, 3 of the 5 epoch files (--keep-last 3); best.pth
+    expected = (round(full / 1e6, 1), round(weights / 1e6, 1), 5, 1, round((5 * full + weights) / 1e6, 1))
+    assert budget(model, adamw, range(1, 6), save_every=1, keep_last=3, keep_best=0) == expected
+    assert budget(model, torch.optim.RMSprop(model.parameters(), momentum=0.9), range(1, 2))[0] == round(full / 1e6, 1)
+    plain_rmsprop = torch.optim.RMSprop(model.parameters())
+    assert budget(model, plain_rmsprop, range(1, 2))[0] == round((weights + parameters) / 1e6, 1)
+    # checkpoint_epoch{N}.pth files: every --save_every epochs of those the run trains, the newest --keep-last kept.
+    assert budget(model, adamw, range(1, 6), save_every=1, keep_last=0)[2] == 2 + 5
+    assert budget(model, adamw, range(1, 6), save_every=2, keep_last=0)[2] == 2 + 2
+    assert budget(model, adamw, range(3, 6), save_every=1, keep_last=2)[2] == 2 + 2
+    assert budget(model, adamw, range(1, 6), save_every=0, keep_last=0)[2] == 2 + 0
+    assert budget(model, adamw, range(1, 6), keep_best=3)[3] == 1 + 3

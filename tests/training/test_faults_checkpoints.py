@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import REPO_ROOT, TrainRunner, assert_same_training_state, child_env, load_checkpoint
 from tests.helpers import fill_disk, one_error_line, small_tmpfs, unwritable_folder
-from utils.checkpoint.format import PARTIAL_FILE_PATTERN
+from utils.checkpoint.run_folder import PARTIAL_FILE_PATTERN
 
 # Saves versions of a real training checkpoint, padded to a few MB so that every write takes a while, in a loop
 # in a forked child (torch is imported once). Per line on stdin: fork a writer starting at that version, print its

@@ -14,8 +14,8 @@ from PIL import Image
 from torch.utils.data import DistributedSampler
 
 from utils.checkpoint.files import save_checkpoint_atomic
+from utils.checkpoint.format import capture_rng_state, restore_rng_state
 from utils.checkpoint.run_folder import RunFolder
-from utils.checkpoint.state import capture_rng_state, restore_rng_state
 from utils.errors import CheckpointError
 from utils.evaluation import dice_loss
 from utils.launch.signals import InterruptFlag, signal_exit_code

@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 
 from tests.helpers import CPU_CONTEXT
 from utils.checkpoint import checkpointer
+from utils.checkpoint.format import TrainPosition
 from utils.checkpoint.run_folder import RunFolder
-from utils.checkpoint.state import TrainPosition
 from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
 from utils.training.data import Loaders, TrainData

@@ -20,19 +20,28 @@ A resume is one ``restore`` of every part that has ``state_dict()``/``load_state
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
-from utils.checkpoint.format import KEY_ARGS, KEY_MODEL_ARGS, InferenceRecord, LoadedWeights, all_finite
-from utils.checkpoint.state import WEIGHTS_ONLY_KEYS, TrainingState, dataset_record, restore_rng_state
+from utils.checkpoint.format import (
+    KEY_ARGS,
+    KEY_MODEL_ARGS,
+    WEIGHTS_ONLY_KEYS,
+    InferenceRecord,
+    LoadedWeights,
+    TrainingState,
+    all_finite,
+    dataset_record,
+    restore_rng_state,
+)
 from utils.errors import UserError, count
 from utils.launch.process_group import DistributedContext, agree_on_errors, raised_on_every_rank
 
@@ -120,15 +129,14 @@ class Checkpointer:
         # Read on global rank 0 only; the other ranks learn its decision through the stop agreement.
         self.timer = SaveTimer(config.save_every_minutes)
         self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
-        # What every file records of the run besides its state: fixed when the run starts.
+        # What every file records of the run besides its state, fixed when the run starts: the weights' record (how
+        # images were prepared, --scale, --ignore-value, channels, and --class-names: read from the flags once, by the
+        # reader of files that predate the record, so a reader of the file never depends on what a flag is called).
         data = parts.data
-        # How images were prepared (--scale, --ignore-value, channels) and --class-names, read from the flags once, by
-        # the reader of files that predate the record: a reader of the file never depends on what a flag is called.
-        self._inference = InferenceRecord.of(
-            {KEY_ARGS: parts.run_args, KEY_MODEL_ARGS: {"n_channels": data.n_channels}}
-        )
+        inference = InferenceRecord.of({KEY_ARGS: parts.run_args, KEY_MODEL_ARGS: {"n_channels": data.n_channels}})
+        split_digest = data.split.digest if data.split is not None else None
+        self._record = LoadedWeights({}, parts.model_args, data.mask_values, inference, split_digest)
         self._dataset = dataset_record(data.train_dataset.ids)
-        self._split_digest = data.split.digest if data.split is not None else None
 
     # ------------------------------------------------------------------------------------------------ when
 
@@ -210,9 +218,8 @@ class Checkpointer:
     def payload(self) -> dict[str, Any]:
         """The checkpoint of the current state, as every save writes it (the benchmark times the same)."""
         parts, scaler = self.parts, self.parts.step.scaler
-        model = parts.raw_model.state_dict()
         return TrainingState(
-            weights=LoadedWeights(model, parts.model_args, parts.data.mask_values, self._inference, self._split_digest),
+            weights=dataclasses.replace(self._record, state_dict=parts.raw_model.state_dict()),
             optimizer=parts.step.optimizer.state_dict(),
             scheduler=parts.scheduler.state_dict(),
             scaler=scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
@@ -241,25 +248,10 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------ size
 
     def log_budget(self) -> None:
-        """One line before training: how much disk the files of this run take at most, so a full disk is foreseen.
-
-        Full-state files (last.pth, INTERRUPTED.pth, the kept epoch files) hold the weights plus the optimizer's
-        per-parameter state; best.pth and best-K.pth the weights only. Estimated from the tensors (the optimizer's
-        state does not exist before the first step); pickling adds a few kB.
-        """
-        if not self.ctx.is_main:
-            return
-        epochs = range(self.position.epoch + 1, self.parts.config.epoch_range()[1] + 1)  # the epochs this run trains
-        budget = checkpoint_budget(self.parts.raw_model, self.parts.step.optimizer, self.config, epochs)
-        logger.info(
-            "Checkpoints: a full-state file (last.pth, INTERRUPTED.pth, checkpoint_epoch{N}.pth) is about %s, best.pth "
-            "(weights only) about %s; this run keeps at most %d full-state and %d weights-only files, about %s",
-            _megabytes(budget.full_state_bytes),
-            _megabytes(budget.weights_only_bytes),
-            budget.full_state_files,
-            budget.weights_only_files,
-            _megabytes(budget.total_bytes),
-        )
+        """One line before training: how much disk the files of this run take at most, so a full disk is foreseen."""
+        if self.ctx.is_main:
+            epochs = range(self.position.epoch + 1, self.parts.config.epoch_range()[1] + 1)  # the epochs it trains
+            logger.info(budget_line(self.parts.raw_model, self.parts.step.optimizer, self.config, epochs))
 
 
 def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
@@ -288,51 +280,29 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
         restore_rng_state(state.rng)
 
 
-def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
-    """Tensors of a parameter's size that ``optimizer`` keeps per parameter (Adam: exp_avg and exp_avg_sq)."""
-    defaults = optimizer.defaults
-    if isinstance(optimizer, torch.optim.RMSprop):
-        return 1 + int(defaults.get("momentum", 0) > 0) + int(bool(defaults.get("centered")))
-    if isinstance(optimizer, torch.optim.SGD):
-        return int(defaults.get("momentum", 0) > 0)
-    return 2  # Adam, AdamW and most adaptive optimizers
-
-
-@dataclass(frozen=True)
-class CheckpointBudget:
-    full_state_bytes: int
-    weights_only_bytes: int
-    full_state_files: int
-    """At most this many full-state files at once: last.pth, INTERRUPTED.pth and the kept epoch files."""
-    weights_only_files: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.full_state_bytes * self.full_state_files + self.weights_only_bytes * self.weights_only_files
-
-
-def checkpoint_budget(
+def budget_line(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: CheckpointSection, epochs: range
-) -> CheckpointBudget:
-    """The files a run that trains ``epochs`` keeps at most under the checkpoint flags ``config``, and their sizes."""
+) -> str:
+    """The files a run that trains ``epochs`` keeps at most under the checkpoint flags ``config``, and their sizes.
+
+    Full-state files (last.pth, INTERRUPTED.pth, the kept epoch files) hold the weights plus the optimizer's
+    per-parameter state; best.pth and best-K.pth the weights only. Estimated from the tensors (the optimizer's state
+    does not exist before the first step); pickling adds a few kB.
+    """
     weights = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
     parameters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return CheckpointBudget(
-        full_state_bytes=weights + parameters * optimizer_slots(optimizer),
-        weights_only_bytes=weights,
-        full_state_files=2 + epoch_files_written(config, epochs),
-        weights_only_files=1 + config.keep_best,
+    # Tensors of a parameter's size kept per parameter: AdamW's two averages; RMSprop's one, and its momentum buffer.
+    slots = 1 + int(optimizer.defaults["momentum"] > 0) if isinstance(optimizer, torch.optim.RMSprop) else 2
+    full_state = weights + parameters * slots
+    epoch_files = sum(1 for number in epochs if is_due(config.save_every, number))
+    full_files = 2 + (min(epoch_files, config.keep_last) if config.keep_last else epoch_files)
+    weights_files = 1 + config.keep_best
+    total = full_state * full_files + weights * weights_files
+    return (
+        f"Checkpoints: a full-state file (last.pth, INTERRUPTED.pth, checkpoint_epoch{{N}}.pth) is about "
+        f"{full_state / 1e6:.1f} MB, best.pth (weights only) about {weights / 1e6:.1f} MB; this run keeps at most "
+        f"{full_files} full-state and {weights_files} weights-only files, about {total / 1e6:.1f} MB"
     )
-
-
-def epoch_files_written(config: CheckpointSection, epochs: range) -> int:
-    """checkpoint_epoch{N}.pth files a run that trains ``epochs`` writes (every --save_every), after --keep-last."""
-    written = sum(1 for number in epochs if is_due(config.save_every, number))
-    return min(written, config.keep_last) if config.keep_last else written
-
-
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:.1f} MB"
 
 
 def _write_copies(payload: dict[str, Any], targets: Sequence[Path]) -> None:

@@ -7,20 +7,20 @@ moment a crash happens. A state saved under several names is serialised once and
 another. Files get the mode any file the user creates gets (0666 minus the umask).
 
 Reads always use ``weights_only=True``: a checkpoint can hold tensors, numbers, strings and containers, never objects
-whose unpickling runs code (``utils.checkpoint.pickle_scan`` names the code a refused file would import). Every read
-checks the format version, the digests and the weights' values (``utils.checkpoint.format``).
+whose unpickling runs code (``refused_code`` names the code a refused file would import, as torch's refusal does,
+without its advice to load the file unsafely). Every read checks the format version, the digests and the weights'
+values (``utils.checkpoint.format``).
 """
 
 from __future__ import annotations
 
-import errno
-import os
 import pickle
+import re
 import shutil
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -28,17 +28,13 @@ from utils.checkpoint.format import (
     KEY_FORMAT_VERSION,
     KEY_TENSOR_DIGESTS,
     LoadedWeights,
-    check_format_version,
+    TrainingState,
     tensor_digests,
     verify_checkpoint,
     weights_of,
 )
-from utils.checkpoint.pickle_scan import code_refusal, pickled_code, without_unsafe_advice
 from utils.errors import CheckpointError
 from utils.output_files import OutputError, replacing
-
-# copy_file_range refusals after which plain reads and writes do the copy.
-_NO_COPY_RANGE_ERRNOS = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
 
 
 def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path) -> None:
@@ -50,21 +46,16 @@ def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path) -> None
     payload = dict(payload)
     if KEY_FORMAT_VERSION in payload:
         payload[KEY_TENSOR_DIGESTS] = tensor_digests(payload)
-    _write_atomic(Path(path), lambda handle: _save_to(payload, handle))
+    _write_atomic(Path(path), lambda temporary: _save_to(payload, temporary))
 
 
 def copy_checkpoint_atomic(source: str | Path, target: str | Path) -> None:
     """``target`` becomes a separate file with the bytes of ``source`` (just written), atomically like a save.
 
     Copying the written bytes costs far less than serialising the payload again (no pickling, no tensor copies), and
-    ``os.copy_file_range`` lets the filesystem share or copy the blocks itself.
+    ``shutil.copyfile`` copies them inside the kernel.
     """
-
-    def copy(handle: BinaryIO) -> None:
-        with open(source, "rb") as original:
-            _copy_bytes(original, handle)
-
-    _write_atomic(Path(target), copy)
+    _write_atomic(Path(target), lambda temporary: shutil.copyfile(source, temporary))
 
 
 def write_failure_message(path: str | Path, error: OSError) -> str:
@@ -75,63 +66,41 @@ def write_failure_message(path: str | Path, error: OSError) -> str:
     )
 
 
-def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    # A temporary name that ends in .tmp: format.PARTIAL_FILE_PATTERN, which a run folder's start-up clears.
+def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    # A temporary name that ends in .tmp: run_folder.PARTIAL_FILE_PATTERN, which a run folder's start-up clears.
     try:
-        with replacing(path, keep_suffix=False) as temporary, open(temporary, "wb") as handle:
-            write(handle)
+        with replacing(path, keep_suffix=False) as temporary:
+            write(temporary)
     except OutputError as error:
         # Raised from the OSError; a run folder's write failure names --checkpoint-dir as its fix.
         raise CheckpointError(write_failure_message(path, error.__cause__)) from error.__cause__
 
 
-def _copy_bytes(source: BinaryIO, target: BinaryIO) -> None:
-    size, copied = os.fstat(source.fileno()).st_size, 0
-    try:
-        while copied < size and (chunk := os.copy_file_range(source.fileno(), target.fileno(), size - copied)):
-            copied += chunk
-    except (AttributeError, OSError) as error:
-        # No copy_file_range (not Linux, old kernel, across filesystems): plain reads and writes from where it stopped.
-        if isinstance(error, OSError) and error.errno not in _NO_COPY_RANGE_ERRNOS:
-            raise
-        source.seek(copied)
-        target.seek(copied)
-        shutil.copyfileobj(source, target)
-        return
-    if copied != size:
-        raise OSError(errno.EIO, f"copied {copied} of {size} bytes")
-
-
-class _WriteErrorRecorder:
-    """A file wrapper that remembers the OSError of a failed write.
-
-    ``torch.save`` into a file object reports a failed write (disk full, file too large) as a RuntimeError about the
-    zip writer's position; the recorded OSError says what really happened.
-    """
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-        self.error: OSError | None = None
-
-    def write(self, data: bytes) -> int:
+def _save_to(payload: Mapping[str, Any], temporary: Path) -> None:
+    with open(temporary, "wb") as handle:
         try:
-            return self._handle.write(data)
-        except OSError as error:
-            self.error = self.error or error
-            raise
+            torch.save(dict(payload), handle)
+        except RuntimeError as error:
+            # torch reports a failed write (disk full, file too large) as a RuntimeError about the zip writer's
+            # position, raised while the OSError of the failed write was being handled: that one says what happened.
+            if not isinstance(error.__context__, OSError):
+                raise
+            raise error.__context__ from error
 
-    def flush(self) -> None:
-        self._handle.flush()
 
+def refused_code(error: pickle.UnpicklingError) -> str | None:
+    """Why ``torch.load(weights_only=True)`` refused a file whose pickle imports code (the global torch's ``error``
+    names), without torch's advice to load it with ``weights_only=False``; None when ``error`` is about anything else.
 
-def _save_to(payload: Mapping[str, Any], handle: Any) -> None:
-    recorder = _WriteErrorRecorder(handle)
-    try:
-        torch.save(dict(payload), recorder)
-    except RuntimeError as error:
-        if recorder.error is None:
-            raise
-        raise recorder.error from error
+    The one wording of such a refusal: checkpoints here, dataset tensor files (``utils.datasets.image_files``).
+    """
+    imported = re.search(r"GLOBAL (\S+)", str(error))
+    if imported is None:
+        return None
+    return (
+        f"it contains code (pickled objects: {imported.group(1)}), refused: unpickling them could run code, so only "
+        "tensors, numbers, strings and containers are accepted"
+    )
 
 
 def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
@@ -147,21 +116,22 @@ def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         # Only a GLOBAL reference (a class or function to import) can run code; other refusals are just bad bytes.
-        code = pickled_code(path)
-        if code or "Unsupported global" in str(error) or "GLOBAL" in str(error):
+        refusal = refused_code(error)
+        if refusal is not None:
             raise CheckpointError(
-                f"refused to load {path}: {code_refusal(code)}. If you trust its source, re-save its weights with "
+                f"refused to load {path}: {refusal}. If you trust its source, re-save its weights with "
                 "torch.save(model.state_dict(), ...)"
             ) from error
-        reason = without_unsafe_advice(error)
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file ({reason}); use another") from error
+        # torch's words without its advice to load the file unsafely: the operand it stopped at.
+        reason = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)", str(error), re.DOTALL)
+        operand = f" ({' '.join(reason.group(1).split())})" if reason and reason.group(1) else ""
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file{operand}; use another") from error
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, IndexError, KeyError) as error:
         raise CheckpointError(
             f"checkpoint {path} is corrupt or truncated ({type(error).__name__}); use another checkpoint"
         ) from error
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a checkpoint dictionary")
-    check_format_version(obj, path)
     verify_checkpoint(obj, path)
     return obj
 
@@ -169,3 +139,9 @@ def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
 def read_model_weights(path: str | Path) -> LoadedWeights:
     """Model weights from our checkpoints, milesial/Pytorch-UNet files or the documented DDP script's files."""
     return weights_of(load_checkpoint_file(path), path)
+
+
+def load_resume_checkpoint(path: str | Path) -> TrainingState:
+    """The state of a checkpoint that holds everything needed to continue training, else a CheckpointError naming
+    what is missing."""
+    return TrainingState.of(load_checkpoint_file(path), path)

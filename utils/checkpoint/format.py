@@ -1,4 +1,5 @@
-"""The one checkpoint format: its key constants, the records it holds, its digests and the formats users bring.
+"""The one checkpoint format: its keys, the records it holds, its typed write and read, its digests and the formats
+users bring.
 
 Our files record a sha256 of every tensor (``KEY_TENSOR_DIGESTS``, computed once at save) and every read checks it,
 so bytes changed on disk are an error naming the file, not wrong weights (a file of our format whose digests were
@@ -9,19 +10,25 @@ which carry no digests) and checks the format version. Foreign files: milesial/P
 What inference needs to prepare images (the training scale, the void mask values, the image channels) is its own
 record (``KEY_INFERENCE``, ``InferenceRecord``), written at save time, so renaming a training flag can never change
 how predict resizes; files written before the record existed are read from their ``args`` in one place
-(``InferenceRecord.of``). Reading and writing files is ``utils.checkpoint.files``; the training state
-``utils.checkpoint.state``; the model a file describes ``utils.checkpoint.model``.
+(``InferenceRecord.of``).
+
+``TrainingState`` is the one typed write (``to_payload``) and read (``of``) of a resumable checkpoint; where the run
+stands is its ``TrainPosition``, whose field names are their keys. Reading and writing files is
+``utils.checkpoint.files``; the model a file describes ``utils.checkpoint.model``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import random
 import re
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from utils.errors import CheckpointError
@@ -36,13 +43,8 @@ KEY_MASK_VALUES = "mask_values"
 KEY_OPTIMIZER = "optimizer"
 KEY_SCHEDULER = "scheduler"
 KEY_SCALER = "scaler"
-KEY_EPOCH = "epoch"
-KEY_GLOBAL_STEP = "global_step"
-KEY_STEP_IN_EPOCH = "step_in_epoch"
 KEY_RNG = "rng_state"
 KEY_ARGS = "args"
-KEY_BEST_DICE = "best_dice"
-KEY_BEST_RANKING = "best_ranking"
 KEY_WORLD_SIZE = "world_size"
 KEY_DATASET = "dataset"
 KEY_TENSOR_DIGESTS = "tensor_sha256"
@@ -51,18 +53,12 @@ KEY_INFERENCE = "inference"
 # weights being trained (what a resume continues), in every full-state file of the run, so a resume from any of them is
 # exact and every reader of ``model_state`` gets the average unchanged (utils.training.ema).
 KEY_LIVE_MODEL = "live_model_state"
-# --patience: the epoch of best_dice and the validations since the last improvement (utils.training.early_stop).
-KEY_BEST_EPOCH = "best_epoch"
-KEY_VALIDATIONS_WITHOUT_IMPROVEMENT = "validations_without_improvement"
 # sha256 of the run's split.json (utils.datasets.splits.SplitRecord.digest): a resume on another split is refused.
 KEY_SPLIT_DIGEST = "split_sha256"
+# Where the run stands (epoch, global_step, step_in_epoch, best_dice, ...): TrainPosition's fields, under their names.
 
-# Names of files being written: ``.<final name>.<random>.tmp`` beside the final name. A crash can leave one behind
-# (never under a final name); ``RunFolder.remove_partial_files`` clears them when the next run takes the folder's lock.
-PARTIAL_FILE_PATTERN = re.compile(r"^\..+\.pth\.[A-Za-z0-9_]+\.tmp$")
-
-# Prefixes added by wrappers: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# Prefixes added by wrappers, in any order: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
+_WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
 # Keys under which other training scripts nest the model's weights.
 _NESTED_WEIGHT_KEYS = ("model_state_dict", "state_dict", "model")
 
@@ -95,22 +91,21 @@ class InferenceRecord:
         damaged file) are dropped rather than trusted.
         """
         record = raw.get(KEY_INFERENCE)
-        if not isinstance(record, Mapping):
-            run_args = raw.get(KEY_ARGS)
-            run_args = run_args if isinstance(run_args, Mapping) else {}
-            model_args = raw.get(KEY_MODEL_ARGS)
-            channels = model_args.get("n_channels") if isinstance(model_args, Mapping) else None
+        if not isinstance(record, Mapping):  # the run's flags have the record's names; the channels are the model's
+            run_args, model_args = (raw.get(key) for key in (KEY_ARGS, KEY_MODEL_ARGS))
             record = {
-                "scale": run_args.get("scale"),
-                "ignore_values": run_args.get("ignore_values"),
-                "channels": channels,
-                "class_names": run_args.get("class_names"),
+                **(run_args if isinstance(run_args, Mapping) else {}),
+                "channels": model_args.get("n_channels") if isinstance(model_args, Mapping) else None,
             }
+        scale, channels, names = record.get("scale"), record.get("channels"), record.get("class_names")
+        if isinstance(names, str):  # a run's args hold the flag's text ("background,car"); the record holds the list
+            names = split_class_names(names)
+        usable_scale = isinstance(scale, int | float) and not isinstance(scale, bool) and 0 < scale <= 1
         return cls(
-            scale=_usable_scale(record.get("scale")),
-            ignore_values=_usable_tuple(record.get("ignore_values"), _is_int),
-            channels=_usable_channels(record.get("channels")),
-            class_names=_usable_names(record.get("class_names")),
+            scale=float(scale) if usable_scale else None,
+            ignore_values=_tuple_of(record.get("ignore_values"), _is_int),
+            channels=channels if _is_int(channels) and channels >= 1 else None,
+            class_names=_tuple_of(names, lambda name: isinstance(name, str)),
         )
 
 
@@ -118,28 +113,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _usable_scale(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        return None
-    return float(value)
-
-
-def _usable_tuple(values: Any, usable: Callable[[Any], bool]) -> tuple:
+def _tuple_of(values: Any, usable: Callable[[Any], bool]) -> tuple:
     """``values`` as a tuple when they are a list or tuple of usable items, else empty."""
     if not isinstance(values, list | tuple) or not all(usable(value) for value in values):
         return ()
     return tuple(values)
-
-
-def _usable_channels(value: Any) -> int | None:
-    return value if _is_int(value) and value >= 1 else None
-
-
-def _usable_names(values: Any) -> tuple[str, ...]:
-    # A run's args hold the flag's text ("background,car"); the record holds the list.
-    if isinstance(values, str):
-        return split_class_names(values)
-    return _usable_tuple(values, lambda value: isinstance(value, str))
 
 
 @dataclass
@@ -160,7 +138,14 @@ def tensor_digests(payload: Mapping[str, Any]) -> dict[str, str]:
 
 
 def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
-    """Refuse a file whose tensors changed since the save (digest) or whose model weights are NaN or inf."""
+    """Refuse a file of a newer format version, one whose tensors changed since the save (digest), or one whose model
+    weights are NaN or inf: every read passes here (weights, --resume, run-folder scans)."""
+    version = raw.get(KEY_FORMAT_VERSION, FORMAT_VERSION)  # foreign files (milesial's, the DDP script's) have none
+    if not _is_int(version) or version > FORMAT_VERSION:  # a newer layout is never half-understood
+        raise CheckpointError(
+            f"checkpoint {path} has format version {version!r}; this version of unet-ddp reads up to "
+            f"{FORMAT_VERSION}. Upgrade unet-ddp"
+        )
     recorded = raw.get(KEY_TENSOR_DIGESTS)
     if recorded is None and KEY_FORMAT_VERSION in raw:
         # Every file of our format is written with its digests (save_checkpoint_atomic): one without them was edited
@@ -225,18 +210,6 @@ def _tensor_sha256(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def check_format_version(raw: Mapping[str, Any], path: str | Path) -> None:
-    # Every read passes here (weights, --resume, run-folder scans): a newer layout is never half-understood.
-    if KEY_FORMAT_VERSION not in raw:
-        return  # a foreign file (milesial's, the DDP script's): no version to check
-    version = raw[KEY_FORMAT_VERSION]
-    if not _is_int(version) or version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format version {version!r}; this version of unet-ddp reads up to "
-            f"{FORMAT_VERSION}. Upgrade unet-ddp"
-        )
-
-
 def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
     """The model weights of ``raw`` (``load_checkpoint_file``'s result for ``path``), wrapper prefixes removed."""
     state_dict, model_args = _model_weights(raw), raw.get(KEY_MODEL_ARGS) if _is_ours(raw) else None
@@ -244,9 +217,8 @@ def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
         raise CheckpointError(f"{path} is not a model checkpoint: it holds no tensors of model weights")
     mask_values = raw.get(KEY_MASK_VALUES)
     split_digest = raw.get(KEY_SPLIT_DIGEST) if _is_ours(raw) and isinstance(raw.get(KEY_SPLIT_DIGEST), str) else None
-    return LoadedWeights(
-        _strip_wrapper_prefixes(state_dict), model_args, mask_values, InferenceRecord.of(raw), split_digest
-    )
+    unwrapped = {_WRAPPER_PREFIXES.sub("", key): tensor for key, tensor in state_dict.items()}
+    return LoadedWeights(unwrapped, model_args, mask_values, InferenceRecord.of(raw), split_digest)
 
 
 def _model_weights(raw: Mapping[str, Any]) -> Any:
@@ -259,11 +231,170 @@ def _model_weights(raw: Mapping[str, Any]) -> Any:
     return {key: value for key, value in raw.items() if key != KEY_MASK_VALUES}
 
 
-def _strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    cleaned = {}
-    for key, value in state_dict.items():
-        for prefix in _WRAPPER_PREFIXES:
-            while key.startswith(prefix):
-                key = key[len(prefix) :]
-        cleaned[key] = value
-    return cleaned
+# What best.pth and best-K.pth hold: the weights, what inference rebuilds the model and prepares images from, and where
+# the run stood; no optimizer state (two more copies of the weights' size with AdamW), so they cannot be resumed.
+WEIGHTS_ONLY_KEYS = (
+    KEY_FORMAT_VERSION,
+    KEY_MODEL,
+    KEY_MODEL_ARGS,
+    KEY_MASK_VALUES,
+    KEY_INFERENCE,
+    "epoch",
+    "global_step",
+    "best_dice",
+    KEY_SPLIT_DIGEST,  # evaluate.py --split refuses another split than the weights were trained on
+)
+RESUME_KEYS = (KEY_MODEL, KEY_OPTIMIZER, KEY_SCHEDULER, "epoch", "global_step", "step_in_epoch")
+
+
+@dataclass
+class TrainPosition:
+    """Where training stands: ``epoch`` epochs fully done, plus ``step_in_epoch`` batches of the next one.
+
+    Each field is saved under its own name: ``TrainingState.to_payload`` writes the fields as they are, ``of`` reads
+    them back with the defaults of files that predate some.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    step_in_epoch: int = 0
+    best_dice: float = float("-inf")
+    best_ranking: list[list[float]] = field(default_factory=list)
+    """--keep-best: ``[dice, global_step]`` of the states in ``best-1.pth``, ``best-2.pth``, ... (best first)."""
+    best_epoch: int = 0
+    """The epoch whose validation gave ``best_dice`` (0: none yet)."""
+    validations_without_improvement: int = 0
+    """--patience: validations since the last one that improved on the best Dice by more than --min-delta."""
+
+    @classmethod
+    def of(cls, payload: Mapping[str, Any]) -> TrainPosition:
+        """The position ``payload`` records, each field as the type of its default; a key an older file lacks (or
+        holds as None) keeps the default."""
+        defaults = vars(cls())
+        kept = {
+            name: type(default)(payload[name]) for name, default in defaults.items() if payload.get(name) is not None
+        }
+        return cls(**kept)
+
+
+@dataclass
+class TrainingState:
+    """Everything a resumable checkpoint holds: the one typed write (``to_payload``) and read (``of``) of its keys.
+
+    ``weights`` are the weights being trained (the unwrapped module's state dict) with the record that describes them
+    (its arguments, mask values, inference record and split digest), as every reader of model weights takes them;
+    ``optimizer``, ``scheduler`` and ``scaler`` are state dicts (``scaler`` None unless fp16 scaling is on).
+    ``run_args`` are the run's flags, kept for the resume checks and the epoch plan; nothing that prepares images for
+    inference reads them (that is ``weights.inference``).
+    """
+
+    weights: LoadedWeights
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any] | None
+    position: TrainPosition
+    run_args: dict[str, Any]
+    world_size: int
+    dataset: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    ema: dict[str, torch.Tensor] | None = None
+    """--ema: the averaged weights (a state dict like ``weights.state_dict``); None when the run keeps no average."""
+
+    def to_payload(self) -> dict[str, Any]:
+        """The checkpoint dictionary (DESIGN.md, format version 1), RNG state captured now when not set."""
+        weights = self.weights
+        return {
+            KEY_FORMAT_VERSION: FORMAT_VERSION,
+            # With an average, model_state is the average (what inference reads) and the live weights move aside.
+            KEY_MODEL: weights.state_dict if self.ema is None else self.ema,
+            KEY_MODEL_ARGS: dict(weights.model_args),
+            KEY_MASK_VALUES: list(weights.mask_values),
+            KEY_INFERENCE: weights.inference.as_dict(),
+            KEY_OPTIMIZER: self.optimizer,
+            KEY_SCHEDULER: self.scheduler,
+            KEY_SCALER: self.scaler,
+            KEY_RNG: capture_rng_state() if self.rng is None else self.rng,
+            KEY_ARGS: dict(self.run_args),
+            KEY_WORLD_SIZE: self.world_size,
+            KEY_DATASET: self.dataset,
+            KEY_SPLIT_DIGEST: weights.split_digest,
+            # The position's field names are its keys: TrainPosition.of reads them.
+            **asdict(self.position),
+            **({} if self.ema is None else {KEY_LIVE_MODEL: weights.state_dict}),
+        }
+
+    @classmethod
+    def of(cls, payload: dict[str, Any], path: str | Path) -> TrainingState:
+        """The state in ``payload`` (read from ``path`` by ``load_checkpoint_file``), else a CheckpointError."""
+        missing = [key for key in RESUME_KEYS if key not in payload]
+        if missing:
+            raise CheckpointError(
+                f"{path} cannot be resumed: it lacks {', '.join(missing)} (weights-only files start a new run with "
+                f"--load)"
+            )
+        weights, ema = weights_of(payload, path), None
+        if isinstance(payload.get(KEY_LIVE_MODEL), dict):  # an --ema run: model_state is the average
+            weights, ema = dataclasses.replace(weights, state_dict=payload[KEY_LIVE_MODEL]), weights.state_dict
+        run_args = payload.get(KEY_ARGS)
+        dataset = payload.get(KEY_DATASET)
+        return cls(
+            weights=weights,
+            optimizer=payload[KEY_OPTIMIZER],
+            scheduler=payload[KEY_SCHEDULER],
+            scaler=payload.get(KEY_SCALER) or None,
+            position=TrainPosition.of(payload),
+            run_args=dict(run_args) if isinstance(run_args, dict) else {},
+            world_size=int(payload.get(KEY_WORLD_SIZE) or 1),
+            dataset=dataset if isinstance(dataset, dict) else None,
+            rng=payload.get(KEY_RNG),
+            ema=ema,
+        )
+
+
+def dataset_record(image_ids: Sequence[str]) -> dict[str, Any]:
+    """What a checkpoint records of its dataset: the number of images and a sha256 of their sorted ids."""
+    digest = hashlib.sha256("\n".join(sorted(image_ids)).encode()).hexdigest()
+    return {"fingerprint": digest, "images": len(image_ids)}
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """torch/CUDA/numpy/python RNG states as tensors and plain values (loadable with weights_only=True).
+
+    Training draws no random numbers after initialisation (data order and augmentation are pure functions of the
+    seed, epoch and index), so these are stored for completeness and for anything a user adds, not for exactness.
+    """
+    numpy_state = np.random.get_state()
+    python_state = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
+            "pos": int(numpy_state[2]),
+            "has_gauss": int(numpy_state[3]),
+            "cached_gaussian": float(numpy_state[4]),
+        },
+        "python": {"version": python_state[0], "state": list(python_state[1]), "gauss_next": python_state[2]},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
+    python_state = state["python"]
+    random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)

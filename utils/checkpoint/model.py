@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from unet import ENCODERS, OPTIONAL_ARGS, UNetArgs, build_model
+from unet import OPTIONAL_ARGS, UNetArgs, build_model
 from utils.checkpoint.files import read_model_weights
 from utils.checkpoint.format import InferenceRecord, LoadedWeights
-from utils.errors import CheckpointError, shortened
+from utils.errors import CheckpointError, count, first_line, shortened
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,6 @@ ARG_FLAGS = {
     "encoder": "--encoder",
     "deep_supervision": "--deep-supervision",
 }
-# Sane ranges: a crafted file must not make the process allocate gigabytes before anything else is checked.
-_INT_RANGES = {"n_channels": (1, 64), "n_classes": (1, 1024), "base_channels": (1, 1024)}
 
 
 @dataclass(frozen=True)
@@ -77,37 +75,10 @@ class ModelSpec(UNetArgs):
         return DEFAULT_SCALE if self.inference.scale is None else self.inference.scale
 
     @property
-    def unet_args(self) -> UNetArgs:
-        """The constructor arguments alone, every one (the optional ones a file may omit filled in)."""
-        return UNetArgs(**{field.name: getattr(self, field.name) for field in dataclasses.fields(UNetArgs)})
-
-    @property
     def model_args(self) -> dict[str, Any]:
-        """The constructor arguments as checkpoints store them (``UNetArgs.as_dict``): what ``build_model`` takes."""
-        return self.unet_args.as_dict()
-
-
-def validate_model_args(args: Any, path: str | Path) -> dict[str, Any]:
-    """``args`` as read from ``path``, checked for known keys, types and ranges before any model is allocated."""
-    if not isinstance(args, Mapping):
-        raise CheckpointError(f"{path}: model_args is a {type(args).__name__}, not a mapping; the file is damaged")
-    unknown = sorted(set(args) - set(ARG_FLAGS))
-    missing = sorted(set(ARG_FLAGS) - set(args) - set(OPTIONAL_ARGS))
-    if unknown or missing:
-        problem = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
-        raise CheckpointError(f"{path}: model_args has {problem}; it was not written by a compatible unet-ddp")
-    for key, (low, high) in _INT_RANGES.items():
-        value = args[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise CheckpointError(f"{path}: model_args {key}={value!r} is not an integer in [{low}, {high}]")
-    for key in ("bilinear", "deep_supervision"):
-        if not isinstance(args.get(key, False), bool):
-            raise CheckpointError(f"{path}: model_args {key}={args[key]!r} is not true or false")
-    if args.get("encoder", UNetArgs.encoder) not in ENCODERS:
-        raise CheckpointError(f"{path}: model_args encoder={args['encoder']!r} is not one of {', '.join(ENCODERS)}")
-    if args.get("encoder", UNetArgs.encoder) != UNetArgs.encoder and args["bilinear"]:
-        raise CheckpointError(f"{path}: model_args asks for bilinear upsampling, which only the unet encoder has")
-    return dict(args)
+        """The constructor arguments alone, as checkpoints store them (``UNetArgs.as_dict``): what ``build_model``
+        takes."""
+        return UNetArgs(**{field.name: getattr(self, field.name) for field in dataclasses.fields(UNetArgs)}).as_dict()
 
 
 def infer_model_args(state_dict: Mapping[str, torch.Tensor], path: str | Path) -> dict[str, Any]:
@@ -130,9 +101,8 @@ def infer_model_args(state_dict: Mapping[str, torch.Tensor], path: str | Path) -
 def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
     """The model ``loaded`` (read from ``path``) describes."""
     raw_args = loaded.model_args if loaded.model_args is not None else infer_model_args(loaded.state_dict, path)
-    args = validate_model_args(raw_args, path)
     # Before anything is built from it; the arguments against the weights first, as the others read the class count.
-    check_weights_match_args(args, loaded.state_dict, path)
+    args = check_args_describe_weights(raw_args, loaded.state_dict, path)
     check_weight_values(loaded.state_dict, path)
     check_mask_values_of(loaded.mask_values, int(args["n_classes"]), path)
     return ModelSpec(
@@ -150,12 +120,9 @@ def resolve_scale(spec: ModelSpec, flag_value: float | None, path: str | Path) -
         return spec.scale
     if trained_at is not None and flag_value != trained_at:
         logger.warning(
-            "--scale %s differs from the scale %s was trained at (%s); using %s as asked (drop --scale to use %s)",
-            flag_value,
-            path,
-            trained_at,
-            flag_value,
-            trained_at,
+            "--scale %(asked)s differs from the scale %(path)s was trained at (%(trained)s); using %(asked)s as asked "
+            "(drop --scale to use %(trained)s)",
+            {"asked": flag_value, "path": path, "trained": trained_at},
         )
     return flag_value
 
@@ -168,22 +135,22 @@ def check_expected(
     ``source`` names the flag the file came from (``--load``, ``--model``, ...), ``images_from`` where the images
     whose channel count is ``expected["n_channels"]`` come from (``--imgs``, ...).
     """
-    stored = dataclasses.asdict(spec.unet_args)
     for key, value in expected.items():
-        if value is None or stored[key] == value:
+        stored = getattr(spec, key)  # a spec is its UNetArgs, the optional ones a file may omit filled in
+        if value is None or stored == value:
             continue
         if key == "n_channels":
             raise CheckpointError(
-                f"{source} {path} expects {stored[key]}-channel images but the images in {images_from} have {value} "
+                f"{source} {path} expects {stored}-channel images but the images in {images_from} have {value} "
                 "channels; use a checkpoint trained on such images"
             )
         flag = ARG_FLAGS[key]
         if key in ("bilinear", "deep_supervision"):
-            fix = f"pass {flag}" if stored[key] else f"drop {flag}"
+            fix = f"pass {flag}" if stored else f"drop {flag}"
         else:
-            fix = f"pass {flag} {stored[key]}"
+            fix = f"pass {flag} {stored}"
         raise CheckpointError(
-            f"{source} {path} was trained with {key}={stored[key]!r} but {flag} asks for {value!r}; {fix} or use a "
+            f"{source} {path} was trained with {key}={stored!r} but {flag} asks for {value!r}; {fix} or use a "
             f"matching checkpoint"
         )
 
@@ -211,13 +178,32 @@ MAX_GREY_MASK_VALUE = 2**32 - 1
 _COLOUR_CHANNELS = (2, 3, 4)
 
 
-def check_weights_match_args(model_args: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor], path: Any) -> None:
-    """Refuse ``model_args`` that describe another model than ``state_dict``'s weights (compared on the meta device)."""
-    with torch.device("meta"):
-        expected = build_model(dict(model_args)).state_dict()
+def check_args_describe_weights(args: Any, state_dict: Mapping[str, torch.Tensor], path: Any) -> dict[str, Any]:
+    """``args`` (a file's ``model_args``) when they are ``UNetArgs``' names and types and build, on the meta device,
+    the model whose tensors ``state_dict`` holds; else a CheckpointError.
+
+    Nothing is allocated before the shapes agree, and the weights are in memory already: a damaged or crafted file
+    cannot make the process allocate a model larger than the file (``base_channels=1024`` over a base-8 model).
+    """
+    if not isinstance(args, Mapping):
+        raise CheckpointError(f"{path}: model_args is a {type(args).__name__}, not a mapping; the file is damaged")
+    types = {field.name: type(field.default) for field in dataclasses.fields(UNetArgs)}
+    unknown, missing = sorted(set(args) - set(types)), sorted(set(types) - set(args) - set(OPTIONAL_ARGS))
+    if unknown or missing:
+        problem = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
+        raise CheckpointError(f"{path}: model_args has {problem}; it was not written by a compatible unet-ddp")
+    for key, value in args.items():
+        if type(value) is not types[key]:  # bool is not int here: n_classes=True is refused
+            raise CheckpointError(f"{path}: model_args {key}={value!r} is not of type {types[key].__name__}")
+    if args.get("encoder", UNetArgs.encoder) != UNetArgs.encoder and args["bilinear"]:
+        raise CheckpointError(f"{path}: model_args asks for bilinear upsampling, which only the unet encoder has")
+    try:
+        with torch.device("meta"):
+            expected = build_model(dict(args)).state_dict()
+    except (ValueError, TypeError, RuntimeError) as error:  # sizes below 1, an unknown encoder, sizes past torch's
+        message = f"{path}: model_args {dict(args)} describe no model ({first_line(error)}); the file is damaged"
+        raise CheckpointError(message) from None
     missing, unexpected, mismatched = key_differences(expected, state_dict)
-    if not (missing or unexpected or mismatched):
-        return
     if mismatched:
         key = mismatched[0]
         detail = (
@@ -225,12 +211,15 @@ def check_weights_match_args(model_args: Mapping[str, Any], state_dict: Mapping[
             f"model its model_args describe"
         )
     elif missing:
-        detail = f"the model its model_args describe has {key_count(missing)} the weights lack (e.g. {missing[0]})"
+        lacking = count(len(missing), "tensor")
+        detail = f"the model its model_args describe has {lacking} the weights lack (e.g. {missing[0]})"
+    elif unexpected:
+        detail = f"the weights hold {count(len(unexpected), 'tensor')} that model lacks (e.g. {unexpected[0]})"
     else:
-        detail = f"the weights hold {key_count(unexpected)} that model lacks (e.g. {unexpected[0]})"
+        return dict(args)
     raise CheckpointError(
-        f"checkpoint {path} contradicts itself: its model_args {dict(model_args)} do not describe its weights "
-        f"({detail}); the file is damaged or was edited, use another checkpoint"
+        f"checkpoint {path} contradicts itself: its model_args {dict(args)} do not describe its weights ({detail}); "
+        f"the file is damaged or was edited, use another checkpoint"
     )
 
 
@@ -241,10 +230,6 @@ def key_differences(
     missing = [key for key in own if key not in given]
     unexpected = [key for key in given if key not in own]
     return missing, unexpected, [key for key in own if key in given and own[key].shape != given[key].shape]
-
-
-def key_count(keys: Sequence[str]) -> str:
-    return f"{len(keys)} tensor{'s' if len(keys) != 1 else ''}"
 
 
 def check_weight_values(
@@ -295,8 +280,7 @@ def check_mask_values_of(mask_values: Any, n_classes: int, path: Any) -> None:
             f"class); the file is damaged or was edited, use another checkpoint"
         )
     keys = [_mask_value_key(value, where) for value in mask_values]
-    colours = {len(key) for key in keys if isinstance(key, tuple)}
-    if colours and (len(colours) != 1 or any(not isinstance(key, tuple) for key in keys)):
+    if len({len(key) for key in keys}) > 1:
         raise CheckpointError(f"{where} mix grey values and colours, or colours of different lengths")
     if len(set(keys)) != len(keys):
         raise CheckpointError(
@@ -305,19 +289,18 @@ def check_mask_values_of(mask_values: Any, n_classes: int, path: Any) -> None:
         )
 
 
-def _mask_value_key(value: Any, where: str) -> int | tuple[int, ...]:
-    if isinstance(value, list | tuple):
-        if len(value) not in _COLOUR_CHANNELS or not all(_is_integer(part, 255) for part in value):
-            raise CheckpointError(f"{where} hold {value!r}, not a colour of 2-4 integers in 0..255")
-        return tuple(int(part) for part in value)
-    if not _is_integer(value, MAX_GREY_MASK_VALUE):
-        raise CheckpointError(f"{where} hold {value!r}, not an integer in 0..{MAX_GREY_MASK_VALUE} (or a colour)")
-    return int(value)
+def _mask_value_key(value: Any, where: str) -> tuple[int, ...]:
+    """The channels of a grey value (one) or a colour (2-4), checked: integers in the range a mask file can hold."""
+    if not isinstance(value, list | tuple):
+        if not _is_integer(value, MAX_GREY_MASK_VALUE):
+            raise CheckpointError(f"{where} hold {value!r}, not an integer in 0..{MAX_GREY_MASK_VALUE} (or a colour)")
+        return (int(value),)
+    if len(value) not in _COLOUR_CHANNELS or not all(_is_integer(part, 255) for part in value):
+        raise CheckpointError(f"{where} hold {value!r}, not a colour of 2-4 integers in 0..255")
+    return tuple(int(part) for part in value)
 
 
 def _is_integer(value: Any, high: int) -> bool:
-    if isinstance(value, bool):
-        return True  # milesial's 1-bit masks give [False, True]
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return isinstance(value, int) and 0 <= value <= high
+    """An integer in 0..``high``: an int, a float without a fraction, or a bool (milesial's 1-bit masks give False,
+    True)."""
+    return isinstance(value, int | float) and 0 <= value <= high and float(value).is_integer()

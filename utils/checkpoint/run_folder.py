@@ -44,7 +44,6 @@ locked folder. Leftover temporary files are removed only under the lock.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -56,9 +55,8 @@ from typing import Any
 
 import torch
 
-from utils.checkpoint.files import write_failure_message
-from utils.checkpoint.format import PARTIAL_FILE_PATTERN
-from utils.checkpoint.state import TrainingState, TrainPosition, load_resume_checkpoint, position_of
+from utils.checkpoint.files import load_resume_checkpoint, write_failure_message
+from utils.checkpoint.format import TrainingState, TrainPosition
 from utils.errors import CheckpointError, ConfigError
 from utils.launch.process_group import DistributedContext, decide_on_main
 from utils.training.config import RESUME_AUTO
@@ -66,6 +64,9 @@ from utils.training.config import RESUME_AUTO
 logger = logging.getLogger(__name__)
 
 _EPOCH_PATTERN = re.compile(r"^checkpoint_epoch(\d+)\.pth$")
+# Names of files being written: ``.<final name>.<random>.tmp`` beside the final name (``utils.checkpoint.files``). A
+# crash can leave one behind (never under a final name); ``remove_partial_files`` clears them under the folder's lock.
+PARTIAL_FILE_PATTERN = re.compile(r"^\..+\.pth\.[A-Za-z0-9_]+\.tmp$")
 
 
 def series_name(exp_name: str, fold: int | None) -> str:
@@ -124,12 +125,10 @@ class RunFolder:
             fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as error:
-                if error.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                    raise
-                holder = _read_pid(fd)
+            except BlockingIOError:  # EWOULDBLOCK: another process holds it
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()  # the PID its holder wrote
                 os.close(fd)
-                return holder or -1
+                return int(holder) if holder.isdecimal() and int(holder) > 0 else -1
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             os.fsync(fd)
@@ -157,31 +156,13 @@ class RunFolder:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def is_locked_by_another(self) -> bool:
-        """Whether a live process holds this folder's lock (without taking it)."""
-        if self._lock_fd is not None or not self.lock_file.is_file():
-            return False
-        try:
-            fd = os.open(self.lock_file, os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        finally:
-            os.close(fd)
-        return False
-
     def holds_a_run(self) -> bool:
-        """Whether an earlier or live run owns this folder: checkpoints, metrics, or its lock held."""
-        return bool(self.checkpoint_files()) or self.metrics.exists() or self.is_locked_by_another()
+        """Whether an earlier run wrote this folder: checkpoints or metrics (a live one holds its lock too)."""
+        return bool(self.checkpoint_files()) or self.metrics.exists()
 
     def check_creatable(self) -> None:
         """A run folder that cannot exist (a file in its way) stops the run now rather than at its first save."""
-        existing = self.path
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+        existing = next(folder for folder in (self.path, *self.path.parents) if folder.exists())
         if not existing.is_dir():
             raise ConfigError(
                 f"the run folder {self.path} cannot be created: {existing} is a file, not a folder; choose another "
@@ -232,57 +213,39 @@ class RunFolder:
             )
         return None
 
-    def can_continue_from(self, path: Path, state: TrainingState) -> bool:
-        """Whether a run resumed from ``path`` (a file in this folder, read as ``state``) may write here.
+    def can_continue_from(self, state: TrainingState) -> bool:
+        """Whether a run resumed from ``state`` (read from a file of this folder) may write here.
 
-        Only when nothing newer would be overwritten: the folder holds no run, or ``path`` holds its newest state. The
-        newest state is the one ``--resume auto`` takes (``find_resume_checkpoint``: the most recently written
-        checkpoint that loads completely). ``path`` holds it when it is that file, or when both record the same
-        position (global step, epoch, step in the epoch) and the same tensor digests: the names one save writes
-        (``last.pth``, ``checkpoint_epoch{N}.pth``, ``best.pth``) are copies of one file's bytes, and an
-        ``INTERRUPTED.pth`` saved at the step ``last.pth`` holds has its tensors. Every doubt (no digests, only corrupt
-        checkpoints, a run that saved nothing yet) answers False: the resume then writes to a new folder instead.
+        Only when nothing newer would be overwritten: the folder holds no run, or no checkpoint of it records a further
+        position than ``state`` (``recorded_position``). The states of one folder are one line of history (a resume
+        from an older state writes to a new folder), so one position is one state, whichever names hold it: the
+        names one save writes (``last.pth``, ``checkpoint_epoch{N}.pth``) are copies of one file's bytes, and an
+        ``INTERRUPTED.pth`` saved at the step ``last.pth`` holds has its tensors. Every doubt (only unreadable
+        checkpoints, a run that saved nothing yet, a further file that fails its digests) answers False: the resume
+        then writes to a new folder instead.
         """
         if not self.holds_a_run():
             return True
-        candidates = self.checkpoints()
-        if candidates and candidates[0].resolve() == path.resolve():
-            # The newest file is ``path``, which the caller has just read completely: it is what
-            # find_resume_checkpoint would return, without reading it (hundreds of MB) a second time.
-            return True
-        try:
-            found = self.find_resume_checkpoint()
-        except CheckpointError:
-            return False
-        if found is None:
-            return False
-        newest_path, newest = found
-        if newest_path.resolve() == path.resolve():
-            return True
-        return (
-            state.digests is not None
-            and state.digests == newest.digests
-            and _position(state.position) == _position(newest.position)
-        )
+        recorded = [position for position in map(recorded_position, self.checkpoint_files()) if position is not None]
+        return bool(recorded) and max(recorded) <= _position(state.position)
 
-    def take_to_continue(self, path: Path, state: TrainingState) -> bool:
-        """Lock this folder when a run resumed from ``path`` may continue here (``can_continue_from``); else False.
+    def take_if(self, may_write: Callable[[RunFolder], bool], *, in_use_is_an_error: bool = False) -> bool:
+        """Lock this folder when ``may_write(self)``, asked again under the lock (another run may have saved or ended
+        in between); else False, the folder untouched (its lock file too).
 
-        When it may not, the folder is left untouched (its lock file too). When it may, the folder is locked, and if
-        its checkpoints changed meanwhile (another run saved between the answer and the lock) the answer is given
-        again under the lock. A live run's folder is refused, naming its process. (It exists: it holds ``path``.)
+        A folder a live process holds is passed over (False), or with ``in_use_is_an_error`` refused in one line that
+        names that process.
         """
-        listing = self._listing()
-        if not self.can_continue_from(path, state):
+        if not may_write(self):
             return False
-        self.lock()
-        if self._listing() == listing or self.can_continue_from(path, state):
+        if in_use_is_an_error:
+            self.lock()
+        elif self.try_lock() is not None:
+            return False
+        if may_write(self):
             return True
         self.unlock()
         return False
-
-    def _listing(self) -> list[tuple[str, int]]:
-        return sorted((checkpoint.name, checkpoint.stat().st_mtime_ns) for checkpoint in self.checkpoint_files())
 
     def prune_epoch_checkpoints(self, keep_last: int) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoint_epoch files (by epoch number); returns those deleted."""
@@ -308,9 +271,6 @@ class RunFolder:
         return removed
 
 
-_SERIES_PATTERN = re.compile(r"^(?P<base>.+)-(?P<number>[2-9]|[1-9]\d+)$")
-
-
 class RunSeries:
     """The run folders of one ``--exp_name``: ``<exp_name>``, ``<exp_name>-2``, ... (see the module docstring)."""
 
@@ -326,12 +286,9 @@ class RunSeries:
         """Number of the newest existing folder of the series (1 when none exists)."""
         if not self.checkpoint_dir.is_dir():
             return 1
-        numbers = [1]
-        for entry in self.checkpoint_dir.iterdir():
-            match = _SERIES_PATTERN.match(entry.name)
-            if match and match.group("base") == self.exp_name and entry.is_dir():
-                numbers.append(int(match.group("number")))
-        return max(numbers)
+        numbered = re.compile(rf"{re.escape(self.exp_name)}-([2-9]|[1-9]\d+)")  # <exp_name>-2, <exp_name>-3, ...
+        matches = (numbered.fullmatch(entry.name) for entry in self.checkpoint_dir.iterdir() if entry.is_dir())
+        return max([1, *(int(match.group(1)) for match in matches if match)])
 
     def newest(self) -> RunFolder:
         return self.folder(self.newest_number())
@@ -339,11 +296,8 @@ class RunSeries:
     def contains(self, path: Path) -> RunFolder | None:
         """The folder of the series that ``path`` (a checkpoint) lies in, if any."""
         parent = path.resolve().parent
-        for number in range(1, self.newest_number() + 1):
-            folder = self.folder(number)
-            if folder.path.resolve() == parent:
-                return folder
-        return None
+        folders = (self.folder(number) for number in range(1, self.newest_number() + 1))
+        return next((folder for folder in folders if folder.path.resolve() == parent), None)
 
     def taken_last(self, candidates: list[RunFolder]) -> RunFolder | None:
         """Of ``candidates``, the folder whose lock a process took most recently; None when none was ever taken.
@@ -357,13 +311,6 @@ class RunSeries:
                 taken[folder] = folder.lock_file.stat().st_mtime_ns
         return max(taken, key=taken.__getitem__, default=None)
 
-    def continue_newest(self) -> RunFolder:
-        """The newest folder, locked by this process; refused when a live run holds it."""
-        folder = self.newest()
-        folder.check_creatable()
-        folder.lock()
-        return folder
-
     def start_new(self, reason: str | None = None) -> RunFolder:
         """The newest folder if it holds no run, else the next number; locked by this process.
 
@@ -371,16 +318,11 @@ class RunSeries:
         an earlier run (nothing when the run writes to the first folder).
         """
         number = self.newest_number()
-        first = self.folder(number)
-        first.check_creatable()
-        while True:
-            folder = self.folder(number)
-            if not folder.holds_a_run() and folder.try_lock() is None:
-                if folder.holds_a_run():  # a run finished between the check and the lock
-                    folder.unlock()
-                else:
-                    break
+        folder = self.folder(number)
+        folder.check_creatable()
+        while not folder.take_if(lambda candidate: not candidate.holds_a_run()):
             number += 1
+            folder = self.folder(number)
         if reason is not None:
             logger.info("%s; this run writes to %s", reason, folder)
         elif number > 1:
@@ -404,15 +346,8 @@ def recorded_position(path: Path) -> tuple[int, int, int] | None:
     checkpoints. The full read (digests included) happens when the file is chosen.
     """
     try:
-        return _position(position_of(torch.load(path, map_location="cpu", weights_only=True, mmap=True)))
+        return _position(TrainPosition.of(torch.load(path, map_location="cpu", weights_only=True, mmap=True)))
     except Exception:  # any unreadable file ranks last; its full read names what is wrong with it
-        return None
-
-
-def _read_pid(fd: int) -> int | None:
-    try:
-        return int(os.pread(fd, 32, 0).decode().strip() or 0) or None
-    except (OSError, ValueError):
         return None
 
 
@@ -444,50 +379,40 @@ def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> Run
     if resume is None and restart_count == 0:
         return _took(series.start_new())
     if resume is None or resume == RESUME_AUTO:
-        folder = _took(series.continue_newest()).folder
-        found = folder.find_resume_checkpoint()
-        if found is None:
-            logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
-            return RunChoice(folder)
+        folder = series.newest()
+    else:
+        # A restart continues the folder its first attempt took: the one PATH lies in, or the series' newest.
+        candidates = [folder for folder in (series.contains(Path(resume)), series.newest()) if folder is not None]
+        folder = series.taken_last(candidates) if restart_count > 0 else None
+        if folder is None:  # a first attempt (or one whose first attempt failed before it chose)
+            return _resume_from_path(resume, series)
+    folder.check_creatable()
+    folder.lock()
+    _took(folder)
+    found = folder.find_resume_checkpoint()
+    if found is not None:
         path, state = found
+        if restart_count > 0:
+            logger.info("torchrun restart %d continues %s, from its newest checkpoint %s", restart_count, folder, path)
         return RunChoice(folder, str(path), state)
-    if restart_count > 0:
-        return _restart_from_path(resume, series, restart_count)
-    return _resume_from_path(resume, series)
+    if resume is None or resume == RESUME_AUTO:
+        logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
+        return RunChoice(folder)
+    logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, folder, resume)
+    return RunChoice(folder, resume, _read_resume_file(resume))
 
 
 def _resume_from_path(resume: str, series: RunSeries) -> RunChoice:
-    resume_path = Path(resume)
+    """A first attempt's --resume PATH: the folder PATH lies in when PATH holds its newest state, else a new one."""
     state = _read_resume_file(resume)
-    own = series.contains(resume_path)
+    own = series.contains(Path(resume))
     if own is None:  # a file from outside the series: nothing of the series to continue
         return _took(series.start_new(), resume, state)
-    if own.take_to_continue(resume_path, state):
+    # Asked before the lock too: a folder it may not continue is left untouched, and a live run's is refused.
+    if own.take_if(lambda folder: folder.can_continue_from(state), in_use_is_an_error=True):
         return _took(own, resume, state)
     reason = f"--resume {resume} is not the newest state of {own} (continuing there would overwrite newer checkpoints)"
     return _took(series.start_new(reason), resume, state)
-
-
-def _restart_from_path(resume: str, series: RunSeries, restart_count: int) -> RunChoice:
-    # The first attempt took either the folder PATH lies in or the series' newest (a new one, or an empty one).
-    candidates = [folder for folder in (series.contains(Path(resume)), series.newest()) if folder is not None]
-    first = series.taken_last(candidates)
-    if first is None:  # neither was ever locked: the first attempt failed before it chose, so choose as it would have
-        return _resume_from_path(resume, series)
-    first.lock()
-    _took(first)
-    found = first.find_resume_checkpoint()
-    if found is None:
-        logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, first, resume)
-        return RunChoice(first, resume, _read_resume_file(resume))
-    path, state = found
-    logger.info(
-        "torchrun restart %d continues %s, the folder its first attempt took, from its newest checkpoint %s",
-        restart_count,
-        first,
-        path,
-    )
-    return RunChoice(first, str(path), state)
 
 
 def _read_resume_file(resume: str) -> TrainingState:

@@ -454,11 +454,11 @@ def _load_pt(path: Path) -> np.ndarray:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         # torch's own message suggests weights_only=False, which is exactly what must not be done with data files.
-        from utils.checkpoint.pickle_scan import code_refusal, pickled_code
+        from utils.checkpoint.files import refused_code
 
-        code = pickled_code(path)
-        if code:
-            raise DatasetError(f"{path}: {code_refusal(code)}; save one tensor per file with torch.save") from err
+        refusal = refused_code(err)
+        if refusal is not None:
+            raise DatasetError(f"{path}: {refusal}; save one tensor per file with torch.save") from err
         raise DatasetError(
             f"{path} cannot be loaded safely: it is corrupt or holds objects other than tensors; save one tensor "
             "per file with torch.save"

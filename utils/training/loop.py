@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from utils.checkpoint.checkpointer import Checkpointer
+from utils.checkpoint.format import TrainPosition
 from utils.checkpoint.run_folder import RunFolder
-from utils.checkpoint.state import TrainPosition
 from utils.errors import DatasetError, UserError, user_message
 from utils.launch.process_group import DistributedContext, StopAgreement, agree_on_errors, barrier, raised_on_every_rank
 from utils.launch.signals import InterruptFlag

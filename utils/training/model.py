@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from unet import UNetArgs
 from unet import build_model as build_architecture
 from utils.checkpoint.files import read_model_weights
+from utils.checkpoint.format import TrainingState, dataset_record
 from utils.checkpoint.model import check_expected, check_weight_values, key_differences, load_model, spec_of
-from utils.checkpoint.state import TrainingState, dataset_record
 from utils.datasets.splits import check_same_split
 from utils.errors import CheckpointError, ConfigError
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm

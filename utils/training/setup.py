@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from utils.checkpoint.checkpointer import restore
+from utils.checkpoint.files import load_resume_checkpoint
+from utils.checkpoint.format import TrainingState, TrainPosition
 from utils.checkpoint.run_folder import RunChoice, RunSeries, agree_on_run, series_name
-from utils.checkpoint.state import TrainingState, TrainPosition, load_resume_checkpoint
 from utils.datasets.splits import write_split_file
 from utils.errors import ConfigError, count
 from utils.flags import flag_fields
