@@ -19,7 +19,7 @@ from utils.datasets.splits import (
     check_same_split,
     check_split_flags,
     choose_validation,
-    group_of,
+    groups_of,
     prefix_of,
     read_split_file,
     split_dataset,
@@ -50,10 +50,11 @@ def test_prefix_and_pattern_groups() -> None:
     assert prefix_of("0cdf5b5d0ce1_01") == "0cdf5b5d0ce1"
     assert prefix_of("a_b_c") == "a_b"
     assert prefix_of("plain") == "plain"
+    assert groups_of(["b_02", "a_01", "b_01", "plain"]) == [[1], [0, 2], [3]]  # groups a, b, plain: sorted names
     pattern = re.compile(r"^patient(\d+)-")
-    assert group_of("patient12-slice003", pattern) == "12"
+    assert groups_of(["patient3-x", "patient12-slice003", "patient12-slice004"], pattern) == [[1, 2], [0]]  # "12", "3"
     with pytest.raises(DatasetError, match=r"'other' does not match --group-pattern"):
-        group_of("other", pattern)
+        groups_of(["patient3-x", "other"], pattern)
 
 
 def test_image_rule_is_the_old_random_split_bit_for_bit() -> None:
