@@ -18,7 +18,7 @@ from utils.datasets.splits import groups_of
 def overlay_samples(folder: Path, count: int) -> list[Path]:
     """Up to ``count`` files of ``folder`` (hidden ones left out), taken round-robin across their prefix groups."""
     files = sorted(path for path in folder.iterdir() if path.is_file() and not path.name.startswith("."))
-    groups = list(groups_of([path.stem for path in files]).values())
+    groups = groups_of([path.stem for path in files])
     chosen = [files[group[k]] for k in range(max(map(len, groups), default=0)) for group in groups if k < len(group)]
     return chosen[:count]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -10,23 +11,20 @@ import pytest
 import torch
 from torch.utils.data import random_split
 
+from utils.datasets import splits
 from utils.datasets.splits import (
     MAX_SPLIT_FILE_BYTES,
-    SplitRule,
+    SplitFlags,
     assign_folds,
     check_same_split,
     check_split_flags,
     choose_validation,
-    group_of,
-    groups_across,
-    looks_grouped,
-    make_record,
-    positions_of,
+    groups_of,
     prefix_of,
     read_split_file,
+    split_dataset,
     split_positions,
     validation_positions,
-    validation_share_warning,
     write_split_file,
 )
 from utils.errors import ConfigError, DatasetError
@@ -40,42 +38,57 @@ def sides(ids: list[str], positions: list[int]) -> set[str]:
     return {prefix_of(ids[p]) for p in positions}
 
 
+def warnings_of(caplog: pytest.LogCaptureFixture, ids: list[str], flags: SplitFlags) -> list[str]:
+    """The warnings ``split_dataset`` logs for ``ids`` under ``flags``."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        split_dataset(ids, flags, Path("imgs"))
+    return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+
+
 def test_prefix_and_pattern_groups() -> None:
     assert prefix_of("0cdf5b5d0ce1_01") == "0cdf5b5d0ce1"
     assert prefix_of("a_b_c") == "a_b"
     assert prefix_of("plain") == "plain"
+    assert groups_of(["b_02", "a_01", "b_01", "plain"]) == [[1], [0, 2], [3]]  # groups a, b, plain: sorted names
     pattern = re.compile(r"^patient(\d+)-")
-    assert group_of("patient12-slice003", pattern) == "12"
+    assert groups_of(["patient3-x", "patient12-slice003", "patient12-slice004"], pattern) == [[1, 2], [0]]  # "12", "3"
     with pytest.raises(DatasetError, match=r"'other' does not match --group-pattern"):
-        group_of("other", pattern)
+        groups_of(["patient3-x", "other"], pattern)
 
 
 def test_image_rule_is_the_old_random_split_bit_for_bit() -> None:
     ids = [f"img{index:03d}" for index in range(37)]
-    train, validation = split_positions(ids, SplitRule(validation=20.0))
+    train, validation = split_positions(ids, SplitFlags(validation=20.0))
     old_train, old_val = random_split(range(37), [30, 7], generator=torch.Generator().manual_seed(0))
     assert train == list(old_train) and validation == list(old_val)
 
 
-def test_prefix_rule_keeps_each_group_on_one_side_near_the_share() -> None:
+def test_prefix_rule_keeps_each_group_on_one_side_near_the_share(monkeypatch: pytest.MonkeyPatch) -> None:
     ids = carvana_ids(12, 4)
-    train, validation = split_positions(ids, SplitRule(by="prefix", validation=25.0))
+    flags = SplitFlags(split_by="prefix", validation=25.0)
+    train, validation = split_positions(ids, flags)
     assert sides(ids, train).isdisjoint(sides(ids, validation))
     assert sorted(train + validation) == list(range(48))
     assert len(validation) == 12  # 25 % of 48 is exactly three cars
-    assert split_positions(ids, SplitRule(by="prefix", validation=25.0)) == (train, validation)  # deterministic
-    other_seed = split_positions(ids, SplitRule(by="prefix", validation=25.0, seed=1))
+    assert split_positions(ids, flags) == (train, validation)  # deterministic
+    monkeypatch.setattr(splits, "SPLIT_SEED", 1)  # the groups are shuffled by the seed
+    other_seed = split_positions(ids, flags)
     assert other_seed[1] != validation and len(other_seed[1]) == 12
 
 
-def test_image_rule_on_grouped_ids_crosses_groups_and_is_detected() -> None:
+def test_image_rule_on_grouped_ids_crosses_groups_and_is_detected(caplog: pytest.LogCaptureFixture) -> None:
     ids = carvana_ids(12, 4)
-    train, validation = split_positions(ids, SplitRule(validation=25.0))
-    spanning, n_groups = groups_across(ids, train, validation)
-    assert n_groups == 12 and spanning > 0
-    assert looks_grouped(ids)
-    assert not looks_grouped([f"img{index}" for index in range(10)])  # one id per prefix
-    assert not looks_grouped([f"car_{index:02d}" for index in range(16)])  # a single group: nothing to choose
+    _, validation = split_positions(ids, SplitFlags(validation=25.0))
+    # Car k's four views are positions 4k..4k+3 of the sorted ids.
+    spanning = sum(len({p in validation for p in range(4 * car, 4 * car + 4)}) > 1 for car in range(12))
+    assert spanning > 0
+    (line,) = warnings_of(caplog, ids, SplitFlags(validation=25.0))
+    assert "look grouped (48 ids share 12 prefixes" in line and f"puts {spanning} of those groups on both" in line
+    assert not warnings_of(caplog, ids, SplitFlags(validation=25.0, split_by="prefix"))  # control: the advice taken
+    assert not warnings_of(caplog, [f"img{index}" for index in range(10)], SplitFlags(validation=50.0))  # one id each
+    # A single group: nothing to choose, though the split cuts through it.
+    assert not warnings_of(caplog, [f"car_{index:02d}" for index in range(16)], SplitFlags(validation=50.0))
 
 
 def test_greedy_choice_with_uneven_groups() -> None:
@@ -83,14 +96,14 @@ def test_greedy_choice_with_uneven_groups() -> None:
     assert choose_validation([10, 10], target=1.0) == [0]  # at least one group
     assert choose_validation([1, 1], target=5.0) == [0]  # never every group
     ids = [f"big_{i}" for i in range(6)] + [f"s{k}_1" for k in range(4)]
-    train, validation = split_positions(sorted(ids), SplitRule(by="prefix", validation=40.0))
+    train, validation = split_positions(sorted(ids), SplitFlags(split_by="prefix", validation=40.0))
     assert len(validation) in (4, 6) and sides(sorted(ids), train).isdisjoint(sides(sorted(ids), validation))
 
 
 @pytest.mark.parametrize("by", ["image", "prefix"])
 def test_folds_are_disjoint_and_cover_the_data(by: str) -> None:
     ids = carvana_ids(10, 3)
-    folds = [split_positions(ids, SplitRule(by=by, folds=4, fold=k)) for k in range(4)]
+    folds = [split_positions(ids, SplitFlags(split_by=by, folds=4, fold=k)) for k in range(4)]
     validations = [set(validation) for _, validation in folds]
     assert set().union(*validations) == set(range(30))
     assert sum(len(v) for v in validations) == 30  # disjoint
@@ -125,8 +138,7 @@ def test_flag_checks_name_the_flag() -> None:
 
 def test_split_file_round_trip_digest_and_evaluate_positions(tmp_path: Path) -> None:
     ids = carvana_ids(6, 2)
-    rule = SplitRule(by="prefix", validation=30.0)
-    record = make_record(ids, rule, *split_positions(ids, rule))
+    _, _, record = split_dataset(ids, SplitFlags(split_by="prefix", validation=30.0), tmp_path)
     path = tmp_path / "split.json"
     write_split_file(path, record)
     assert [p.name for p in tmp_path.iterdir()] == ["split.json"]  # no temporary file left
@@ -134,7 +146,7 @@ def test_split_file_round_trip_digest_and_evaluate_positions(tmp_path: Path) -> 
     assert raw["rule"] == "prefix" and raw["seed"] == 0 and raw["validation"] == list(record.validation)
     loaded = read_split_file(path)
     assert loaded == record and loaded.digest == record.digest
-    other = make_record(ids, SplitRule(validation=30.0), *split_positions(ids, SplitRule(validation=30.0)))
+    other = split_dataset(ids, SplitFlags(validation=30.0), tmp_path)[2]
     assert other.digest != record.digest
     check_same_split(record.digest, loaded, "last.pth")
     check_same_split(None, other, "old.pth")  # files from before splits were recorded
@@ -142,8 +154,9 @@ def test_split_file_round_trip_digest_and_evaluate_positions(tmp_path: Path) -> 
         check_same_split(record.digest, other, "last.pth")
     shuffled = list(reversed(ids)) + ["extra_01"]
     assert [shuffled[p] for p in validation_positions(shuffled, path)] == sorted(record.validation, reverse=True)
-    with pytest.raises(DatasetError, match=r"2 of the 2 validation images of here are not in the folders"):
-        positions_of(["x"], ["a", "b"], "here")
+    with pytest.raises(DatasetError, match=rf"{len(record.validation)} of the {len(record.validation)} validation "
+                       r"images of --split .*split\.json are not in the folders given"):  # fmt: skip
+        validation_positions(["x"], path)
 
 
 def test_unreadable_split_file_names_the_flag(tmp_path: Path) -> None:
@@ -162,9 +175,7 @@ def test_unreadable_split_file_names_the_flag(tmp_path: Path) -> None:
 
 
 def _edited_split(tmp_path: Path, **changes: object) -> Path:
-    ids = carvana_ids(6, 2)
-    rule = SplitRule(by="prefix", validation=30.0)
-    raw = make_record(ids, rule, *split_positions(ids, rule)).as_dict()
+    raw = split_dataset(carvana_ids(6, 2), SplitFlags(split_by="prefix", validation=30.0), tmp_path)[2].as_dict()
     path = tmp_path / "split.json"
     path.write_text(json.dumps({**raw, **changes}))
     return path
@@ -178,7 +189,7 @@ def _edited_split(tmp_path: Path, **changes: object) -> Path:
         ({"fold": True}, r"fold must be int or null, got True"),
         ({"validation_percent": "30"}, r"validation_percent must be int or float or null"),
         ({"validation": []}, r"lists no validation images"),
-        ({"validation": [1, 2]}, r"the validation ids must be text"),
+        ({"validation": [1, 2]}, r"the train and validation ids must be text"),
         ({"rule": "random"}, r"rule 'random' / folds 0 is not a split this makes"),
     ],
 )
@@ -191,10 +202,10 @@ def test_split_file_ids_listed_twice_or_on_both_sides_are_refused(tmp_path: Path
     path = _edited_split(tmp_path)
     raw = json.loads(path.read_text())
     path.write_text(json.dumps({**raw, "validation": raw["validation"] * 3}))
-    with pytest.raises(ConfigError, match=r"lists 4 validation id\(s\) more than once \(.+\)"):
+    with pytest.raises(ConfigError, match=r"lists 4 id\(s\) more than once, on one side or both \(.+\)"):
         read_split_file(path)
     path.write_text(json.dumps({**raw, "validation": raw["validation"] + raw["train"][:1]}))
-    with pytest.raises(ConfigError, match=rf"puts 1 id\(s\) on both sides \({re.escape(raw['train'][0])}\)"):
+    with pytest.raises(ConfigError, match=rf"lists 1 id\(s\) more than once, .*\({re.escape(raw['train'][0])}\)"):
         read_split_file(path)
     del raw["seed"]
     path.write_text(json.dumps(raw))
@@ -213,12 +224,38 @@ def test_a_split_other_than_the_recorded_one_is_refused_unless_asked(tmp_path: P
     assert validation_positions(ids, path, trained_on="0" * 64, other_split=True)
 
 
-def test_group_split_far_above_the_asked_share_warns_in_one_line() -> None:
-    ids = carvana_ids(2, 8)  # two groups of 8: whole groups cannot come near 10 %
-    rule = SplitRule(by="prefix", validation=10.0)
-    train, validation = split_positions(ids, rule)
-    line = validation_share_warning(len(ids), len(validation), rule)
-    assert line is not None and "validates 8 of 16 images (50%) where --validation asked 10%" in line
+def test_group_split_far_above_the_asked_share_warns_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    flags = SplitFlags(split_by="prefix", validation=10.0)
+    (line,) = warnings_of(caplog, carvana_ids(2, 8), flags)  # two groups of 8: whole groups cannot come near 10 %
+    assert "validates 8 of 16 images (50%) where --validation asked 10%" in line
     # Control: groups small enough to come near the share say nothing.
-    many = carvana_ids(10, 2)
-    assert validation_share_warning(len(many), len(split_positions(many, rule)[1]), rule) is None
+    assert not warnings_of(caplog, carvana_ids(10, 2), flags)
+
+
+@pytest.mark.parametrize(
+    ("ids", "flags", "message"),
+    [
+        (
+            carvana_ids(1, 4),
+            SplitFlags(split_by="prefix"),
+            r"--split-by prefix --validation 10 leaves 0 training and 4 "
+            r"validation images out of 4: the ids form 1 group\(s\), too few to split: use --split-by image",
+        ),
+        (
+            carvana_ids(3, 2),
+            SplitFlags(split_by="prefix", folds=4, fold=1),
+            r"--split-by prefix --folds 4 leaves .*: 3 "
+            r"groups cannot fill 4 folds \(a fold stays empty\): use --folds 3 or fewer \(or add images to imgs\)",
+        ),
+        (carvana_ids(1, 1), SplitFlags(folds=2), r"--split-by image --folds 2 leaves .*: too few images to split"),
+        (
+            carvana_ids(1, 5),
+            SplitFlags(validation=10.0),
+            r"--validation 10 leaves 5 training and 0 validation images "
+            r"out of 5: choose a --validation that leaves at least one of each",
+        ),
+    ],
+)
+def test_a_split_that_leaves_a_side_empty_names_the_flag_to_change(ids, flags, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        split_dataset(ids, flags, Path("imgs"))

@@ -150,7 +150,7 @@ def test_evaluate_refuses_a_split_the_model_was_not_trained_on(
     assert scored("last.pth", swapped, "--other-split") == 0  # asked for: scored
     assert f"on {len(raw['train'])} images" in capsys.readouterr().out
     assert scored("last.pth", tripled, "--other-split") == 2
-    assert "lists 6 validation id(s) more than once" in one_error_line(capsys.readouterr().err)
+    assert "lists 6 id(s) more than once" in one_error_line(capsys.readouterr().err)
     for field, value, message in [("seed", "abc", "seed must be int, got 'abc'"),
                                   ("validation", [], "lists no validation images")]:  # fmt: skip
         edited = tmp_path / f"{field}.json"  # were a traceback and an IndexError

@@ -24,7 +24,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from utils.cli import print_error
 from utils.datasets.image_files import (
@@ -39,19 +38,9 @@ from utils.datasets.image_files import (
     pool_map,
 )
 from utils.datasets.mask_values import class_totals, class_value_findings, scan_masks
-from utils.datasets.splits import (
-    SPLIT_BY_PREFIX,
-    SPLIT_RULES,
-    SplitFlags,
-    SplitRule,
-    check_split_flags,
-    groups_on_both_sides,
-    split_positions,
-)
+from utils.datasets.splits import SPLIT_BY_PREFIX, SPLIT_RULES, SplitFlags, check_split_flags, split_positions
 from utils.errors import USER_ERROR_EXIT_CODE, UserError, count
 from utils.flags import FlagParser, flag
-
-logger = logging.getLogger(__name__)
 
 PROBLEMS_EXIT_CODE = 1
 
@@ -78,14 +67,6 @@ class CheckSettings(SplitFlags):
     strict: bool = flag(False, "--strict")
     """count warnings (duplicates, EXIF) as problems"""
 
-    def split(self) -> SplitRule | None:
-        """With --split-by: the split whose train/validation line duplicates must not cross, its flags checked
-        together (each value's range is its flag's, checked by ``FlagParser``)."""
-        if self.split_by is None:
-            return None
-        check_split_flags(self.split_by, self.group_pattern, self.folds, self.fold)
-        return self.split_rule()
-
 
 @dataclass
 class CheckReport:
@@ -106,47 +87,33 @@ class CheckReport:
         return not self.problems and not (strict and self.warnings)
 
 
-class _PhotoFacts(NamedTuple):
-    """What one worker learnt about one photo (None when unreadable: the mask scan reports those)."""
-
-    name: str
-    sha256: str | None
-    orientation: int | None
-
-
 def check_dataset(settings: CheckSettings) -> CheckReport:
     """Read the folders once and report every problem found; a DatasetError or ConfigError only when the split flags
     are impossible together, or a folder cannot be listed, holds no images or masks, or is both
     (``image_files.pair_folders``, the dataset's own pairing)."""
     started = time.perf_counter()
-    split = settings.split()  # before any file is read
+    if settings.split_by is not None:  # the split's flags together (each one's range: parse_flags), before any file
+        check_split_flags(settings.split_by, settings.group_pattern, settings.folds, settings.fold)
     pairing = pair_folders(settings.imgs, settings.masks, None)
-    images = pairing.images
-    report = CheckReport(len(images), len(pairing.pairs), pairing.problems, pairing.warnings)
+    report = CheckReport(len(pairing.images), len(pairing.pairs), pairing.problems, pairing.warnings)
     pairs = [pair for pair in pairing.pairs if pair.image.size and pair.mask.size]
     if pairs:  # the values of the usable pairs, whatever else is wrong: one run reports every kind of problem
         _report_mask_values(report, pairs, settings)
-    facts = pool_map(_inspect_photo, pairs, settings.workers)
-    rotated = sorted(images[fact.name].name for fact in facts if fact.orientation not in (None, 1))
-    if rotated:
-        what = f"{len(rotated)} photo(s) carry an EXIF orientation: training turns them upright, as viewers show them"
-        fix = "check their masks were drawn on the upright photos (a quarter turn shows as a size mismatch)"
-        report.warnings.append(Finding("EXIF rotation", what, tuple(rotated), fix))
-    _report_duplicates(report, facts, sorted(images), split)
+    _report_photos(report, pairs, sorted(pairing.images), settings)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _inspect_photo(pair: MaskPair) -> _PhotoFacts:
-    """Hash the photo's bytes and read its EXIF orientation from its header."""
+def _inspect_photo(pair: MaskPair) -> tuple[str | None, int | None]:
+    """The sha256 of the photo's bytes and its EXIF orientation, read from its header."""
     try:
         digest = hashlib.sha256(Path(pair.image.path).read_bytes()).hexdigest()
         if pair.image.ext in ARRAY_EXTENSIONS:
-            return _PhotoFacts(pair.name, digest, None)
+            return digest, None
         with open_pil(pair.image.path, any_size=True) as img:  # the bytes are in the page cache now; a header only
-            return _PhotoFacts(pair.name, digest, exif_orientation(img))
+            return digest, exif_orientation(img)
     except UNREADABLE_FILE_ERRORS:
-        return _PhotoFacts(pair.name, None, None)
+        return None, None
 
 
 def _report_mask_values(report: CheckReport, pairs: list[MaskPair], settings: CheckSettings) -> None:
@@ -162,35 +129,39 @@ def _report_mask_values(report: CheckReport, pairs: list[MaskPair], settings: Ch
     report.warnings += warnings
 
 
-def _report_duplicates(report: CheckReport, facts: list[_PhotoFacts], ids: list[str], rule: SplitRule | None) -> None:
+def _report_photos(report: CheckReport, pairs: list[MaskPair], ids: list[str], settings: CheckSettings) -> None:
+    """EXIF rotations, exact duplicates and, with --split-by, the duplicates on both sides of the split."""
+    # Per pair: the photo's sha256 and EXIF orientation (None when unreadable: the mask scan reports those).
+    facts = list(zip(pairs, pool_map(_inspect_photo, pairs, settings.workers), strict=True))
+    rotated = sorted(pair.image.name for pair, (_, orientation) in facts if orientation not in (None, 1))
+    if rotated:
+        what = f"{len(rotated)} photo(s) carry an EXIF orientation: training turns them upright, as viewers show them"
+        fix = "check their masks were drawn on the upright photos (a quarter turn shows as a size mismatch)"
+        report.warnings.append(Finding("EXIF rotation", what, tuple(rotated), fix))
     by_hash: dict[str, list[str]] = {}
-    for fact in facts:
-        if fact.sha256 is not None:
-            by_hash.setdefault(fact.sha256, []).append(fact.name)
+    for pair, (digest, _) in facts:
+        if digest is not None:
+            by_hash.setdefault(digest, []).append(pair.name)
     duplicates = sorted(sorted(names) for names in by_hash.values() if len(names) > 1)
-    if duplicates:
-        copies = sum(len(names) - 1 for names in duplicates)  # a group of n identical photos: one and n-1 copies
-        verb = "is an exact copy of another" if copies == 1 else "are exact copies of others"
-        what = f"{count(copies, 'photo')} {verb} ({count(len(duplicates), 'group')} of identical photos)"
-        fix = "delete the copies: they weigh twice in training"
-        report.warnings.append(Finding("duplicates", what, _copies(duplicates), fix))
-    if rule is None or not duplicates:
+    if not duplicates:
         return
-    position = {image_id: index for index, image_id in enumerate(ids)}
-    groups = [[position[name] for name in names] for names in duplicates]
-    crossing = [duplicates[k] for k in groups_on_both_sides(groups, split_positions(ids, rule)[1])]
+    copies = sum(len(names) - 1 for names in duplicates)  # a group of n identical photos: one and n-1 copies
+    verb = "is an exact copy of another" if copies == 1 else "are exact copies of others"
+    what = f"{count(copies, 'photo')} {verb} ({count(len(duplicates), 'group')} of identical photos)"
+    fix = "delete the copies: they weigh twice in training"
+    report.warnings.append(Finding("duplicates", what, _copies(duplicates), fix))
+    if settings.split_by is None:
+        return
+    validation = {ids[position] for position in split_positions(ids, settings)[1]}
+    crossing = [names for names in duplicates if len({name in validation for name in names}) > 1]
     if crossing:
-        report.warnings.append(
-            Finding(
-                "duplicates across the split",
-                f"{len(crossing)} group(s) of identical photos are both in training and in validation under "
-                f"--split-by {rule.by}",
-                _copies(crossing),
-                # Under --split-by prefix these copies have different prefixes: only a pattern can group them.
-                "delete the copies, or group them with "
-                + ("a --group-pattern" if rule.by == SPLIT_BY_PREFIX else "--split-by prefix / --group-pattern"),
-            )
+        what = f"{len(crossing)} group(s) of identical photos are both in training and in validation under --split-by "
+        # Under --split-by prefix these copies have different prefixes: only a pattern can group them.
+        by_prefix = settings.split_by == SPLIT_BY_PREFIX
+        fix = "delete the copies, or group them with " + (
+            "a --group-pattern" if by_prefix else "--split-by prefix / --group-pattern"
         )
+        report.warnings.append(Finding("duplicates across the split", what + settings.split_by, _copies(crossing), fix))
 
 
 def _copies(groups: list[list[str]]) -> tuple[str, ...]:

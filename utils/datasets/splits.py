@@ -10,9 +10,10 @@ Rules (``--split-by``):
 ``--folds N --fold K`` deals the groups (single images with ``image``) into N folds of near-equal image counts; fold K
 validates, the others train. The N validation sets are disjoint and together hold every image.
 
-Everything here is a pure function of the sorted ids and the rule, so every rank computes the same split without
-talking to the others. ``SplitRecord`` is what a run writes to ``<run>/split.json`` and, as its sha256, into its
-checkpoints; ``evaluate.py --split`` reads it back.
+Everything here is a pure function of the sorted ids and the flags, so every rank computes the same split without
+talking to the others. ``split_dataset`` also refuses a split that leaves a side empty and warns about a poor one;
+its ``SplitRecord`` is what a run writes to ``<run>/split.json`` and, as its sha256, into its checkpoints;
+``evaluate.py --split`` reads it back.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import random
 import re
 import typing
@@ -33,7 +35,9 @@ from typing import Any
 from utils.datasets.image_files import format_examples
 from utils.errors import ConfigError, DatasetError, shortened
 from utils.flags import MUST_MATCH, flag
-from utils.output_files import OutputError, read_text, write_text
+from utils.output_files import read_text, write_text
+
+logger = logging.getLogger(__name__)
 
 SPLIT_BY_IMAGE = "image"
 SPLIT_BY_PREFIX = "prefix"
@@ -44,25 +48,10 @@ SPLIT_FILE_VERSION = 1
 SPLIT_SEED = 0
 
 
-@dataclass(frozen=True)
-class SplitRule:
-    """How to split (from --split-by, --group-pattern, --validation, --folds, --fold)."""
-
-    by: str = SPLIT_BY_IMAGE
-    group_pattern: str | None = None
-    """A regular expression whose first group is an id's group (``prefix`` only); None: the part before the last _."""
-    validation: float = 10.0
-    """Percent of the images that validate (without folds)."""
-    folds: int = 0
-    """0: one split by ``validation``; N >= 2: fold ``fold`` of N validates."""
-    fold: int = 0
-    seed: int = SPLIT_SEED
-
-
 @dataclass
 class SplitFlags:
     """The split's flags, declared once for train.py's data section and the dataset check's settings (each field's
-    docstring is its help, ``utils.flags``)."""
+    docstring is its help, ``utils.flags``); the split functions below take them whole."""
 
     validation: float = flag(10.0, "--validation", "-v", range="(0, 100)", resume=MUST_MATCH)
     """Percent of the data used as validation, in (0, 100)."""
@@ -76,10 +65,6 @@ class SplitFlags:
     """Cross-validation folds (0 = off; N >= 2: fold --fold validates)."""
     fold: int = flag(0, "--fold", range="[0, inf)", resume=MUST_MATCH)
     """The fold that validates, 0..--folds - 1."""
-
-    def split_rule(self) -> SplitRule:
-        """The rule of these flags (checked together by ``check_split_flags``); the seed stays ``SPLIT_SEED``."""
-        return SplitRule(self.split_by, self.group_pattern, self.validation, self.folds, self.fold)
 
 
 @dataclass(frozen=True)
@@ -139,25 +124,20 @@ def prefix_of(image_id: str) -> str:
     return image_id.rpartition("_")[0] or image_id
 
 
-def group_of(image_id: str, pattern: re.Pattern[str] | None) -> str:
-    """The group of an id: the first group of ``pattern`` where it matches (``re.search``), else its prefix."""
-    if pattern is None:
-        return prefix_of(image_id)
-    found = pattern.search(image_id)
-    if found is None or found.group(1) is None:
-        raise DatasetError(
-            f"image id {image_id!r} does not match --group-pattern {pattern.pattern!r}; fix the pattern so every id "
-            f"in --imgs matches it"
-        )
-    return found.group(1)
-
-
-def groups_of(ids: Sequence[str], pattern: re.Pattern[str] | None = None) -> dict[str, list[int]]:
-    """Group name -> positions in ``ids``, groups in sorted order (independent of how the ids were listed)."""
+def groups_of(ids: Sequence[str], pattern: re.Pattern[str] | None = None) -> list[list[int]]:
+    """The positions in ``ids`` of each group, groups in sorted order of their names (independent of how the ids
+    were listed). An id's group is the first group of ``pattern`` where it matches (``re.search``), else its prefix.
+    """
     groups: dict[str, list[int]] = {}
     for position, image_id in enumerate(ids):
-        groups.setdefault(group_of(image_id, pattern), []).append(position)
-    return {name: groups[name] for name in sorted(groups)}
+        found = pattern.search(image_id) if pattern else None
+        if pattern and (found is None or found.group(1) is None):
+            raise DatasetError(
+                f"image id {image_id!r} does not match --group-pattern {pattern.pattern!r}; fix the pattern so every "
+                f"id in --imgs matches it"
+            )
+        groups.setdefault(found.group(1) if found else prefix_of(image_id), []).append(position)
+    return [groups[name] for name in sorted(groups)]
 
 
 def split_sizes(n_images: int, validation_percent: float) -> tuple[int, int]:
@@ -166,37 +146,39 @@ def split_sizes(n_images: int, validation_percent: float) -> tuple[int, int]:
     return n_val, n_images - n_val
 
 
-def split_positions(ids: Sequence[str], rule: SplitRule) -> tuple[list[int], list[int]]:
-    """(train, validation) positions in ``ids`` (the dataset's sorted ids) under ``rule``.
+def _units(ids: Sequence[str], flags: SplitFlags) -> list[list[int]]:
+    """What ``flags`` deal into folds or sides, as lists of positions: single images with ``image``, groups with
+    ``prefix``."""
+    if flags.split_by == SPLIT_BY_IMAGE:
+        return [[position] for position in range(len(ids))]
+    return groups_of(ids, compile_group_pattern(flags.group_pattern) if flags.group_pattern else None)
 
-    Either side may come back empty (too few images or groups); the caller names the flag to change.
+
+def split_positions(ids: Sequence[str], flags: SplitFlags) -> tuple[list[int], list[int]]:
+    """(train, validation) positions in ``ids`` (the dataset's sorted ids) under ``flags``.
+
+    Either side may come back empty (too few images or groups): ``split_dataset`` names the flag to change.
     """
-    if rule.by == SPLIT_BY_IMAGE and not rule.folds:
-        return _random_image_split(len(ids), rule.validation, rule.seed)
-    shuffled = _units(ids, rule)
-    random.Random(rule.seed).shuffle(shuffled)
-    if rule.folds:
-        fold_of = assign_folds([len(group) for group in shuffled], rule.folds)
-        chosen = [group for group, fold in zip(shuffled, fold_of, strict=True) if fold == rule.fold]
+    if flags.split_by == SPLIT_BY_IMAGE and not flags.folds:
+        # Imported here: the dataset check's worker processes import this module and must not pay for importing torch.
+        import torch
+        from torch.utils.data import random_split
+
+        n_val, n_train = split_sizes(len(ids), flags.validation)
+        generator = torch.Generator().manual_seed(SPLIT_SEED)
+        train_split, val_split = random_split(range(len(ids)), [n_train, n_val], generator=generator)
+        return list(train_split), list(val_split)
+    shuffled = _units(ids, flags)
+    random.Random(SPLIT_SEED).shuffle(shuffled)
+    if flags.folds:
+        fold_of = assign_folds([len(group) for group in shuffled], flags.folds)
+        chosen = [group for group, fold in zip(shuffled, fold_of, strict=True) if fold == flags.fold]
     else:
-        target = len(ids) * rule.validation / 100
+        target = len(ids) * flags.validation / 100
         chosen = [shuffled[k] for k in choose_validation([len(group) for group in shuffled], target)]
     validation = sorted(position for group in chosen for position in group)
     taken = set(validation)
     return [position for position in range(len(ids)) if position not in taken], validation
-
-
-def _random_image_split(n_images: int, validation_percent: float, seed: int) -> tuple[list[int], list[int]]:
-    # Imported here: the dataset check's worker processes import this module and must not pay for importing torch.
-    import torch
-    from torch.utils.data import random_split
-
-    n_val, n_train = split_sizes(n_images, validation_percent)
-    if n_val == 0 or n_train == 0:
-        return (list(range(n_images)), []) if n_val == 0 else ([], list(range(n_images)))
-    generator = torch.Generator().manual_seed(seed)
-    train_split, val_split = random_split(range(n_images), [n_train, n_val], generator=generator)
-    return list(train_split), list(val_split)
 
 
 def choose_validation(sizes: Sequence[int], target: float) -> list[int]:
@@ -227,73 +209,64 @@ def assign_folds(sizes: Sequence[int], folds: int) -> list[int]:
     return fold_of
 
 
-def _units(ids: Sequence[str], rule: SplitRule) -> list[list[int]]:
-    """What ``rule`` deals into folds or sides, as lists of positions: single images with ``image``, groups with
-    ``prefix``."""
-    if rule.by == SPLIT_BY_IMAGE:
-        return [[position] for position in range(len(ids))]
-    return list(groups_of(ids, compile_group_pattern(rule.group_pattern) if rule.group_pattern else None).values())
+def split_dataset(ids: Sequence[str], flags: SplitFlags, imgs: Path) -> tuple[list[int], list[int], SplitRecord]:
+    """(train, validation) positions of the dataset's sorted ``ids`` (from the folder ``imgs``) under ``flags``, and
+    their record (``split.json``).
 
-
-def group_count(ids: Sequence[str], rule: SplitRule) -> int:
-    """How many units ``rule`` deals into folds or sides: images with ``image``, groups with ``prefix``."""
-    return len(_units(ids, rule))
-
-
-def empty_side_fix(ids: Sequence[str], rule: SplitRule) -> str:
-    """What to change when ``rule`` left a side empty: the flag and the value that would leave both sides images."""
-    units = group_count(ids, rule)
-    kind = "images" if rule.by == SPLIT_BY_IMAGE else "groups"
-    if rule.folds and units >= 2:
-        return f"{units} {kind} cannot fill {rule.folds} folds (a fold stays empty): use --folds {units} or fewer"
-    if rule.by == SPLIT_BY_PREFIX:
-        return f"the ids form {units} group(s), too few to split: use --split-by image or another --group-pattern"
-    return "too few images to split"
-
-
-def validation_share_warning(n_images: int, n_validation: int, rule: SplitRule) -> str | None:
-    """A line when whole groups put more than twice the asked ``--validation`` share into validation, else None."""
-    if rule.folds or rule.by != SPLIT_BY_PREFIX or n_images == 0:
-        return None
-    share = 100 * n_validation / n_images
-    if share <= 2 * rule.validation:
-        return None
-    return (
-        f"--split-by prefix validates {n_validation} of {n_images} images ({share:.0f}%) where --validation asked "
-        f"{rule.validation:g}%: the groups are too large to come closer; use a --group-pattern with smaller groups, "
-        f"or more groups of images"
-    )
-
-
-def groups_on_both_sides(groups: Sequence[Sequence[int]], validation: Sequence[int]) -> list[int]:
-    """Indices of the groups (lists of positions) with members both in ``validation`` and in training (the rest)."""
+    A ConfigError names the flag to change when a side is empty, or when more folds than images (or groups) leave a
+    fold empty, whichever --fold this run is. One warning when whole groups validate more than twice the asked share,
+    and one when the random split puts views of one thing (ids that look grouped) on both sides.
+    """
+    train, validation = split_positions(ids, flags)
+    by, folds = flags.split_by, flags.folds
+    n_units = len(_units(ids, flags))
+    if not train or not validation or folds > n_units:
+        kind = "images" if by == SPLIT_BY_IMAGE else "groups"
+        if folds and n_units >= 2:
+            fix = f"{n_units} {kind} cannot fill {folds} folds (a fold stays empty): use --folds {n_units} or fewer"
+        elif by == SPLIT_BY_PREFIX:
+            fix = f"the ids form {n_units} group(s), too few to split: use --split-by image or another --group-pattern"
+        else:
+            fix = "too few images to split" if folds else "choose a --validation that leaves at least one of each"
+        asked = f"--split-by {by} " + (f"--folds {folds}" if folds else f"--validation {flags.validation:g}")
+        raise ConfigError(
+            f"{asked} leaves {len(train)} training and {len(validation)} validation images out of {len(ids)}: {fix} "
+            f"(or add images to {imgs})"
+        )
+    share = 100 * len(validation) / len(ids)
+    if by == SPLIT_BY_PREFIX and not folds and share > 2 * flags.validation:
+        logger.warning(
+            "--split-by prefix validates %d of %d images (%.0f%%) where --validation asked %g%%: the groups are too "
+            "large to come closer; use a --group-pattern with smaller groups, or more groups of images",
+            len(validation),
+            len(ids),
+            share,
+            flags.validation,
+        )
     validating = set(validation)
-    return [index for index, group in enumerate(groups) if len({p in validating for p in group}) > 1]
-
-
-def groups_across(ids: Sequence[str], train: Sequence[int], validation: Sequence[int]) -> tuple[int, int]:
-    """(prefix groups with ids on both sides, prefix groups in all) of a split (``train``: the other positions)."""
-    groups = list(groups_of(ids).values())
-    return len(groups_on_both_sides(groups, validation)), len(groups)
-
-
-def looks_grouped(ids: Sequence[str]) -> bool:
-    """Whether the ids look like several views of each thing: two or more prefixes, on average two ids or more each."""
-    n_groups = len(groups_of(ids))
-    return n_groups >= 2 and len(ids) >= 2 * n_groups
-
-
-def make_record(ids: Sequence[str], rule: SplitRule, train: Sequence[int], validation: Sequence[int]) -> SplitRecord:
-    return SplitRecord(
-        rule=rule.by,
-        seed=rule.seed,
-        validation_percent=None if rule.folds else rule.validation,
-        group_pattern=rule.group_pattern,
-        folds=rule.folds,
-        fold=rule.fold if rule.folds else None,
+    groups = groups_of(ids) if by == SPLIT_BY_IMAGE else []  # what the random split may cut through: the prefixes
+    spanning = sum(len({position in validating for position in group}) > 1 for group in groups)
+    # The ids look grouped (several views of each thing): two or more prefixes, on average two ids or more each.
+    if spanning and len(ids) >= 2 * len(groups) >= 4:
+        logger.warning(
+            "the image ids look grouped (%d ids share %d prefixes before their last '_', e.g. several views of one "
+            "car) and the random split puts %d of those groups on both sides, so validation sees near-copies of "
+            "training images; use --split-by prefix (docs/VALIDATION.md)",
+            len(ids),
+            len(groups),
+            spanning,
+        )
+    record = SplitRecord(
+        rule=by,
+        seed=SPLIT_SEED,
+        validation_percent=None if folds else flags.validation,
+        group_pattern=flags.group_pattern,
+        folds=folds,
+        fold=flags.fold if folds else None,
         train=tuple(ids[p] for p in train),
         validation=tuple(ids[p] for p in validation),
     )
+    return train, validation, record
 
 
 def check_same_split(saved_digest: str | None, record: SplitRecord, path: str) -> None:
@@ -307,15 +280,8 @@ def check_same_split(saved_digest: str | None, record: SplitRecord, path: str) -
 
 
 def write_split_file(path: Path, record: SplitRecord) -> None:
-    """Write ``record`` as JSON to ``path`` all or nothing (``output_files.write_text``); a failure names the file."""
-    try:
-        write_text(path, json.dumps(record.as_dict(), indent=1) + "\n")
-    except OutputError as error:
-        cause = error.__cause__
-        raise ConfigError(
-            f"could not write the split to {path}: {getattr(cause, 'strerror', None) or cause}; choose a writable "
-            "--checkpoint-dir"
-        ) from cause
+    """Write ``record`` as JSON to ``path`` all or nothing; a failure is one ``OutputError`` that names the file."""
+    write_text(path, json.dumps(record.as_dict(), indent=1) + "\n", "the run's split.json")
 
 
 # A split file lists ids (tens of bytes each): 64 MiB is millions of images, and bounds what a wrong path can cost.
@@ -329,13 +295,13 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def read_split_file(path: Path, flag: str = "--split") -> SplitRecord:
-    """The split a run wrote to ``path``, every field typed and checked; a ConfigError naming ``flag`` otherwise.
+def read_split_file(path: Path) -> SplitRecord:
+    """The split a run wrote to ``path``, every field typed and checked; a ConfigError naming ``--split`` otherwise.
 
     Refused: a file that is not a run's split.json (not JSON, no id lists, another version), a field of the wrong
-    type (``"seed": "abc"``), no validation ids, an id listed twice (it would be scored twice), an id on both sides.
+    type (``"seed": "abc"``), no validation ids, an id listed twice (it would be scored twice) or on both sides.
     """
-    where = f"{flag} {path}"
+    where = f"--split {path}"
     text = read_text(
         path, where, MAX_SPLIT_FILE_BYTES, f"{MAX_SPLIT_FILE_BYTES >> 20} MiB; pass the split.json of a run folder"
     )
@@ -361,30 +327,20 @@ def read_split_file(path: Path, flag: str = "--split") -> SplitRecord:
         raise ConfigError(
             f"{where}: rule {shortened(raw['rule'], 60)} / folds {raw['folds']} is not a split this makes"
         )
-    sides = {}
-    for side in ("train", "validation"):
-        ids = raw[side]
-        if not all(isinstance(image_id, str) for image_id in ids):
-            raise ConfigError(f"{where}: the {side} ids must be text; the file is damaged or was edited")
-        repeated = sorted(image_id for image_id, times in collections.Counter(ids).items() if times > 1)
-        if repeated:
-            raise ConfigError(
-                f"{where} lists {len(repeated)} {side} id(s) more than once ({format_examples(repeated)}); each "
-                f"image is on one side once, the file was edited: pass the split.json the run wrote"
-            )
-        sides[side] = tuple(ids)
-    if not sides["validation"]:
-        raise ConfigError(f"{where} lists no validation images; pass the split.json of a run that validated")
-    both = sorted(set(sides["train"]) & set(sides["validation"]))
-    if both:
+    listed = raw["train"] + raw["validation"]
+    if not all(isinstance(image_id, str) for image_id in listed):
+        raise ConfigError(f"{where}: the train and validation ids must be text; the file is damaged or was edited")
+    repeated = sorted(image_id for image_id, times in collections.Counter(listed).items() if times > 1)
+    if repeated:
         raise ConfigError(
-            f"{where} puts {len(both)} id(s) on both sides ({format_examples(both)}); the file was edited: pass the "
-            "split.json the run wrote"
+            f"{where} lists {len(repeated)} id(s) more than once, on one side or both ({format_examples(repeated)}); "
+            "each image is on one side once, the file was edited: pass the split.json the run wrote"
         )
-    return SplitRecord(**{key: raw[key] for key in _FIELD_TYPES}, **sides)
-
-
-OTHER_SPLIT_FLAG = "--other-split"
+    if not raw["validation"]:
+        raise ConfigError(f"{where} lists no validation images; pass the split.json of a run that validated")
+    return SplitRecord(
+        **{key: raw[key] for key in _FIELD_TYPES}, train=tuple(raw["train"]), validation=tuple(raw["validation"])
+    )
 
 
 def validation_positions(
@@ -393,25 +349,21 @@ def validation_positions(
     """Positions in ``ids`` of the validation images of the run that wrote ``split_file`` (evaluate.py --split).
 
     ``trained_on`` is the split digest the checkpoint ``model`` records (None: not recorded): another split is
-    refused unless ``other_split`` (its validation images may be the model's training images).
+    refused unless ``other_split`` (its validation images may be the model's training images). A DatasetError when
+    some are not in ``ids``.
     """
     record = read_split_file(split_file)
     if trained_on is not None and record.digest != trained_on and not other_split:
         raise ConfigError(
             f"--split {split_file} is not the split {model} was trained on (its recorded split_sha256 differs), so "
             f"its validation images may be training images of the model; pass the split.json of the model's run "
-            f"folder, or add {OTHER_SPLIT_FLAG} to score this split anyway"
+            f"folder, or add --other-split to score this split anyway"
         )
-    return positions_of(ids, record.validation, f"--split {split_file}")
-
-
-def positions_of(ids: Sequence[str], wanted: Sequence[str], source: str) -> list[int]:
-    """Positions in ``ids`` of the ``wanted`` ids; a DatasetError naming ``source`` when some are missing."""
     position = {image_id: index for index, image_id in enumerate(ids)}
-    missing = [image_id for image_id in wanted if image_id not in position]
+    missing = [image_id for image_id in record.validation if image_id not in position]
     if missing:
         raise DatasetError(
-            f"{len(missing)} of the {len(wanted)} validation images of {source} are not in the folders given: "
-            f"{format_examples(missing)}; pass the --imgs and --masks the run was trained on"
+            f"{len(missing)} of the {len(record.validation)} validation images of --split {split_file} are not in the "
+            f"folders given: {format_examples(missing)}; pass the --imgs and --masks the run was trained on"
         )
-    return sorted(position[image_id] for image_id in wanted)
+    return sorted(position[image_id] for image_id in record.validation)

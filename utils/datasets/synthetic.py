@@ -8,10 +8,12 @@ indices 0 = background, 1 = car), ``<id>`` 12 hex digits per car and ``<nn>`` 01
 ``CarvanaDataset``. ``--views V`` gives each car V views instead (``<id>_01`` .. ``<id>_<V>``; e.g. 48 images of 12
 cars with ``--n 48 --views 4``), for trying group-aware splits. Multiclass data writes ``imgs/<id>_<nn>.jpg`` and
 ``masks/<id>_<nn>.png`` (no mask suffix, 8-bit grey class indices; train with ``BasicDataset``): 0 background, 1 car
-body, 2 wheels, 3 windows, and from 4 on one kind of floor object per class (cone, box, ball; each class its own
+body, 2 wheels, 3 windows, and from 4 on one kind of floor object per class (a disc or a box, each class its own
 colour).
 
-The same arguments always give byte-identical files. Existing non-empty folders are only replaced with ``force``.
+Each car has its own paint and proportions; its views go round it (narrower from the front, the other side mirrored)
+in front of a studio wall, photographed (a slight blur and sensor noise). The same arguments always give
+byte-identical files. Existing non-empty folders are only replaced with ``force``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,17 +45,15 @@ JPEG_QUALITY = 90
 
 BACKGROUND, BODY, WHEELS, WINDOWS = 0, 1, 2, 3
 FIRST_OBJECT_CLASS = 4
-_OBJECT_KINDS = ("cone", "box", "ball")
-
-
-@dataclass(frozen=True)
-class _Part:
-    """One filled shape of the scene: a polygon (list of points) or an ellipse (bounding box)."""
-
-    kind: str  # "polygon" or "ellipse"
-    points: tuple
-    colour: tuple[int, int, int]
-    label: int
+# A car seen from its side, part by part as (class, PIL shape, points): x from its rear (0) to its front (1), y from
+# its roof (0) to the bottom of its wheels (1), in the box a view gives it. Later parts are drawn over earlier ones.
+_CAR_PARTS = (
+    (BODY, "polygon", ((0, 0.5), (0.04, 0.4), (0.96, 0.4), (1, 0.5), (1, 0.85), (0, 0.85))),
+    (BODY, "polygon", ((0.22, 0.4), (0.36, 0), (0.68, 0), (0.82, 0.4))),
+    (WINDOWS, "polygon", ((0.27, 0.36), (0.38, 0.07), (0.66, 0.07), (0.76, 0.36))),
+    (WHEELS, "ellipse", ((0.08, 0.62), (0.28, 1))),
+    (WHEELS, "ellipse", ((0.72, 0.62), (0.92, 1))),
+)
 
 
 def generate_carvana_like(
@@ -94,13 +93,10 @@ def generate_carvana_like(
         image, labels = _render(car_rng, np.random.default_rng([seed, car_index, view + 1]), view, size, n_classes)
         image.save(images_dir / f"{name}.jpg", quality=JPEG_QUALITY)
         if n_classes is None:
-            mask = Image.fromarray(labels)
             # putpalette turns the grey image into a palette one with the same indices. Carvana's palette: 0 black,
             # 1 white; GIF keeps the indices, which the dataset reads as the mask values.
-            mask.putpalette([0, 0, 0, 255, 255, 255])
-            mask.save(masks_dir / f"{name}_mask.gif")
-        else:
-            Image.fromarray(labels).save(masks_dir / f"{name}.png")
+            labels.putpalette([0, 0, 0, 255, 255, 255])
+        labels.save(masks_dir / (f"{name}_mask.gif" if n_classes is None else f"{name}.png"))
         ids.append(name)
     logger.info("Wrote %d images to %s and their masks to %s", n, images_dir, masks_dir)
     return ids
@@ -124,155 +120,53 @@ def _prepare_folder(folder: Path, force: bool) -> None:
 
 
 def _render(
-    car_rng: np.random.Generator,
-    view_rng: np.random.Generator,
-    view: int,
-    size: tuple[int, int],
-    n_classes: int | None,
-) -> tuple[Image.Image, np.ndarray]:
-    """Draw one view of one car; return the RGB image and its uint8 label map."""
+    car_rng: np.random.Generator, view_rng: np.random.Generator, view: int, size: tuple[int, int], n_classes: int | None
+) -> tuple[Image.Image, Image.Image]:
+    """Draw one view of one car; return the RGB photo and its grey mask (class indices)."""
     width, height = size
     floor_y = int(height * view_rng.uniform(0.66, 0.76))
-    background = _studio_background(view_rng, width, height, floor_y)
-    parts = _car_parts(car_rng, view_rng, view, width, height, floor_y)
-    if n_classes is not None:
-        parts += _floor_objects(view_rng, width, height, floor_y, n_classes)
+    # The car's paint and proportions are its own; a view shows it narrower from the front (views go round it).
+    paint = colorsys.hsv_to_rgb(car_rng.uniform(0, 1), car_rng.uniform(0.45, 0.95), car_rng.uniform(0.35, 0.9))
+    length, tallness = width * car_rng.uniform(0.6, 0.75), car_rng.uniform(0.45, 0.6)
+    car_w = length * (0.55 + 0.45 * abs(math.cos(2 * math.pi * view / VIEWS_PER_CAR))) * view_rng.uniform(0.9, 1.05)
+    shrink = min(1.0, 0.85 * floor_y / (length * tallness))  # the whole car inside the frame
+    car_w, car_h = car_w * shrink, length * tallness * shrink
+    left = min(max(width / 2 - car_w / 2 + view_rng.uniform(-0.1, 0.1) * width, 2), width - car_w - 2)
+    top = floor_y - car_h + view_rng.uniform(-0.02, 0.02) * height
 
-    image = Image.fromarray(background)
     labels = Image.new("L", size, BACKGROUND)
-    draw_image, draw_labels = ImageDraw.Draw(image), ImageDraw.Draw(labels)
-    _draw_shadow(draw_image, background, parts)
-    for part in parts:
-        label = part.label if n_classes is not None else int(part.label != BACKGROUND)
-        if n_classes is not None and part.label == WINDOWS and n_classes <= WINDOWS:
-            label = BODY  # with 3 classes windows count as car body
-        for draw, fill in ((draw_image, part.colour), (draw_labels, label)):
-            if part.kind == "polygon":
-                draw.polygon(part.points, fill=fill)
-            else:
-                draw.ellipse(part.points, fill=fill)
+    draw = ImageDraw.Draw(labels)
+    for label, shape, points in _CAR_PARTS:
+        getattr(draw, shape)([(left + car_w * x, top + car_h * y) for x, y in points], fill=label)
+    # Multiclass: one object per extra class (from class 4), most of the time, on the floor in front of the car.
+    for label in range(FIRST_OBJECT_CLASS, n_classes or 0):
+        side = view_rng.uniform(0.08, 0.14) * height
+        x = view_rng.uniform(side, width - side)
+        bottom = min(floor_y + view_rng.uniform(0.1, 0.9) * (height - floor_y), height - 1)
+        if view_rng.uniform() < 0.8:
+            box = [(x - side / 2, bottom - side), (x + side / 2, bottom)]
+            getattr(draw, ("ellipse", "rectangle")[label % 2])(box, fill=label)
+    classes = np.asarray(labels)
+    if view >= VIEWS_PER_CAR // 2:  # the second half of the views shows the car's other side
+        classes = np.ascontiguousarray(classes[:, ::-1])
 
-    # A slight blur and sensor noise, so edges look photographed rather than drawn.
-    image = image.filter(ImageFilter.GaussianBlur(radius=max(0.5, width / 960)))
-    noise = view_rng.normal(0.0, 3.0, size=(height, width, 1))
-    pixels = np.clip(np.asarray(image, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
-    return Image.fromarray(pixels), np.asarray(labels)
-
-
-def _studio_background(rng: np.random.Generator, width: int, height: int, floor_y: int) -> np.ndarray:
-    """A light grey wall fading down to a darker floor, split by a floor line."""
-    wall_top = rng.uniform(205, 235) + rng.uniform(-6, 6, size=3)
-    rows = np.arange(height, dtype=np.float64)[:, None]
-    wall = wall_top - 22.0 * (rows / max(floor_y, 1))
-    floor = wall_top - 48.0 + 20.0 * (rows - floor_y) / max(height - floor_y, 1)
-    column = np.where(rows < floor_y, wall, floor)  # (height, 3)
-    column[max(floor_y - 1, 0) : floor_y + 1] -= 30.0
-    return np.broadcast_to(np.clip(column, 0, 255)[:, None, :], (height, width, 3)).astype(np.uint8)
-
-
-def _car_parts(
-    car_rng: np.random.Generator, view_rng: np.random.Generator, view: int, width: int, height: int, floor_y: int
-) -> list[_Part]:
-    """Body, cabin, windows and wheels of a car seen from view ``view`` (0..15, going round it)."""
-    hue, saturation, value = car_rng.uniform(0, 1), car_rng.uniform(0.45, 0.95), car_rng.uniform(0.35, 0.9)
-    paint = tuple(int(255 * c) for c in colorsys.hsv_to_rgb(hue, saturation, value))
-    length_ratio, height_ratio = car_rng.uniform(0.6, 0.75), car_rng.uniform(0.2, 0.27)
-
-    # Seen from the front the car looks narrower; the second half of the views shows the other side (mirrored).
-    angle = 2 * math.pi * view / VIEWS_PER_CAR
-    car_w = width * length_ratio * (0.55 + 0.45 * abs(math.cos(angle))) * view_rng.uniform(0.9, 1.05)
-    body_h = width * length_ratio * height_ratio
-    wheel_r = body_h * 0.42
-    # Keep the whole car (wheels to roof, about 2.3 body heights) inside the frame.
-    shrink = min(1.0, 0.85 * floor_y / (2.3 * body_h))
-    car_w, body_h, wheel_r = car_w * shrink, body_h * shrink, wheel_r * shrink
-    centre_x = width / 2 + view_rng.uniform(-0.1, 0.1) * width
-    centre_x = min(max(centre_x, car_w / 2 + 2), width - car_w / 2 - 2)
-    left = centre_x - car_w / 2
-    wheel_y = floor_y - wheel_r + view_rng.uniform(-0.02, 0.02) * height
-    body_top = wheel_y - body_h * 0.75
-    body_bottom = wheel_y + wheel_r * 0.35
-    roof = body_top - body_h * car_rng.uniform(0.6, 0.8)
-    mirrored = view >= VIEWS_PER_CAR // 2
-
-    def x(fraction: float) -> float:
-        return left + car_w * (1 - fraction if mirrored else fraction)
-
-    corner = min(body_h * 0.25, car_w * 0.05)
-    body = [
-        (x(0), body_top + corner),
-        (x(0.04), body_top),
-        (x(0.96), body_top),
-        (x(1), body_top + corner),
-        (x(1), body_bottom),
-        (x(0), body_bottom),
-    ]
-    cabin = [(x(0.22), body_top), (x(0.36), roof), (x(0.68), roof), (x(0.82), body_top)]
-    inset = (body_top - roof) * 0.18
-    windows = [
-        (x(0.27), body_top - inset),
-        (x(0.38), roof + inset),
-        (x(0.66), roof + inset),
-        (x(0.76), body_top - inset),
-    ]
-    glass = (int(car_rng.uniform(30, 60)), int(car_rng.uniform(40, 70)), int(car_rng.uniform(55, 85)))
-    parts = [
-        _Part("polygon", tuple(body), paint, BODY),
-        _Part("polygon", tuple(cabin), paint, BODY),
-        _Part("polygon", tuple(windows), glass, WINDOWS),
-    ]
-    for fraction in (0.18, 0.82):
-        cx = x(fraction)
-        parts.append(_Part("ellipse", _circle(cx, wheel_y, wheel_r), (28, 28, 30), WHEELS))
-        parts.append(_Part("ellipse", _circle(cx, wheel_y, wheel_r * 0.5), (170, 170, 175), WHEELS))
-    return parts
-
-
-def _floor_objects(rng: np.random.Generator, width: int, height: int, floor_y: int, n_classes: int) -> list[_Part]:
-    """One object per extra class (from class 4), most of the time, standing on the floor in front of the car."""
-    parts = []
-    for label in range(FIRST_OBJECT_CLASS, n_classes):
-        if rng.uniform() > 0.8:
-            continue
-        kind = _OBJECT_KINDS[(label - FIRST_OBJECT_CLASS) % len(_OBJECT_KINDS)]
-        # Golden-ratio hue steps keep the class colours far apart; fixed per class so colour identifies it.
-        hue = ((label - FIRST_OBJECT_CLASS) * 0.618034) % 1.0
-        colour = tuple(int(255 * c) for c in colorsys.hsv_to_rgb(hue, 0.85, 0.85))
-        side = height * rng.uniform(0.08, 0.14)
-        cx = rng.uniform(side, width - side)
-        bottom = min(floor_y + rng.uniform(0.1, 0.9) * (height - floor_y), height - 1)
-        if kind == "cone":
-            points = ((cx - side / 2, bottom), (cx, bottom - side * 1.4), (cx + side / 2, bottom))
-            parts.append(_Part("polygon", points, colour, label))
-        elif kind == "box":
-            points = (
-                (cx - side / 2, bottom - side),
-                (cx + side / 2, bottom - side),
-                (cx + side / 2, bottom),
-                (cx - side / 2, bottom),
-            )
-            parts.append(_Part("polygon", points, colour, label))
-        else:
-            parts.append(_Part("ellipse", _circle(cx, bottom - side / 2, side / 2), colour, label))
-    return parts
-
-
-def _draw_shadow(draw: ImageDraw.ImageDraw, background: np.ndarray, parts: Sequence[_Part]) -> None:
-    """A soft dark ellipse on the floor under the car (not part of the mask, as in Carvana's photos)."""
-    wheels = [part.points for part in parts if part.label == WHEELS]
-    left = min(box[0] for box in wheels)
-    right = max(box[2] for box in wheels)
-    bottom = max(box[3] for box in wheels)
-    radius = (bottom - min(box[1] for box in wheels)) / 2
-    floor_colour = background[min(int(bottom), background.shape[0] - 1), 0]
-    shadow = tuple(int(c * 0.72) for c in floor_colour)
-    draw.ellipse(
-        (left - radius * 0.5, bottom - radius * 0.35, right + radius * 0.5, bottom + radius * 0.25), fill=shadow
+    # Each class its colour (paint, tyres, glass; golden-ratio hue steps keep the objects' far apart) on a light wall
+    # that fades down to a darker floor; then a slight blur and sensor noise, so edges look photographed.
+    hues = [(k * 0.618034) % 1.0 for k in range((n_classes or 0) - FIRST_OBJECT_CLASS)]
+    colours = 255 * np.array(
+        [(0, 0, 0), paint, (0.11, 0.11, 0.12), (0.18, 0.22, 0.27)]
+        + [colorsys.hsv_to_rgb(hue, 0.85, 0.85) for hue in hues]
     )
-
-
-def _circle(cx: float, cy: float, radius: float) -> tuple[float, float, float, float]:
-    return (cx - radius, cy - radius, cx + radius, cy + radius)
+    rows = np.arange(height, dtype=np.float64)[:, None, None]
+    tone = view_rng.uniform(205, 235) + view_rng.uniform(-6, 6, size=3)
+    wall = np.where(rows < floor_y, tone - 22 * rows / height, tone - 48)
+    photo = Image.fromarray(np.where(classes[..., None] == BACKGROUND, wall, colours[classes]).astype(np.uint8))
+    photo = photo.filter(ImageFilter.GaussianBlur(radius=max(0.5, width / 960)))
+    noise = view_rng.normal(0.0, 3.0, size=(height, width, 1))
+    photo = Image.fromarray(np.clip(np.asarray(photo, dtype=np.float32) + noise, 0, 255).astype(np.uint8))
+    # Binary masks: the whole car is 1. With 3 classes the windows count as car body.
+    merged = {None: [0, 1, 1, 1], 3: [0, BODY, WHEELS, BODY]}.get(n_classes)
+    return photo, Image.fromarray(classes if merged is None else np.array(merged, dtype=np.uint8)[classes])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,17 +17,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from utils.datasets.dataset import BasicDataset
-from utils.datasets.splits import (
-    SPLIT_BY_IMAGE,
-    SplitRecord,
-    empty_side_fix,
-    group_count,
-    groups_across,
-    looks_grouped,
-    make_record,
-    split_positions,
-    validation_share_warning,
-)
+from utils.datasets.splits import SplitRecord, split_dataset
 from utils.errors import ConfigError
 from utils.evaluation import shard_range
 from utils.hardware import (
@@ -38,7 +28,7 @@ from utils.hardware import (
     threads_per_process,
 )
 from utils.launch.process_group import DistributedContext
-from utils.training.config import DataSection, TrainConfig
+from utils.training.config import TrainConfig
 from utils.training.sampler import ResumableDistributedSampler
 
 logger = logging.getLogger(__name__)
@@ -99,7 +89,7 @@ def build_data(config: TrainConfig) -> TrainData:
     # The split is defined on the unaugmented dataset; the training subset reads the same files through an augmenting
     # twin that shares its index and scan.
     augmented = plain.with_augmentation(data.seed) if data.augment else plain
-    train_positions, val_positions, split = split_data(plain.ids, data)
+    train_positions, val_positions, split = split_dataset(plain.ids, data, data.imgs)
     train_set = Subset(augmented, train_positions)
     return TrainData(
         train_set=train_set,
@@ -111,36 +101,6 @@ def build_data(config: TrainConfig) -> TrainData:
         train_foreground=[position for position, index in enumerate(train_set.indices) if plain.has_foreground(index)],
         split=split,
     )
-
-
-def split_data(ids: list[str], config: DataSection) -> tuple[list[int], list[int], SplitRecord]:
-    """(train, validation) positions of the dataset's ids under the split flags, and their record (``split.json``);
-    a ConfigError when a side is empty."""
-    rule = config.split_rule()
-    train, validation = split_positions(ids, rule)
-    # More folds than images (or groups) leave a fold empty, whichever --fold this run is.
-    if not train or not validation or (rule.folds and rule.folds > group_count(ids, rule)):
-        by_percentage = rule.by == SPLIT_BY_IMAGE and not rule.folds
-        flags = f"--validation {config.validation:g}" if by_percentage else f"--split-by {rule.by}"
-        fix = "choose a percentage that leaves at least one of each" if by_percentage else empty_side_fix(ids, rule)
-        raise ConfigError(
-            f"{flags}{f' --folds {rule.folds}' if rule.folds else ''} leaves {len(train)} training and "
-            f"{len(validation)} validation images out of {len(ids)}: {fix} (or add images to {config.imgs})"
-        )
-    if (too_many := validation_share_warning(len(ids), len(validation), rule)) is not None:
-        logger.warning(too_many)
-    if rule.by == SPLIT_BY_IMAGE and looks_grouped(ids):
-        spanning, n_groups = groups_across(ids, train, validation)
-        if spanning:
-            logger.warning(
-                "the image ids look grouped (%d ids share %d prefixes before their last '_', e.g. several views of "
-                "one car) and the random split puts %d of those groups on both sides, so validation sees near-copies "
-                "of training images; use --split-by prefix (docs/VALIDATION.md)",
-                len(ids),
-                n_groups,
-                spanning,
-            )
-    return train, validation, make_record(ids, rule, train, validation)
 
 
 def default_num_workers(
