@@ -16,14 +16,14 @@ left, so it goes straight to the epoch's end and repeats the validation.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from utils.errors import DatasetError, count, user_message
-from utils.evaluation import EvalResult, SegmentationMetrics, score_batches
+from utils.errors import DatasetError, user_message
+from utils.evaluation import SegmentationMetrics, score_batches
 from utils.launch.process_group import (
     DistributedContext,
     agree_on_errors,
@@ -37,41 +37,39 @@ from utils.training.run_log import RunLog
 if TYPE_CHECKING:
     from utils.training.loop import TrainParts
 
-logger = logging.getLogger(__name__)
-
 
 class ValidationStopped(Exception):
-    """Raised on every rank by ``Validator.validate`` when a signal, ``signum``, cut rank 0's validation short."""
+    """Raised on every rank by ``Validator.validate`` when a signal cut rank 0's validation short; its one argument
+    (rank 0 broadcasts it pickled) is the signal."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)  # the constructor's own arguments: rank 0 broadcasts it pickled
-        self.signum = signum
+    @property
+    def signum(self) -> int:
+        return self.args[0]
 
 
+@dataclass
 class UntilStopped:
-    """``loader``'s batches while ``flag`` has recorded no signal; ``stopped_by`` tells which signal ended it."""
+    """``loader``'s batches while ``flag`` has recorded no signal, then ``ValidationStopped``; its length is the
+    loader's (the progress bar's total)."""
 
-    def __init__(self, loader: Iterable[Any], flag: InterruptFlag) -> None:
-        self._loader = loader
-        self._flag = flag
-        self.stopped_by = 0
+    loader: Any
+    flag: InterruptFlag
 
     def __len__(self) -> int:
-        return len(self._loader)  # type: ignore[arg-type]
+        return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self._loader:
-            if self._flag.signum:
-                # Stop before computing on the batch; leaving the loop lets the loader shut its workers down.
-                self.stopped_by = self._flag.signum
-                return
+        for batch in self.loader:
+            if self.flag.signum:
+                raise ValidationStopped(self.flag.signum)  # before computing on the batch
             yield batch
 
 
 class Validator:
     """Scores the run's evaluated model (``TrainParts.evaluated_model``, unwrapped: no DDP collective; in eval mode:
     BatchNorm untouched) on ``parts.loaders.val``, this rank's part of the validation set (all of it on rank 0 with
-    --val-mode rank0, nothing on the others), in the step's precision; reported at ``parts.position``.
+    --val-mode rank0, nothing on the others), in the step's precision; reported at ``parts.position`` by the
+    ``RunLog``.
 
     ``Loaders.val_sharded`` (which decided the loaders): every rank scores its own part and the sums are
     all-reduced."""
@@ -94,7 +92,7 @@ class Validator:
                 metrics.reduce(lambda sums: sum_across_ranks(self.ctx, sums.to(self.ctx.device)))
                 result = metrics.compute()
                 if self.ctx.is_main:
-                    self._report(result)
+                    self._run_log.log_val(result)
                 return result.dice
             # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
             dice = broadcast_from_main(self.ctx, self._on_main() if self.ctx.is_main else None)
@@ -105,19 +103,16 @@ class Validator:
     def _on_main(self) -> float | DatasetError | ValidationStopped:
         """Rank 0's part of a --val-mode rank0 validation: its Dice, or the error every rank raises (a file that
         failed to load, or the stop)."""
-        batches = UntilStopped(self.parts.loaders.val, self._interrupts)
         try:
-            metrics = self._score(batches)
+            # A signal before the first batch leaves no image scored, which is a stop, not an empty validation set.
+            result = self._score(UntilStopped(self.parts.loaders.val, self._interrupts)).compute()
         except DatasetError as error:
             # It holds the loader's iterator, whose idle workers would block the exit: see Trainer.train.
             error.__traceback__ = None
             return raised_on_every_rank(DatasetError(user_message(error)))  # its message alone travels
-        # Asked before computing: a signal before the first batch leaves no image scored, which is a stop, not an
-        # empty validation set.
-        if batches.stopped_by:
-            return ValidationStopped(batches.stopped_by)  # a partial score is no score: not reported
-        result = metrics.compute()
-        self._report(result)
+        except ValidationStopped as stop:
+            return ValidationStopped(stop.signum)  # a partial score is no score: not reported; no traceback either
+        self._run_log.log_val(result)
         return result.dice
 
     def _score(self, batches: Iterable[dict[str, torch.Tensor]]) -> SegmentationMetrics:
@@ -130,23 +125,3 @@ class Validator:
             precision=self.parts.step.precision,
             progress=self._run_log.bars,
         )
-
-    def _report(self, result: EvalResult) -> None:
-        per_class = ", ".join(
-            f"{k}: Dice {d:.4f} IoU {i:.4f}"
-            for k, (d, i) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True))
-        )
-        micro = result.reductions()["micro"]
-        logger.info(
-            "Validation after epoch %d (step %d, %s): Dice %.4f, IoU %.4f [%s] (macro: per-image means; "
-            "the means average classes 1+); micro (dataset-level) Dice %.4f, IoU %.4f",
-            self.parts.position.epoch,
-            self.parts.position.global_step,
-            count(result.n_images, "image"),
-            result.dice,
-            result.iou,
-            per_class,
-            micro["dice"],
-            micro["iou"],
-        )
-        self._run_log.log_val(result)
