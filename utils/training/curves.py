@@ -115,9 +115,7 @@ def build_figure(series: Series) -> Figure:
 
     def panel(where, title: str, y_label: str, x_label: str = "optimizer step"):
         axes = figure.add_subplot(where)
-        axes.set_title(title)
-        axes.set_xlabel(x_label)
-        axes.set_ylabel(y_label)
+        axes.set(title=title, xlabel=x_label, ylabel=y_label)
         axes.grid(True, alpha=0.3)
         return axes
 
@@ -135,8 +133,7 @@ def build_figure(series: Series) -> Figure:
     if series.dice or series.per_class_dice:
         dice_axes.legend(loc="lower right", fontsize="small")
     _plot(panel(grid[1, :2], "Learning rate", "learning rate"), series.learning_rate, "learning rate", "#2ca02c")
-    speed_axes = panel(grid[1, 2:4], "Throughput", "images/s (all processes)")
-    _plot(speed_axes, series.images_per_s, "images/s", "#9467bd")
+    _plot(panel(grid[1, 2:4], "Throughput", "images/s (all processes)"), series.images_per_s, "images/s", "#9467bd")
     epoch_axes = panel(grid[1, 4:], "Training time per epoch", "seconds", x_label="epoch")
     _plot(epoch_axes, series.epoch_seconds, "epoch time", "#8c564b")
     epoch_axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers

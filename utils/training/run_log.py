@@ -105,12 +105,8 @@ class RunLog:
         self._wandb_run = self._tensorboard = None
         # The run's summary: ``Starting training: epochs 1..6, ...``, or for a resumed run where in its plan it goes on
         plan, position = parts.batch_plan, parts.position
-        start = (
-            f"Resuming at epoch {position.epoch + 1}, step {position.global_step} "
-            f"({position.step_in_epoch} batches of the epoch done) of"
-            if parts.resumed
-            else "Starting training:"
-        )
+        done = f"step {position.global_step} ({position.step_in_epoch} batches of the epoch done)"
+        start = f"Resuming at epoch {position.epoch + 1}, {done} of" if parts.resumed else "Starting training:"
         logger.info(
             f"{start} epochs {self._first_epoch}..{self._last_epoch}, batch size {plan.batch_size} per process x "
             f"{count(plan.world_size, 'process', 'processes')} x {plan.grad_accum} accumulation = "
@@ -327,8 +323,15 @@ class RunLog:
             elif key in fields:
                 scalars[tag] = (name, fields[key])
         if self._tensorboard is not None:
+            writer = self._tensorboard
             try:  # a side output: a full or failing disk is one warning, and the run goes on without it
-                _write_events(self._tensorboard, step, scalars, samples)
+                for tag, (_, value) in scalars.items():
+                    writer.add_scalar(tag, value, step)
+                if samples is not None:
+                    writer.add_images("val/image", samples["image"].detach().float().cpu().clamp(0, 1), step)
+                    writer.add_images("val/truth", samples["true"], step)
+                    writer.add_images("val/prediction", samples["pred"], step)
+                writer.flush()  # a write error of the writer's thread surfaces here
             except OSError as error:
                 logger.warning(
                     "cannot write TensorBoard events to %s: %s; training continues without --tensorboard",
@@ -344,16 +347,6 @@ class RunLog:
             except Exception as error:
                 logger.warning("wandb logging failed (%s); continuing without wandb", error)
                 self._wandb_run = None
-
-
-def _write_events(writer: Any, step: int, scalars: dict[str, tuple[str, float]], samples: dict | None) -> None:
-    for tag, (_, value) in scalars.items():
-        writer.add_scalar(tag, value, step)
-    if samples is not None:
-        writer.add_images("val/image", samples["image"].detach().float().cpu().clamp(0, 1), step)
-        writer.add_images("val/truth", samples["true"], step)
-        writer.add_images("val/prediction", samples["pred"], step)
-    writer.flush()  # a write error of the writer's thread surfaces here
 
 
 def _wandb_record(scalars: dict[str, tuple[str, float]], samples: dict | None) -> dict[str, Any]:
@@ -376,16 +369,11 @@ def _start_tensorboard(run_folder: RunFolder, purge_step: int | None) -> Any:
 
     _quiet_event_writer_threads()
     try:
-        return SummaryWriter(
-            log_dir=str(side_output_folder(run_folder.tensorboard, "--tensorboard")), purge_step=purge_step
-        )
-    except OutputError as error:
-        logger.warning("%s; training continues without TensorBoard events", error)
-    except OSError as error:
-        logger.warning(
-            "cannot write TensorBoard events to %s: %s; training continues without them", run_folder.tensorboard, error
-        )
-    return None
+        folder = side_output_folder(run_folder.tensorboard, "--tensorboard")
+        return SummaryWriter(log_dir=str(folder), purge_step=purge_step)
+    except (OutputError, OSError) as error:  # the folder refused (a link, a file), or a full disk already
+        logger.warning("%s; training continues without --tensorboard", error)
+        return None
 
 
 def _quiet_event_writer_threads() -> None:
@@ -406,21 +394,18 @@ def _quiet_event_writer_threads() -> None:
 
 
 def _start_wandb(run_folder: RunFolder, config: TrainConfig) -> Any:
+    mode = config.logging.wandb
     try:
         import wandb
-    except ImportError:
-        logger.warning(
-            "--wandb %s but wandb is not installed; continuing without it (pip install wandb)", config.logging.wandb
-        )
-        return None
-    try:
+
         return wandb.init(
             project=WANDB_PROJECT,
             name=config.checkpoint.exp_name,
             config=config.as_dict(),
-            mode=config.logging.wandb,
+            mode=mode,
             dir=str(run_folder.path),
         )
-    except Exception as error:  # wandb raises many kinds (network, auth); none should stop training
-        logger.warning("wandb could not start (%s); continuing without it", error)
+    except Exception as error:  # not installed, or any of wandb's failures (network, login): none should stop training
+        fix = " (pip install wandb)" if isinstance(error, ImportError) else ""
+        logger.warning("--wandb %s: wandb could not start (%s); continuing without it%s", mode, error, fix)
         return None

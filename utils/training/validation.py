@@ -61,27 +61,25 @@ class UntilStopped:
             yield batch
 
 
+@dataclass
 class Validator:
     """Scores the run's evaluated model (``TrainParts.evaluated_model``, unwrapped: no DDP collective; in eval mode:
     BatchNorm untouched) on ``parts.loaders.val``, this rank's part of the validation set (all of it on rank 0 with
     --val-mode rank0, nothing on the others), in the step's precision; reported at ``parts.position`` by the
     ``RunLog``."""
 
-    def __init__(
-        self, ctx: DistributedContext, parts: TrainParts, *, interrupts: InterruptFlag, run_log: RunLog
-    ) -> None:
-        self.ctx = ctx
-        self.parts = parts
-        self._interrupts = interrupts
-        self._run_log = run_log
+    ctx: DistributedContext
+    parts: TrainParts
+    interrupts: InterruptFlag
+    run_log: RunLog
 
     def validate(self) -> float:
         """The validation Dice, the same on every rank; raises ``ValidationStopped`` (a signal cut rank 0's short) or
         a ``DatasetError`` (a file failed to load) on every rank."""
         ctx, loaders = self.ctx, self.parts.loaders
         # Only a rank-0 validation stops at a signal: with --val-mode sharded every rank scores its part to the end.
-        batches = UntilStopped(loaders.val or [], None if loaders.val_sharded else self._interrupts)
-        with self._run_log.phase("validation"):
+        batches = UntilStopped(loaders.val or [], None if loaders.val_sharded else self.interrupts)
+        with self.run_log.phase("validation"):
             # Agreed before the all-reduce: a rank whose file failed would never reach it, and the others wait.
             metrics = agree_on_errors(
                 ctx,
@@ -91,7 +89,7 @@ class Validator:
                     ctx.device,
                     n_classes=self.parts.config.model.classes,
                     precision=self.parts.step.precision,
-                    progress=self._run_log.bars,
+                    progress=self.run_log.bars,
                 ),
             )
             metrics.reduce(lambda sums: sum_across_ranks(ctx, sums.to(ctx.device)))
@@ -102,5 +100,5 @@ class Validator:
                 raise ValidationStopped(stopped)  # a partial score is no score: not reported
             result = metrics.compute()
             if ctx.is_main:
-                self._run_log.log_val(result)
+                self.run_log.log_val(result)
         return result.dice
