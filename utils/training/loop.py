@@ -18,7 +18,7 @@ import logging
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from utils.training.ema import WeightAverage
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan
 from utils.training.step import TrainStep
-from utils.training.validation import ValidationStopped, Validator
+from utils.training.validation import Validator
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,19 @@ class Trainer:
                 # alive with the error, its idle workers (which ignore SIGTERM, see utils.training.data) would block
                 # the interpreter's exit forever.
                 error.__traceback__ = None
-                self._stop_for_bad_data(user_message(error))
+                # Every rank saves INTERRUPTED.pth together (nothing trained is lost: the state of the last whole
+                # optimizer step), then stops with the file's error.
+                saved = self.checkpointer.save_now("interrupted")
+                kept = (
+                    f"saved {saved} (step {self.position.global_step})"
+                    if saved
+                    else f"the newest checkpoint in {self.parts.run_folder} holds the last saved state"
+                )
+                bad_data = DatasetError(
+                    f"{user_message(error)}; {kept}: continue with --resume auto once the file is fixed (a removed "
+                    f"file changes the dataset, which a resume refuses: then start from that checkpoint with --load)"
+                )
+                raise raised_on_every_rank(bad_data) from None
         self._skipped_steps()
         self._stop.finish()
         if self.run_log.draw_curves():
@@ -152,12 +164,11 @@ class Trainer:
         batches_done = plan.batches_done(images_done)
         batches_in_epoch = plan.batches_in_epoch(images_done)
         with self.run_log.epoch_bar(epoch, images_done=images_done):
-            for offset, batch in enumerate(self._batches()):
-                index = batches_done + offset
+            for index, batch in enumerate(self._batches(), start=batches_done):
                 group = plan.accumulation_group(index, batches_in_epoch)
                 closes_group = group.closes_with(index)
                 # A resume whose batch size or world size changed may start inside a group: it opens a step too.
-                if group.opens_with(index) or offset == 0:
+                if group.opens_with(index) or index == batches_done:
                     self.step.begin()
                 self.run_log.trained(self.step.accumulate(batch, group.size, sync_gradients=closes_group))
                 if not closes_group:
@@ -167,8 +178,7 @@ class Trainer:
                     self.parts.ema.update()
                 self.position.global_step += 1
                 self.position.step_in_epoch = index + 1
-                outcome = self._after_step()
-                if outcome is not None:
+                if outcome := self._after_step():
                     return outcome
         return None
 
@@ -198,12 +208,11 @@ class Trainer:
         position.epoch, position.step_in_epoch = epoch_number, 0
         improved, dice = False, None
         if epoch_number % self.config.logging.val_every == 0 or epoch_number == self.last_epoch:
-            try:
-                dice = self.validator.validate()
-            except ValidationStopped as stop:
+            dice, stopped = self.validator.validate()
+            if stopped:
                 # Saved as "every batch trained, not validated": the resumed run repeats the validation.
                 position.epoch, position.step_in_epoch = epoch, trained_steps
-                return self._stop_for_signal(stop.signum)
+                return self._stop_for_signal(stopped)
             if flags.scheduler == "plateau":
                 self.parts.scheduler.step(dice)
             enough = dice > position.best_dice + flags.min_delta
@@ -267,21 +276,6 @@ class Trainer:
             how = f"; saved {saved}. To continue, run the same command with --resume auto (or --resume {saved})"
         where = f"at epoch {self.position.epoch + 1}, step {self.position.global_step}"
         return TrainOutcome(f"Stopped by {signal.Signals(signum).name} {where}{how}", interrupted_by=signum)
-
-    def _stop_for_bad_data(self, message: str) -> NoReturn:
-        """A file that failed to load mid-run, on any rank: every rank saves INTERRUPTED.pth together (nothing trained
-        is lost: the state of the last whole optimizer step), then stops with the file's error."""
-        where = self.checkpointer.save_now("interrupted")
-        kept = (
-            f"saved {where} (step {self.position.global_step})"
-            if where
-            else f"the newest checkpoint in {self.parts.run_folder} holds the last saved state"
-        )
-        error = DatasetError(
-            f"{message}; {kept}: continue with --resume auto once the file is fixed (a removed file changes the "
-            f"dataset, which a resume refuses: then start from that checkpoint with --load)"
-        )
-        raise raised_on_every_rank(error)
 
 
 def _next_batch(iterator: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:

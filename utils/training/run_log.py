@@ -73,13 +73,6 @@ def bars_wanted(*, is_main: bool, no_progress: bool, stream: TextIO | None = Non
     return is_main and not no_progress and stderr_is_terminal(sys.stderr if stream is None else stream)
 
 
-def format_duration(seconds: float) -> str:
-    """``1:02:03`` for hours, ``2:03`` below an hour."""
-    hours, rest = divmod(max(int(round(seconds)), 0), 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
 class RunLog:
     """The run's settings, progress, metrics and curves, of ``parts``: its flags (the logging section, and the epoch
     plan: a resumed run's is its checkpoint's), folder, batch plan, and position, which every record reports.
@@ -202,7 +195,7 @@ class RunLog:
         remaining = (self._last_epoch - position.epoch) * steps_per_epoch - position.step_in_epoch
         if max_steps := self.parts.config.optimisation.max_steps:
             remaining = min(remaining, max_steps - position.global_step)
-        return format_duration(max(remaining, 0) * seconds_per_step)
+        return tqdm.format_interval(max(remaining, 0) * seconds_per_step)  # 2:03:04, or 03:04 below an hour
 
     def epoch_line(self) -> None:
         """Log the epoch's mean training loss and its validation (Dice, IoU) if it validated; resets both. On every

@@ -10,7 +10,7 @@ A stop signal during a rank-0 validation ends it at the next batch, so that the 
 after it: with a short grace period (SLURM's, Kubernetes') a validation that runs to its end, followed by one more
 training batch, can lose the whole trained epoch. Rank 0 scores batches only while no signal has arrived
 (``UntilStopped``); when one arrives, the partial score is dropped, every rank learns the signal from a second
-all-reduce and raises it (``ValidationStopped``), and the loop saves ``INTERRUPTED.pth`` with the position of the
+all-reduce, and the loop saves ``INTERRUPTED.pth`` with the position of the
 epoch's last step (every batch trained, the validation not done). The resumed run has no batch of that epoch left,
 so it goes straight to the epoch's end and repeats the validation.
 """
@@ -30,14 +30,6 @@ from utils.training.run_log import RunLog
 
 if TYPE_CHECKING:
     from utils.training.loop import TrainParts
-
-
-class ValidationStopped(Exception):
-    """Raised on every rank by ``Validator.validate`` when a signal, its one argument, cut rank 0's validation short."""
-
-    @property
-    def signum(self) -> int:
-        return self.args[0]
 
 
 @dataclass
@@ -73,9 +65,10 @@ class Validator:
     interrupts: InterruptFlag
     run_log: RunLog
 
-    def validate(self) -> float:
-        """The validation Dice, the same on every rank; raises ``ValidationStopped`` (a signal cut rank 0's short) or
-        a ``DatasetError`` (a file failed to load) on every rank."""
+    def validate(self) -> tuple[float | None, int]:
+        """The validation Dice and 0, the same on every rank; or None and the signal that cut rank 0's validation short
+        (a partial score is no score: not reported). A file that failed to load raises its DatasetError on every
+        rank."""
         ctx, loaders = self.ctx, self.parts.loaders
         # Only a rank-0 validation stops at a signal: with --val-mode sharded every rank scores its part to the end.
         batches = UntilStopped(loaders.val or [], None if loaders.val_sharded else self.interrupts)
@@ -97,8 +90,8 @@ class Validator:
             # empty validation set. Only rank 0 can have one: the sum is its signal.
             stopped = int(sum_across_ranks(ctx, torch.tensor([batches.stopped_by], device=ctx.device)).item())
             if stopped:
-                raise ValidationStopped(stopped)  # a partial score is no score: not reported
+                return None, stopped
             result = metrics.compute()
             if ctx.is_main:
                 self.run_log.log_val(result)
-        return result.dice
+        return result.dice, 0
