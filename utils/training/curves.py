@@ -27,11 +27,6 @@ logger = logging.getLogger(__name__)
 
 Points = list[tuple[float, float]]
 
-FIGURE_SIZE_INCHES = (14.0, 8.0)
-DPI = 80
-LOSS_COLOUR = "#1f77b4"
-DICE_COLOUR = "#d62728"
-
 
 @dataclass
 class Series:
@@ -110,7 +105,7 @@ def build_figure(series: Series) -> Figure:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=FIGURE_SIZE_INCHES, dpi=DPI, layout="constrained")
+    figure = Figure(figsize=(14.0, 8.0), dpi=80, layout="constrained")
     grid = figure.add_gridspec(2, 6)
 
     def panel(where, title: str, y_label: str, x_label: str = "optimizer step"):
@@ -119,7 +114,7 @@ def build_figure(series: Series) -> Figure:
         axes.grid(True, alpha=0.3)
         return axes
 
-    _plot(panel(grid[0, :3], "Training loss", "loss"), series.loss, "training loss", LOSS_COLOUR)
+    _plot(panel(grid[0, :3], "Training loss", "loss"), series.loss, "training loss", "#1f77b4")
     dice_axes = panel(grid[0, 3:], "Validation Dice", "validation Dice")
     # A class whose line is the foreground mean at every point (the one foreground class of a binary task) would hide
     # under the mean's line: the mean's label names it instead.
@@ -129,7 +124,7 @@ def build_figure(series: Series) -> Figure:
             mean_label += f" = class {index}"
         else:
             _plot(dice_axes, points, f"class {index}", None, alpha=0.6, linestyle="--")
-    _plot(dice_axes, series.dice, mean_label, DICE_COLOUR)
+    _plot(dice_axes, series.dice, mean_label, "#d62728")
     if series.dice or series.per_class_dice:
         dice_axes.legend(loc="lower right", fontsize="small")
     _plot(panel(grid[1, :2], "Learning rate", "learning rate"), series.learning_rate, "learning rate", "#2ca02c")

@@ -13,7 +13,6 @@ boundary; what to save, when, and whether the state is healthy enough to be save
 
 from __future__ import annotations
 
-import functools
 import logging
 import signal
 from collections.abc import Iterator
@@ -191,7 +190,7 @@ class Trainer:
         batches, so all of them reach the end of the epoch together.
         """
         iterator = iter(self.parts.loaders.train)
-        while (batch := agree_on_errors(self.ctx, functools.partial(_next_batch, iterator))) is not None:
+        while (batch := agree_on_errors(self.ctx, lambda: _next_batch(iterator))) is not None:
             yield batch
 
     def _end_epoch(self, epoch: int) -> TrainOutcome | None:

@@ -33,13 +33,11 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from utils.checkpoint.run_folder import RunFolder
 from utils.cli import stderr_is_terminal
 from utils.errors import ConfigError, count
 from utils.evaluation import EvalResult, predict_classes
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
-from utils.training.config import TrainConfig
 from utils.training.config_file import write_config_file
 from utils.training.curves import write_curves_if_possible
 
@@ -92,9 +90,8 @@ class RunLog:
         # of this epoch (for the epoch line's mean).
         self._window, self._epoch = [0.0, 0.0], [0.0, 0.0]
         self._last_validation: EvalResult | None = None
-        self._scored_any_foreground = False
+        self._zero_dice_explained = False
         self._curves_current = False  # whether curves.png shows every record of metrics.jsonl already
-        self._bar: tqdm | None = None
         self._wandb_run = self._tensorboard = None
         # The run's summary: ``Starting training: epochs 1..6, ...``, or for a resumed run where in its plan it goes on
         plan, position = parts.batch_plan, parts.position
@@ -125,9 +122,9 @@ class RunLog:
                 f"--checkpoint-dir"
             ) from error
         if config.logging.tensorboard:
-            self._tensorboard = _start_tensorboard(run_folder, position.global_step + 1 if parts.resumed else None)
+            self._tensorboard = _start_tensorboard(parts)
         if config.logging.wandb != "disabled":
-            self._wandb_run = _start_wandb(run_folder, config)
+            self._wandb_run = _start_wandb(parts)
 
     # ------------------------------------------------------------------------------------------------ training
 
@@ -229,10 +226,9 @@ class RunLog:
             f"average classes 1+); micro (dataset-level) Dice {micro['dice']:.4f}, IoU {micro['iou']:.4f}"
         )
         self._last_validation = result
-        if result.dice == 0 and not self._scored_any_foreground:
-            self._scored_any_foreground = True  # said once: the next zeros need no repeat
+        if result.dice == 0 and not self._zero_dice_explained:
             logger.info(ZERO_DICE_HINT)
-        self._scored_any_foreground |= result.dice > 0
+        self._zero_dice_explained |= result.dice >= 0  # said once, and never after a foreground was found
         # The scores as evaluate.py writes them: the headline macro (per-image mean) Dice and IoU, and both reductions
         # (with micro: dataset-level), per class and averaged; see utils.evaluation.
         record = {"epoch": position.epoch, "global_step": position.global_step, **result.as_dict()}
@@ -327,9 +323,8 @@ class RunLog:
                 writer.flush()  # a write error of the writer's thread surfaces here
             except OSError as error:
                 logger.warning(
-                    "cannot write TensorBoard events to %s: %s; training continues without --tensorboard",
-                    self.run_folder.tensorboard,
-                    error.strerror or error,
+                    f"cannot write TensorBoard events to {self.run_folder.tensorboard}: {error.strerror or error}; "
+                    "training continues without --tensorboard"
                 )
                 with contextlib.suppress(Exception):
                     self._tensorboard.close()
@@ -355,15 +350,16 @@ def _wandb_record(scalars: dict[str, tuple[str, float]], samples: dict | None) -
     return record
 
 
-def _start_tensorboard(run_folder: RunFolder, purge_step: int | None) -> Any:
+def _start_tensorboard(parts: TrainParts) -> Any:
     if importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard, or drop --tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
     _quiet_event_writer_threads()
     try:
-        folder = side_output_folder(run_folder.tensorboard, "--tensorboard")
-        return SummaryWriter(log_dir=str(folder), purge_step=purge_step)
+        folder = side_output_folder(parts.run_folder.tensorboard, "--tensorboard")
+        # A resumed run hides what the run it continues logged after its checkpoint: see the module's docstring.
+        return SummaryWriter(log_dir=str(folder), purge_step=parts.position.global_step + 1 if parts.resumed else None)
     except (OutputError, OSError) as error:  # the folder refused (a link, a file), or a full disk already
         logger.warning("%s; training continues without --tensorboard", error)
         return None
@@ -386,17 +382,17 @@ def _quiet_event_writer_threads() -> None:
     threading.excepthook = hook
 
 
-def _start_wandb(run_folder: RunFolder, config: TrainConfig) -> Any:
-    mode = config.logging.wandb
+def _start_wandb(parts: TrainParts) -> Any:
+    mode = parts.config.logging.wandb
     try:
         import wandb
 
         return wandb.init(
             project=WANDB_PROJECT,
-            name=config.checkpoint.exp_name,
-            config=config.as_dict(),
+            name=parts.config.checkpoint.exp_name,
+            config=parts.run_args,
             mode=mode,
-            dir=str(run_folder.path),
+            dir=str(parts.run_folder.path),
         )
     except Exception as error:  # not installed, or any of wandb's failures (network, login): none should stop training
         fix = " (pip install wandb)" if isinstance(error, ImportError) else ""
