@@ -122,12 +122,9 @@ class Trainer:
                 error.__traceback__ = None
                 # Every rank saves INTERRUPTED.pth together (nothing trained is lost: the state of the last whole
                 # optimizer step), then stops with the file's error.
-                saved = self.checkpointer.save_now("interrupted")
-                kept = (
-                    f"saved {saved} (step {self.position.global_step})"
-                    if saved
-                    else f"the newest checkpoint in {self.parts.run_folder} holds the last saved state"
-                )
+                kept = f"the newest checkpoint in {self.parts.run_folder} holds the last saved state"
+                if saved := self.checkpointer.save_now("interrupted"):
+                    kept = f"saved {saved} (step {self.position.global_step})"
                 bad_data = DatasetError(
                     f"{user_message(error)}; {kept}: continue with --resume auto once the file is fixed (a removed "
                     f"file changes the dataset, which a resume refuses: then start from that checkpoint with --load)"
@@ -265,13 +262,11 @@ class Trainer:
         )
 
     def _stop_for_signal(self, signum: int) -> TrainOutcome:
-        saved = self.checkpointer.save_now("interrupted")
-        if saved is None:
-            how = (
-                ", without saving (the latest step was skipped for NaN/inf gradients). To continue from the newest "
-                "checkpoint, run the same command with --resume auto"
-            )
-        else:
+        how = (
+            ", without saving (the latest step was skipped for NaN/inf gradients). To continue from the newest "
+            "checkpoint, run the same command with --resume auto"
+        )
+        if saved := self.checkpointer.save_now("interrupted"):
             how = f"; saved {saved}. To continue, run the same command with --resume auto (or --resume {saved})"
         where = f"at epoch {self.position.epoch + 1}, step {self.position.global_step}"
         return TrainOutcome(f"Stopped by {signal.Signals(signum).name} {where}{how}", interrupted_by=signum)

@@ -143,8 +143,7 @@ class TrainStep:
 
     def take_losses(self) -> torch.Tensor:
         """``[sum, count]`` of the finite losses since the previous call, on the device; resets them."""
-        totals = self._losses.clone()
-        self._losses.zero_()
+        totals, self._losses = self._losses, torch.zeros_like(self._losses)
         return totals
 
     def skipped_steps(self, global_step: int, run_folder: Path) -> int:
