@@ -92,7 +92,7 @@ class RunLog:
         self._last_validation: EvalResult | None = None
         self._zero_dice_explained = False
         self._curves_current = False  # whether curves.png shows every record of metrics.jsonl already
-        self._wandb_run = self._tensorboard = None
+        self._wandb_run = self._tensorboard = None  # the side outputs of rank 0 (below)
         # The run's summary: ``Starting training: epochs 1..6, ...``, or for a resumed run where in its plan it goes on
         plan, position = parts.batch_plan, parts.position
         done = f"step {position.global_step} ({position.step_in_epoch} batches of the epoch done)"
@@ -121,10 +121,8 @@ class RunLog:
                 f"cannot write to the run folder {run_folder}: {error.strerror or error}; choose a writable "
                 f"--checkpoint-dir"
             ) from error
-        if config.logging.tensorboard:
-            self._tensorboard = _start_tensorboard(parts)
-        if config.logging.wandb != "disabled":
-            self._wandb_run = _start_wandb(parts)
+        self._tensorboard = _start_tensorboard(parts) if config.logging.tensorboard else None
+        self._wandb_run = _start_wandb(parts) if config.logging.wandb != "disabled" else None
 
     # ------------------------------------------------------------------------------------------------ training
 
