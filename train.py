@@ -20,16 +20,14 @@ if __name__ == "__main__":  # before the heavy imports: a signal while they run 
     catch_signals_from_start()
 
 import logging  # noqa: E402 - after the start-up handler above, as every import below
-import signal
 import sys
 
 from utils.cli import setup_logging
 from utils.launch.environments import launcher_rank, plan_launch
-from utils.launch.process_group import DistributedContext, teardown
+from utils.launch.process_group import teardown
 from utils.launch.runner import RunStage, leave, run_main
 from utils.launch.signals import InterruptFlag, requeue_if_asked, signal_exit_code, stop_when_orphaned
-from utils.training.config import TrainConfig, parse_config
-from utils.training.loop import TrainOutcome
+from utils.training.config import parse_config
 from utils.training.setup import build_trainer, join
 
 logger = logging.getLogger("train")
@@ -74,37 +72,12 @@ def _train(raw_argv: list[str], stage: RunStage) -> int:
             trainer.close()
     finally:
         interrupts.restore()
-    return _report(config, stage.ctx, outcome)
-
-
-def _report(config: TrainConfig, ctx: DistributedContext, outcome: TrainOutcome) -> int:
-    position = outcome.position
-    if outcome.interrupted_by:
-        saved = outcome.checkpoint
-        if saved is None:
-            how = (
-                ", without saving (the latest step was skipped for NaN/inf gradients). To continue from the newest "
-                "checkpoint, run the same command with --resume auto"
-            )
-        else:
-            how = f"; saved {saved}. To continue, run the same command with --resume auto (or --resume {saved})"
-        if ctx.is_main:
-            name = signal.Signals(outcome.interrupted_by).name
-            logger.warning("Stopped by %s at epoch %d, step %d%s", name, position.epoch + 1, position.global_step, how)
-        requeue_if_asked(ctx, outcome.interrupted_by)
-        return signal_exit_code(outcome.interrupted_by)
-    if outcome.reached_max_steps:
-        logger.info(
-            "Stopped after --max-steps %d; %s holds the state (continue with --resume auto and a larger --max-steps)",
-            config.optimisation.max_steps,
-            outcome.checkpoint or "the newest checkpoint of the run folder",
-        )
+    if not outcome.interrupted_by:
+        logger.info("%s", outcome.line)
         return 0
-    if outcome.stopped_early:
-        logger.info("Stopped at epoch %d, step %d; %s", position.epoch, position.global_step, outcome.stopped_early)
-        return 0
-    logger.info("Training complete (%d steps); best validation Dice %.4f", position.global_step, position.best_dice)
-    return 0
+    logger.warning("%s", outcome.line)
+    requeue_if_asked(stage.ctx, outcome.interrupted_by)
+    return signal_exit_code(outcome.interrupted_by)
 
 
 if __name__ == "__main__":

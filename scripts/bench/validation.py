@@ -3,12 +3,11 @@
 Each measurement is a ``torchrun`` launch of 2 gloo processes running this module. Every rank builds the trainer
 from ``train.py``'s flags (``scripts.bench.training.built_trainer``), so the model, the precision, the threads per
 process and the validation loader (the whole set on rank 0, or this rank's shard) are the trainer's own. Then, after
-a warm-up batch and a barrier, each rank times what ``Validator.validate`` does in that mode:
+a warm-up batch and a barrier, each rank times what ``Validator.validate`` does: it scores its part
+(``score_batches`` under ``agree_on_errors``) and the sums are all-reduced. In each mode:
 
-* ``rank0``: rank 0 scores the whole set (``evaluate_segmentation``) while the other rank waits in the broadcast of
-  the score;
-* ``sharded``: every rank scores its shard (``score_batches`` under ``agree_on_errors``) and the sums are
-  all-reduced.
+* ``rank0``: rank 0 scores the whole set while the other rank, which has no part, waits in the agreement;
+* ``sharded``: every rank scores its shard.
 
 The figure is rank 0's time from the barrier to the score (what the trainer's ``validation`` phase record measures).
 Each rank also reports the images it scored and the Dice it got: proof that the run used the mode it is labelled with
@@ -193,8 +192,8 @@ def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from scripts.bench.training import built_trainer
-    from utils.evaluation import evaluate_segmentation, score_batches
-    from utils.launch.process_group import agree_on_errors, barrier, broadcast_from_main, sum_across_ranks
+    from utils.evaluation import score_batches
+    from utils.launch.process_group import agree_on_errors, barrier, sum_across_ranks
 
     with built_trainer(argv) as trainer:
         ctx, parts = trainer.ctx, trainer.parts
@@ -206,14 +205,11 @@ def main(argv: list[str]) -> None:
         options = {"n_classes": trainer.config.model.classes, "precision": parts.step.precision, "progress": False}
         barrier(ctx)
         started = time.perf_counter()
-        # The same calls as Validator.validate (utils/training/validation.py), less the reporting.
-        if sharded:
-            metrics = agree_on_errors(ctx, lambda: score_batches(model, counted, ctx.device, **options))
-            metrics.reduce(lambda sums: sum_across_ranks(ctx, sums.to(ctx.device)))
-            dice = metrics.compute().dice
-        else:
-            dice = evaluate_segmentation(model, counted, ctx.device, **options).dice if ctx.is_main else None
-            dice = broadcast_from_main(ctx, dice)
+        # The same calls as Validator.validate (utils/training/validation.py), less the stop agreement (one integer
+        # all-reduce) and the reporting: in either mode the sums are all-reduced (rank0: only rank 0 has a part).
+        metrics = agree_on_errors(ctx, lambda: score_batches(model, counted or [], ctx.device, **options))
+        metrics.reduce(lambda sums: sum_across_ranks(ctx, sums.to(ctx.device)))
+        dice = metrics.compute().dice
         seconds = time.perf_counter() - started
         mine = {"seconds": seconds, "images": counted.images if counted is not None else 0, "dice": float(dice)}
         every_rank: list[dict[str, Any]] = [{} for _ in range(ctx.world_size)]

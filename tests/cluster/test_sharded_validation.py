@@ -1,10 +1,14 @@
-"""Sharded validation: every rank scores a disjoint part, the sums are all-reduced, the scores equal rank 0's."""
+"""Sharded validation: every rank scores a disjoint part, the sums are all-reduced, the scores equal rank 0's; and the
+trainer's Validator, whose --val-mode rank0 is the same reduce with the whole set on rank 0 and a stop agreed on."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +17,10 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Subset
 
 from tests.helpers import tiny_unet
-from utils.evaluation import evaluate_segmentation, score_batches, shard_range
+from utils.evaluation import EvalResult, evaluate_segmentation, score_batches, shard_range
+from utils.launch.process_group import DistributedContext
+from utils.launch.signals import InterruptFlag
+from utils.training.validation import Validator
 
 N_CLASSES = 3
 
@@ -104,3 +111,66 @@ def test_train_py_sharded_validation_scores_like_rank0(runner) -> None:
     for key in ("dice", "iou"):
         assert scores["sharded"][key] == pytest.approx(scores["rank0"][key], abs=1e-6)
     assert scores["sharded"]["per_class_dice"] == pytest.approx(scores["rank0"]["per_class_dice"], abs=1e-6)
+
+
+class _RecordingLog:
+    """What the Validator asks of the ``RunLog``: a phase to time, no bars, and the results it reports."""
+
+    bars = False
+
+    def __init__(self) -> None:
+        self.reported: list[EvalResult] = []
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def log_val(self, result: EvalResult) -> None:
+        self.reported.append(result)
+
+
+def _validate_on_rank(rank: int, store: str, results: str, signalled: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        cpu = torch.device("cpu")
+        ctx = DistributedContext(
+            rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=cpu, backend="gloo"
+        )
+        # --val-mode rank0: the whole set on rank 0, nothing on rank 1 (utils.training.data.build_loaders).
+        val = DataLoader(_validation_set(5), batch_size=2) if rank == 0 else None
+        parts = SimpleNamespace(
+            loaders=SimpleNamespace(val=val, val_sharded=False),
+            evaluated_model=tiny_unet(0, n_classes=N_CLASSES),
+            config=SimpleNamespace(model=SimpleNamespace(classes=N_CLASSES)),
+            step=SimpleNamespace(precision="fp32"),
+        )
+        interrupts = InterruptFlag()  # never installed: the signal is set as its handler records it, on rank 0 only
+        interrupts.signum = signal.SIGTERM if signalled and rank == 0 else 0
+        log = _RecordingLog()
+        dice, stopped = Validator(ctx, parts, interrupts, log).validate()  # type: ignore[arg-type]
+        torch.save(
+            {"dice": dice, "stopped": stopped, "reported": len(log.reported)}, os.path.join(results, f"{rank}.pth")
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="spawned gloo processes")
+@pytest.mark.parametrize("signalled", [False, True])
+def test_a_rank0_validation_gives_every_rank_its_score_or_its_stop(tmp_path: Path, signalled: bool) -> None:
+    mp.spawn(_validate_on_rank, args=(str(tmp_path / "store"), str(tmp_path), signalled), nprocs=2, join=True)
+    first, second = (torch.load(tmp_path / f"{rank}.pth", weights_only=False) for rank in range(2))
+    if signalled:
+        # The signal rank 0 saw before its first batch stops both ranks, and a partial score is not reported.
+        assert first == second == {"dice": None, "stopped": signal.SIGTERM, "reported": 0}
+        return
+    whole = evaluate_segmentation(
+        tiny_unet(0, n_classes=N_CLASSES),
+        DataLoader(_validation_set(5), batch_size=2),
+        torch.device("cpu"),
+        n_classes=N_CLASSES,
+        progress=False,
+    )
+    assert first["dice"] == second["dice"] == pytest.approx(whole.dice, abs=1e-6) and 0 < whole.dice < 1
+    assert (first["stopped"], second["stopped"], first["reported"], second["reported"]) == (0, 0, 1, 0)

@@ -1,31 +1,15 @@
-"""--patience/--min-delta: the rule on hand values, and real runs that stop, with the count surviving a resume."""
+"""--patience/--min-delta: real runs that stop, with the count surviving a resume (the rule on hand values:
+tests/training/test_trainer_units.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
 from tests.conftest import TrainRunner, load_checkpoint
 from tests.helpers import read_metrics
-from utils.training import early_stop
-from utils.training.config import parse_config
 
 # The runner's data: 16 images, 10 % validation -> 15 training images; batch 2 -> 8 steps per epoch.
 STEPS_PER_EPOCH = 8
-
-
-def test_the_count_on_hand_values() -> None:
-    flags = parse_config(["--patience", "2", "--min-delta", "0.01"]).optimisation
-    assert early_stop.validations_without_improvement(flags, 0.5, -math.inf, 0) == 0  # the first always improves
-    assert early_stop.validations_without_improvement(flags, 0.505, 0.5, 0) == 1  # not by more than min_delta
-    assert early_stop.validations_without_improvement(flags, 0.511, 0.5, 1) == 0
-    assert early_stop.validations_without_improvement(flags, 0.4, 0.5, 1) == 2
-    assert not early_stop.should_stop(flags, 1) and early_stop.should_stop(flags, 2)
-    assert not early_stop.should_stop(parse_config([]).optimisation, 100)  # patience 0: off
-    assert early_stop.reason(flags, 0.51234, 3) == (
-        "early stopping: no improvement of validation Dice above 0.01 in 2 validations; best 0.5123 at epoch 3"
-    )
 
 
 def test_a_run_whose_dice_cannot_improve_enough_stops_after_the_second_validation(

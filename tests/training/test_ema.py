@@ -18,7 +18,7 @@ from tests.conftest import TrainRunner, assert_same_training_state, finish, load
 from tests.helpers import tiny_unet
 from utils.evaluation import score_batches
 from utils.training.ema import WeightAverage
-from utils.training.nonfinite import NonFiniteStepGuard
+from utils.training.step import NonFiniteStepGuard
 
 DECAY = 0.5
 

@@ -19,7 +19,7 @@ from utils.checkpoint.run_folder import RunFolder
 from utils.errors import CheckpointError
 from utils.evaluation import dice_loss
 from utils.launch.signals import InterruptFlag, signal_exit_code
-from utils.training.curves import build_figure, draw_curves, read_series
+from utils.training.curves import build_figure, read_series, write_curves_if_possible
 from utils.training.objective import StepSchedule, segmentation_loss
 from utils.training.sampler import (
     BatchPlan,
@@ -160,13 +160,32 @@ def test_curves_png(tmp_path: Path) -> None:
     mean_line = dice_lines["mean (foreground) = class 1"]
     assert list(mean_line.get_ydata()) == [0.4] and mean_line.get_marker() == "o"
 
-    draw_curves(metrics, tmp_path / "curves.png")
+    assert write_curves_if_possible(metrics, tmp_path / "curves.png")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]  # no temporary left
     with Image.open(tmp_path / "curves.png") as image:
         assert image.format == "PNG" and image.size == (14 * 80, 8 * 80)
         pixels = np.asarray(image.convert("RGB")).reshape(-1, 3).astype(int)
     # Something was drawn in the loss colour.
     assert (np.abs(pixels - [31, 119, 180]).sum(axis=1) < 30).sum() > 50
+
+
+def _dice_legend(metrics: Path) -> list[str]:
+    dice_axes = next(axes for axes in build_figure(read_series(metrics)).axes if axes.get_title() == "Validation Dice")
+    return [text.get_text() for text in dice_axes.get_legend().get_texts()]
+
+
+def test_a_binary_task_draws_its_one_foreground_class_as_the_mean_not_hidden_under_it(tmp_path: Path) -> None:
+    binary, three = tmp_path / "binary.jsonl", tmp_path / "three.jsonl"
+    for step, (background, car) in enumerate([(0.9, 0.5), (0.95, 0.7)], start=1):
+        record = {"event": "val", "epoch": step, "global_step": step}
+        with open(binary, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({**record, "dice": car, "per_class_dice": [background, car]}) + "\n")
+        with open(three, "a", encoding="utf-8") as handle:
+            handle.write(
+                json.dumps({**record, "dice": (car + 0.3) / 2, "per_class_dice": [background, car, 0.3]}) + "\n"
+            )
+    assert _dice_legend(binary) == ["class 0", "mean (foreground) = class 1"]
+    assert _dice_legend(three) == ["class 0", "class 1", "class 2", "mean (foreground)"]
 
 
 def test_prune_keeps_the_newest_epoch_files(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -25,13 +26,15 @@ from tests.helpers import CPU_CONTEXT
 from utils.checkpoint import checkpointer
 from utils.checkpoint.format import TrainPosition
 from utils.checkpoint.run_folder import RunFolder
+from utils.evaluation import EvalResult
 from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
+from utils.training.curves import read_series
 from utils.training.data import Loaders, TrainData
 from utils.training.loop import Trainer, TrainParts
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
-from utils.training.validation import ValidationStopped, Validator
+from utils.training.validation import Validator
 
 
 class RecordingStep:
@@ -64,8 +67,8 @@ class RecordingStep:
     def take_losses(self) -> torch.Tensor:
         return torch.zeros(2)
 
-    def skip_report(self) -> None:
-        return None
+    def skipped_steps(self, global_step: int, run_folder: RunFolder) -> int:
+        return 0
 
     def groups(self) -> list[list[int]]:
         """Image ids of each optimizer step, from its begin to its update."""
@@ -110,8 +113,8 @@ class ScriptedValidator:
     dice: tuple[float, ...]
     position: TrainPosition
 
-    def validate(self) -> float:
-        return self.dice[self.position.epoch - 1]
+    def validate(self) -> tuple[float, int]:
+        return self.dice[self.position.epoch - 1], 0
 
 
 @dataclass
@@ -170,14 +173,8 @@ def make_run(
         resume_images_in_epoch=resume_images,
     )
     interrupts = InterruptFlag()  # never installed: the tests set its signal as the handler would
-    run_log = RunLog(CPU_CONTEXT, parts)
-    trainer = Trainer(
-        CPU_CONTEXT,
-        parts,
-        run_log=run_log,
-        validator=ScriptedValidator(dice, parts.position),  # type: ignore[arg-type]
-        interrupts=interrupts,
-    )
+    trainer = Trainer(CPU_CONTEXT, parts, interrupts)
+    trainer.validator = ScriptedValidator(dice, parts.position)  # type: ignore[assignment]
     return Run(trainer, step, interrupts, record_saves(), folder)
 
 
@@ -215,34 +212,35 @@ def _checkpointer_log_at_info() -> Iterator[None]:
 def test_seven_batches_with_grad_accum_three_make_steps_of_three_three_and_one(tmp_path: Path) -> None:
     run = make_run(tmp_path, n_train=7, grad_accum=3, dice=(0.5,))
     outcome = run.trainer.train()
+    position = run.trainer.position
     sizes = [(call[2], call[3]) for call in run.step.calls if call[0] == "batch"]
     # Each micro-batch's loss is divided by its group's size; gradients are all-reduced on a group's last batch only.
     assert sizes == [(3, False), (3, False), (3, True), (3, False), (3, False), (3, True), (1, True)]
     assert [len(group) for group in run.step.groups()] == [3, 3, 1]
     assert sorted(sum(sum(run.step.groups(), []), [])) == list(range(7))  # every image once
-    assert (outcome.position.epoch, outcome.position.global_step, outcome.position.step_in_epoch) == (1, 3, 0)
-    assert outcome.interrupted_by == 0 and not outcome.reached_max_steps
+    assert (position.epoch, position.global_step, position.step_in_epoch) == (1, 3, 0)
+    assert outcome.interrupted_by == 0 and outcome.line.startswith("Training complete (3 steps); best validation Dice")
 
 
 def test_a_last_smaller_batch_still_closes_its_group(tmp_path: Path) -> None:
     # 7 images in batches of 2: 4 batches (2, 2, 2, 1 images); --grad-accum 3 groups them 3 + 1, over two epochs.
     run = make_run(tmp_path, n_train=7, batch_size=2, grad_accum=3, epochs=2, dice=(0.1, 0.2))
-    outcome = run.trainer.train()
+    run.trainer.train()
     assert [[len(batch) for batch in group] for group in run.step.groups()] == [[2, 2, 2], [1], [2, 2, 2], [1]]
-    assert outcome.position.global_step == 4 and outcome.position.epoch == 2
+    assert run.trainer.position.global_step == 4 and run.trainer.position.epoch == 2
 
 
 def test_a_resume_continues_the_epoch_at_its_group_boundary(tmp_path: Path) -> None:
     # Resumed after one step of 3 batches (3 images) of epoch 1: the rest, batches 3..6, make steps of 3 and 1.
     position = TrainPosition(epoch=0, global_step=1, step_in_epoch=3)
     run = make_run(tmp_path, n_train=7, grad_accum=3, dice=(0.5,), position=position, resume_images=3)
-    outcome = run.trainer.train()
+    run.trainer.train()
     order = run.step.groups()
     assert [len(group) for group in order] == [3, 1]
     full_epoch = make_run(tmp_path / "full", n_train=7, grad_accum=3, dice=(0.5,))
     full_epoch.trainer.train()
     assert order == full_epoch.step.groups()[1:]  # the same images as the uninterrupted epoch's last steps
-    assert outcome.position.global_step == 3
+    assert run.trainer.position.global_step == 3
 
 
 def test_a_resume_with_a_larger_batch_begins_its_first_step(tmp_path: Path) -> None:
@@ -284,10 +282,14 @@ def test_max_steps_stops_and_saves_once(tmp_path: Path) -> None:
         tmp_path, n_train=7, grad_accum=3, epochs=3, dice=(0.5,) * 3, flags=("--max-steps", "2", "--save_every", "0")
     )
     outcome = run.trainer.train()
-    assert outcome.reached_max_steps and outcome.checkpoint == run.folder.last
+    assert outcome.line == (
+        f"Stopped after --max-steps 2; {run.folder.last} holds the state (continue with --resume auto and a larger "
+        f"--max-steps)"
+    )
+    assert outcome.interrupted_by == 0
     assert [len(group) for group in run.step.groups()] == [3, 3]
     assert run.saves == [(["last.pth"], 2)]
-    assert (outcome.position.global_step, outcome.position.step_in_epoch) == (2, 6)
+    assert (run.trainer.position.global_step, run.trainer.position.step_in_epoch) == (2, 6)
 
 
 def test_a_signal_stops_at_the_end_of_the_step_it_arrived_in(tmp_path: Path) -> None:
@@ -305,9 +307,14 @@ def test_a_signal_stops_at_the_end_of_the_step_it_arrived_in(tmp_path: Path) -> 
     assert [len(group) for group in run.step.groups()] == [3]
     assert run.step.calls[-1] == ("update",)
     assert outcome.interrupted_by == signal.SIGTERM
-    assert outcome.checkpoint == run.folder.interrupted and run.folder.interrupted.is_file()
+    assert outcome.line == (
+        f"Stopped by SIGTERM at epoch 1, step 1; saved {run.folder.interrupted}. To continue, run the same command "
+        f"with --resume auto (or --resume {run.folder.interrupted})"
+    )
+    assert run.folder.interrupted.is_file()
     assert run.saves == [(["INTERRUPTED.pth"], 1)]
-    assert (outcome.position.epoch, outcome.position.global_step, outcome.position.step_in_epoch) == (0, 1, 3)
+    position = run.trainer.position
+    assert (position.epoch, position.global_step, position.step_in_epoch) == (0, 1, 3)
 
 
 def test_an_agreed_timed_save_writes_last_at_that_step_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -337,6 +344,43 @@ def test_every_epoch_selects_its_order_and_augmentation(tmp_path: Path, epochs: 
     assert images == expected
 
 
+def test_patience_counts_the_validations_without_an_improvement_above_min_delta(tmp_path: Path) -> None:
+    # Validations scoring 0.5 (the first always improves), 0.505 (the best, but not by more than --min-delta 0.01:
+    # count 1), 0.52 (by more: count 0), 0.4 (1), 0.39 (2 = --patience: the run stops after epoch 5 of 6, step 10).
+    dice, flags = (0.5, 0.505, 0.52, 0.4, 0.39, 0.3), ("--patience", "2", "--min-delta", "0.01")
+    run = make_run(tmp_path, n_train=2, epochs=6, dice=dice, flags=flags)
+    outcome = run.trainer.train()
+    position = run.trainer.position
+    assert (position.epoch, position.validations_without_improvement, position.best_epoch) == (5, 2, 3)
+    assert outcome.line == (
+        "Stopped at epoch 5, step 10; early stopping: no improvement of validation Dice above 0.01 in 2 validations; "
+        "best 0.5200 at epoch 3"
+    )
+    # The control: without --patience (0: never stops) the same scores train every epoch.
+    full = make_run(tmp_path / "full", n_train=2, epochs=6, dice=dice, flags=("--min-delta", "0.01"))
+    assert full.trainer.train().line.startswith("Training complete (12 steps)")
+    assert full.trainer.position.validations_without_improvement == 3
+
+
+def test_the_curves_are_drawn_again_only_after_a_record_they_show(tmp_path: Path) -> None:
+    # Drawing costs the training process about half a second; the loop draws after every validation and at its end.
+    run = make_run(tmp_path, n_train=2)
+    run_log, png = run.trainer.run_log, run.folder.curves
+    Image.new("RGB", (4, 4)).save(png)  # an older run's figure: the first draw replaces it
+    older = png.stat().st_ino
+    assert run_log.draw_curves()
+    drawn = png.stat()
+    assert drawn.st_ino != older  # written as a new file (temporary file and os.replace)
+    with run_log.phase("checkpoint"):  # a record the figure does not show
+        pass
+    assert run_log.draw_curves()
+    assert (png.stat().st_ino, png.stat().st_mtime_ns) == (drawn.st_ino, drawn.st_mtime_ns)
+    scores = [0.9, 0.5]
+    run_log.log_val(EvalResult(scores, scores, n_images=2, micro_per_class_dice=scores, micro_per_class_iou=scores))
+    assert png.stat().st_ino != drawn.st_ino, "a validation draws the curves again"
+    assert read_series(run.folder.metrics).dice == [(0, 0.5)]
+
+
 class ImagesOfOnes:
     """Two 1-channel 4x4 images and empty masks: enough for the real validation to score them."""
 
@@ -358,9 +402,8 @@ def test_a_signal_before_the_first_validation_batch_is_a_stop_not_an_empty_valid
     validator = Validator(CPU_CONTEXT, parts, interrupts=run.interrupts, run_log=RunLog(CPU_CONTEXT, parts))
     if not signalled:
         # The control: the same validation without a signal scores both images.
-        assert 0.0 <= validator.validate() <= 1.0
+        dice, stopped = validator.validate()
+        assert 0.0 <= dice <= 1.0 and stopped == 0
         return
     run.interrupts.signum = signal.SIGTERM  # as the handler records it, before validation's first batch
-    with pytest.raises(ValidationStopped) as stopped:
-        validator.validate()
-    assert stopped.value.signum == signal.SIGTERM
+    assert validator.validate() == (None, signal.SIGTERM)

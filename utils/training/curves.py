@@ -9,7 +9,6 @@ last value, so the curves of a resumed run continue as one line.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -27,12 +26,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Points = list[tuple[float, float]]
-
-FIGURE_SIZE_INCHES = (14.0, 8.0)
-DPI = 80
-LOSS_COLOUR = "#1f77b4"
-DICE_COLOUR = "#d62728"
-SERIES_DIGEST_KEY = "unet-ddp curves sha256"
 
 
 @dataclass
@@ -52,32 +45,28 @@ class Series:
 
 def read_series(metrics_path: Path) -> Series:
     """The curves in ``metrics_path``; lines cut short by a crash (see ``output_files.open_for_append``) are skipped."""
-    train: dict[int, dict] = {}
-    val: dict[int, dict] = {}
-    events_of = {"train": train, "val": val}
+    latest: dict[tuple[str, int], dict] = {}  # (event, global step) -> its last record
     with open(metrics_path, encoding="utf-8") as handle:
         for line in handle:
             try:
-                event = json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
             # A torn line can still parse (as a number, say).
-            if isinstance(event, dict) and event.get("event") in events_of:
-                events_of[event["event"]][int(event["global_step"])] = event
+            if isinstance(record, dict) and record.get("event") in ("train", "val"):
+                latest[record["event"], int(record["global_step"])] = record
     series = Series()
-    for step in sorted(train):
-        event = train[step]
-        series.loss.append((step, float(event["loss"])))
-        if "lr" in event:
-            series.learning_rate.append((step, float(event["lr"])))
-        if "images_per_s" in event:
-            series.images_per_s.append((step, float(event["images_per_s"])))
-    for step in sorted(val):
-        event = val[step]
-        series.dice.append((step, float(event["dice"])))
-        for index, dice in enumerate(event.get("per_class_dice") or []):
-            series.per_class_dice.setdefault(index, []).append((step, float(dice)))
-    series.epoch_seconds = _epoch_seconds([train[step] for step in sorted(train)])
+    for (event, step), record in sorted(latest.items()):
+        if event == "val":
+            series.dice.append((step, float(record["dice"])))
+            for index, dice in enumerate(record.get("per_class_dice") or []):
+                series.per_class_dice.setdefault(index, []).append((step, float(dice)))
+            continue
+        series.loss.append((step, float(record["loss"])))
+        for key, points in (("lr", series.learning_rate), ("images_per_s", series.images_per_s)):
+            if key in record:
+                points.append((step, float(record[key])))
+    series.epoch_seconds = _epoch_seconds([record for (event, _), record in sorted(latest.items()) if event == "train"])
     return series
 
 
@@ -94,22 +83,19 @@ def _epoch_seconds(events: list[dict]) -> Points:
         if "time" in event and "epoch" in event:
             by_epoch[int(event["epoch"])].append(event)
     points: Points = []
-    for epoch in sorted(by_epoch):
-        logged = by_epoch[epoch]
+    for epoch, logged in sorted(by_epoch.items()):
         gaps = [
             (later["time"] - earlier["time"], later["global_step"] - earlier["global_step"])
             for earlier, later in zip(logged, logged[1:], strict=False)
             if later["global_step"] > earlier["global_step"]
         ]
-        previous = by_epoch.get(epoch - 1)
-        if previous:
-            steps = logged[-1]["global_step"] - previous[-1]["global_step"]
-        elif gaps:
-            steps = logged[-1]["global_step"] - logged[0]["global_step"] + statistics.median(s for _, s in gaps)
-        else:
+        if not gaps:
             continue
-        if gaps:
-            points.append((epoch, statistics.median(seconds / n for seconds, n in gaps) * steps))
+        interval = statistics.median(n for _, n in gaps)  # steps between two logs
+        previous = by_epoch.get(epoch - 1)
+        start = previous[-1]["global_step"] if previous else logged[0]["global_step"] - interval
+        seconds_per_step = statistics.median(seconds / n for seconds, n in gaps)
+        points.append((epoch, seconds_per_step * (logged[-1]["global_step"] - start)))
     return points
 
 
@@ -119,18 +105,16 @@ def build_figure(series: Series) -> Figure:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=FIGURE_SIZE_INCHES, dpi=DPI, layout="constrained")
+    figure = Figure(figsize=(14.0, 8.0), dpi=80, layout="constrained")
     grid = figure.add_gridspec(2, 6)
 
     def panel(where, title: str, y_label: str, x_label: str = "optimizer step"):
         axes = figure.add_subplot(where)
-        axes.set_title(title)
-        axes.set_xlabel(x_label)
-        axes.set_ylabel(y_label)
+        axes.set(title=title, xlabel=x_label, ylabel=y_label)
         axes.grid(True, alpha=0.3)
         return axes
 
-    _plot(panel(grid[0, :3], "Training loss", "loss"), series.loss, "training loss", LOSS_COLOUR)
+    _plot(panel(grid[0, :3], "Training loss", "loss"), series.loss, "training loss", "#1f77b4")
     dice_axes = panel(grid[0, 3:], "Validation Dice", "validation Dice")
     # A class whose line is the foreground mean at every point (the one foreground class of a binary task) would hide
     # under the mean's line: the mean's label names it instead.
@@ -140,12 +124,11 @@ def build_figure(series: Series) -> Figure:
             mean_label += f" = class {index}"
         else:
             _plot(dice_axes, points, f"class {index}", None, alpha=0.6, linestyle="--")
-    _plot(dice_axes, series.dice, mean_label, DICE_COLOUR)
+    _plot(dice_axes, series.dice, mean_label, "#d62728")
     if series.dice or series.per_class_dice:
         dice_axes.legend(loc="lower right", fontsize="small")
     _plot(panel(grid[1, :2], "Learning rate", "learning rate"), series.learning_rate, "learning rate", "#2ca02c")
-    speed_axes = panel(grid[1, 2:4], "Throughput", "images/s (all processes)")
-    _plot(speed_axes, series.images_per_s, "images/s", "#9467bd")
+    _plot(panel(grid[1, 2:4], "Throughput", "images/s (all processes)"), series.images_per_s, "images/s", "#9467bd")
     epoch_axes = panel(grid[1, 4:], "Training time per epoch", "seconds", x_label="epoch")
     _plot(epoch_axes, series.epoch_seconds, "epoch time", "#8c564b")
     epoch_axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
@@ -163,50 +146,18 @@ def _plot(axes, points: Points, label: str, colour: str | None, *, alpha: float 
     axes.plot(xs, ys, label=label, color=colour, alpha=alpha, linestyle=linestyle, marker=marker, markersize=4)
 
 
-def draw_curves(metrics_path: Path, out_path: Path) -> None:
-    """Write the curves of ``metrics_path`` to ``out_path`` (PNG), all or nothing (``utils.output_files``): a viewer
-    never sees half a file, and a failed write leaves the previous figure.
-
-    A figure already drawn from the same curves is left as it is: the loop draws after each validation and again at
-    the end of the run, and drawing takes about half a second of the training process's time (a second with
-    matplotlib's import). The PNG carries a digest of its curves in a text chunk for this check.
-    """
-    series = read_series(metrics_path)
-    digest = series_digest(series)
-    if drawn_digest(out_path) == digest:
-        return
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    figure = build_figure(series)
-    metadata = {SERIES_DIGEST_KEY: digest}
-    write_file(
-        out_path, lambda temporary: FigureCanvasAgg(figure).print_png(str(temporary), metadata=metadata), "the curves"
-    )
-
-
-def series_digest(series: Series) -> str:
-    """A digest of everything the figure shows."""
-    return hashlib.sha256(repr(series).encode()).hexdigest()
-
-
-def drawn_digest(png_path: Path) -> str | None:
-    """The curves digest stored in ``png_path`` by ``draw_curves``; None when the file is missing or has none."""
-    from PIL import Image
-
-    try:
-        with Image.open(png_path) as image:
-            return image.text.get(SERIES_DIGEST_KEY)  # type: ignore[attr-defined]
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def write_curves_if_possible(metrics_path: Path, out_path: Path) -> bool:
-    """Draw the curves when metrics exist; False when there is nothing to draw yet or the figure could not be
-    written (a warning: the figure is a view of metrics.jsonl, and must not end a training run)."""
+    """Write the curves of ``metrics_path`` to ``out_path`` (PNG), all or nothing (``utils.output_files``): a viewer
+    never sees half a file, and a failed write leaves the previous figure. False when there is nothing to draw yet or
+    the figure could not be written (a warning: the figure is a view of metrics.jsonl, and must not end a training
+    run)."""
     if not metrics_path.exists():
         return False
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = build_figure(read_series(metrics_path))
     try:
-        draw_curves(metrics_path, out_path)
+        write_file(out_path, lambda temporary: FigureCanvasAgg(figure).print_png(str(temporary)), "the curves")
     except OutputError as error:
         logger.warning("%s; training continues without updating it", error)
         return False

@@ -2,7 +2,7 @@
 
 After every optimizer step that was really applied, ``average = decay * average + (1 - decay) * weights`` for every
 parameter, and the buffers (BatchNorm statistics) are copied. A step skipped for non-finite gradients
-(``utils.training.nonfinite``, or GradScaler under fp16) moves no weights and so must not move the average either;
+(``utils.training.step``, or GradScaler under fp16) moves no weights and so must not move the average either;
 it is recognised on the device, without a host synchronisation, by the optimizer's own step count, which a skipped
 step leaves unchanged (the fused AdamW takes the skip as ``found_inf``; the other optimizers are not stepped at all).
 

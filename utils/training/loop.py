@@ -3,7 +3,7 @@
 The loop calls its components: the optimizer step (``utils.training.step``), the validation
 (``utils.training.validation``), the run's log (``utils.training.run_log``) and the checkpoint writes. Per optimizer
 step it does no host synchronisation: losses and the count of steps skipped for non-finite gradients
-(``utils.training.nonfinite``) accumulate on the device and are read every ``--log-every`` steps and at checkpoints,
+(``utils.training.step``) accumulate on the device and are read every ``--log-every`` steps and at checkpoints,
 and the ranks' stop decision travels on an asynchronous CPU all-reduce (``StopAgreement``). The one wait
 between ranks it adds is on the CPU: before computing on a batch, the ranks agree that each of them loaded its own
 (``Trainer._batches``; about 85 us per batch with 2 local processes).
@@ -13,12 +13,11 @@ boundary; what to save, when, and whether the state is healthy enough to be save
 
 from __future__ import annotations
 
-import functools
 import logging
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,17 +25,16 @@ from torch import nn
 from utils.checkpoint.checkpointer import Checkpointer
 from utils.checkpoint.format import TrainPosition
 from utils.checkpoint.run_folder import RunFolder
-from utils.errors import DatasetError, UserError, user_message
+from utils.errors import DatasetError, count, user_message
 from utils.launch.process_group import DistributedContext, StopAgreement, agree_on_errors, barrier, raised_on_every_rank
 from utils.launch.signals import InterruptFlag
-from utils.training import early_stop
 from utils.training.config import TrainConfig
 from utils.training.data import Loaders, TrainData
 from utils.training.ema import WeightAverage
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan
 from utils.training.step import TrainStep
-from utils.training.validation import ValidationStopped, Validator
+from utils.training.validation import Validator
 
 logger = logging.getLogger(__name__)
 
@@ -81,40 +79,29 @@ class TrainParts:
 
 @dataclass
 class TrainOutcome:
-    """How ``train()`` ended: completed, stopped by --max-steps, or interrupted by a signal (then a checkpoint)."""
+    """How ``train()`` ended: its last line (completed, stopped by --max-steps or --patience, or interrupted by a
+    signal, then with the checkpoint it saved and how to go on), and the signal."""
 
-    position: TrainPosition
+    line: str
     interrupted_by: int = 0
-    checkpoint: Path | None = None
-    """The file holding the final state; None when it could not be saved (the latest step was skipped)."""
-    reached_max_steps: bool = False
-    stopped_early: str | None = None
-    """--patience: why the run stopped early (its last line)."""
 
 
 class Trainer:
     """The loop over epochs and optimizer steps, reading its flags from ``parts.config``, the run's (a resumed run's
-    epoch plan is its checkpoint's: ``setup.planned_config``)."""
+    epoch plan is its checkpoint's: ``setup.planned_config``). It opens the run's ``RunLog`` (which may refuse the run
+    folder: a ConfigError) and its ``Validator`` and ``Checkpointer``."""
 
-    def __init__(
-        self,
-        ctx: DistributedContext,
-        parts: TrainParts,
-        *,
-        run_log: RunLog,
-        validator: Validator,
-        interrupts: InterruptFlag,
-    ) -> None:
-        self.config = config = parts.config
+    def __init__(self, ctx: DistributedContext, parts: TrainParts, interrupts: InterruptFlag) -> None:
+        self.config = parts.config
         self.ctx = ctx
         self.parts = parts
         self.step = parts.step
-        self.last_epoch = config.epoch_range()[1]
-        self.run_log = run_log
-        self.validator = validator
+        self.last_epoch = parts.config.epoch_range()[1]
         self.position = parts.position
+        self.run_log = RunLog(ctx, parts)
+        self.validator = Validator(ctx, parts, interrupts=interrupts, run_log=self.run_log)
         self._stop = StopAgreement(ctx, interrupts)
-        self.checkpointer = Checkpointer(ctx, parts, skipped_steps=self._check_skipped_steps, phase=run_log.phase)
+        self.checkpointer = Checkpointer(ctx, parts, skipped_steps=self._skipped_steps, phase=self.run_log.phase)
 
     # ---------------------------------------------------------------------------------------------------- public
 
@@ -125,24 +112,33 @@ class Trainer:
             self.checkpointer.log_budget()
             try:
                 while outcome is None and self.position.epoch < self.last_epoch:
-                    if self._max_steps_reached():
-                        outcome = self._stop_for_max_steps()
-                        break
-                    outcome = self._run_epoch(self.position.epoch) or self._end_epoch(self.position.epoch)
+                    epoch = self.position.epoch
+                    outcome = self._stop_at_max_steps() or self._run_epoch(epoch) or self._end_epoch(epoch)
             except DatasetError as error:
                 # A file that failed to load, in training or validation. A worker's error carries the loader's
                 # iterator in its traceback: dropping the traceback lets the iterator shut its workers down now; kept
                 # alive with the error, its idle workers (which ignore SIGTERM, see utils.training.data) would block
                 # the interpreter's exit forever.
                 error.__traceback__ = None
-                self._stop_for_bad_data(user_message(error))
-        self._check_skipped_steps()
+                # Every rank saves INTERRUPTED.pth together (nothing trained is lost: the state of the last whole
+                # optimizer step), then stops with the file's error.
+                kept = f"the newest checkpoint in {self.parts.run_folder} holds the last saved state"
+                if saved := self.checkpointer.save_now("interrupted"):
+                    kept = f"saved {saved} (step {self.position.global_step})"
+                bad_data = DatasetError(
+                    f"{user_message(error)}; {kept}: continue with --resume auto once the file is fixed (a removed "
+                    f"file changes the dataset, which a resume refuses: then start from that checkpoint with --load)"
+                )
+                raise raised_on_every_rank(bad_data) from None
+        self._skipped_steps()
         self._stop.finish()
         if self.run_log.draw_curves():
             logger.info("Curves written to %s", self.parts.run_folder.curves)
         # Nobody leaves before rank 0 has written its files: a launcher may kill the others' siblings on exit.
         barrier(self.ctx)
-        return outcome or TrainOutcome(self.position)
+        position = self.position
+        complete = f"Training complete ({position.global_step} steps); best validation Dice {position.best_dice:.4f}"
+        return outcome or TrainOutcome(complete)
 
     def close(self) -> None:
         """Close metrics.jsonl, TensorBoard and the wandb run, and release the run folder's lock."""
@@ -164,12 +160,11 @@ class Trainer:
         batches_done = plan.batches_done(images_done)
         batches_in_epoch = plan.batches_in_epoch(images_done)
         with self.run_log.epoch_bar(epoch, images_done=images_done):
-            for offset, batch in enumerate(self._batches()):
-                index = batches_done + offset
+            for index, batch in enumerate(self._batches(), start=batches_done):
                 group = plan.accumulation_group(index, batches_in_epoch)
                 closes_group = index == group[-1]
                 # A resume whose batch size or world size changed may start inside a group: it opens a step too.
-                if index == group.start or offset == 0:
+                if index == group.start or index == batches_done:
                     self.step.begin()
                 self.run_log.trained(self.step.accumulate(batch, len(group), sync_gradients=closes_group))
                 if not closes_group:
@@ -179,8 +174,7 @@ class Trainer:
                     self.parts.ema.update()
                 self.position.global_step += 1
                 self.position.step_in_epoch = index + 1
-                outcome = self._after_step()
-                if outcome is not None:
+                if outcome := self._after_step():
                     return outcome
         return None
 
@@ -193,46 +187,45 @@ class Trainer:
         batches, so all of them reach the end of the epoch together.
         """
         iterator = iter(self.parts.loaders.train)
-        while True:
-            batch = agree_on_errors(self.ctx, functools.partial(_next_batch, iterator))
-            if batch is None:
-                return
+        while (batch := agree_on_errors(self.ctx, lambda: _next_batch(iterator))) is not None:
             yield batch
 
     def _end_epoch(self, epoch: int) -> TrainOutcome | None:
-        """Validate, save, and stop early (--patience) when the validations stopped improving."""
+        """Validate, save, and stop early when --patience validations in a row did not improve the validation Dice by
+        more than --min-delta.
+
+        The count travels in every checkpoint (``TrainPosition.validations_without_improvement``), so a resumed run
+        stops where the uninterrupted one would have; every rank receives the same Dice, so every rank reaches the
+        same decision without talking to the others.
+        """
         epoch_number = epoch + 1
         trained_steps = self.position.step_in_epoch  # kept for a stop during validation
-        self.position.epoch = epoch_number
-        self.position.step_in_epoch = 0
+        position, flags = self.position, self.config.optimisation
+        position.epoch, position.step_in_epoch = epoch_number, 0
         improved, dice = False, None
-        # Every rank reads the epoch's remaining losses here (a collective), whether or not it logs.
-        self.run_log.add_losses(self.step.take_losses())
-        if self._should_validate(epoch_number):
-            try:
-                dice = self.validator.validate()
-            except ValidationStopped as stop:
+        if epoch_number % self.config.logging.val_every == 0 or epoch_number == self.last_epoch:
+            dice, stopped = self.validator.validate()
+            if stopped:
                 # Saved as "every batch trained, not validated": the resumed run repeats the validation.
-                self.position.epoch, self.position.step_in_epoch = epoch, trained_steps
-                return self._stop_for_signal(stop.signum)
-            if self.config.optimisation.scheduler == "plateau":
+                position.epoch, position.step_in_epoch = epoch, trained_steps
+                return self._stop_for_signal(stopped)
+            if flags.scheduler == "plateau":
                 self.parts.scheduler.step(dice)
-            self.position.validations_without_improvement = early_stop.validations_without_improvement(
-                self.config.optimisation, dice, self.position.best_dice, self.position.validations_without_improvement
-            )
-            improved = dice > self.position.best_dice
+            enough = dice > position.best_dice + flags.min_delta
+            position.validations_without_improvement = 0 if enough else position.validations_without_improvement + 1
+            improved = dice > position.best_dice
             if improved:
-                self.position.best_dice, self.position.best_epoch = dice, epoch_number
+                position.best_dice, position.best_epoch = dice, epoch_number
+        # Every rank reads the epoch's remaining losses here (a collective), whether or not it logs.
         self.run_log.epoch_line()
         self.checkpointer.save_epoch(epoch_number, dice, improved=improved)
-        stale = self.position.validations_without_improvement
-        if early_stop.should_stop(self.config.optimisation, stale) and epoch_number < self.last_epoch:
-            reason = early_stop.reason(self.config.optimisation, self.position.best_dice, self.position.best_epoch)
-            return TrainOutcome(self.position, checkpoint=self.parts.run_folder.last, stopped_early=reason)
+        if 0 < flags.patience <= position.validations_without_improvement and epoch_number < self.last_epoch:
+            return TrainOutcome(
+                f"Stopped at epoch {epoch_number}, step {position.global_step}; early stopping: no improvement of "
+                f"validation Dice above {flags.min_delta:g} in {count(flags.patience, 'validation')}; best "
+                f"{position.best_dice:.4f} at epoch {position.best_epoch}"
+            )
         return None
-
-    def _should_validate(self, epoch_number: int) -> bool:
-        return epoch_number % self.config.logging.val_every == 0 or epoch_number == self.last_epoch
 
     # ---------------------------------------------------------------------------------------------------- steps
 
@@ -240,8 +233,7 @@ class Trainer:
         """Logging, step checkpoints, and the stop decisions due at this optimizer-step boundary."""
         if self.position.global_step % self.config.logging.log_every == 0:
             # The only host synchronisation of the loop: one small all-reduce and read every --log-every steps.
-            self.run_log.add_losses(self.step.take_losses())
-            self._check_skipped_steps()
+            self._skipped_steps()
             self.run_log.log_train()
         self.checkpointer.save_if_due()
         signum = self._stop.poll(save_due=self.checkpointer.timed_save_due())
@@ -250,67 +242,34 @@ class Trainer:
             self.checkpointer.save_timed()
         if signum:
             return self._stop_for_signal(signum)
-        if self._max_steps_reached():
-            return self._stop_for_max_steps()
-        return None
+        return self._stop_at_max_steps()
 
-    def _max_steps_reached(self) -> bool:
-        return (
-            bool(self.config.optimisation.max_steps) and self.position.global_step >= self.config.optimisation.max_steps
-        )
+    def _skipped_steps(self) -> int:
+        """``TrainStep.skipped_steps`` at the position (the Checkpointer asks it before a save)."""
+        return self.step.skipped_steps(self.position.global_step, self.parts.run_folder)
 
     # ---------------------------------------------------------------------------------------------------- stops
 
+    def _stop_at_max_steps(self) -> TrainOutcome | None:
+        max_steps = self.config.optimisation.max_steps
+        if not max_steps or self.position.global_step < max_steps:
+            return None
+        logger.info("Reached --max-steps %d", max_steps)
+        saved = self.checkpointer.save_now("last") or "the newest checkpoint of the run folder"
+        return TrainOutcome(
+            f"Stopped after --max-steps {max_steps}; {saved} holds the state (continue with --resume auto and a larger "
+            f"--max-steps)"
+        )
+
     def _stop_for_signal(self, signum: int) -> TrainOutcome:
-        return TrainOutcome(self.position, interrupted_by=signum, checkpoint=self.checkpointer.save_now("interrupted"))
-
-    def _stop_for_bad_data(self, message: str) -> NoReturn:
-        """A file that failed to load mid-run, on any rank: every rank saves INTERRUPTED.pth together (nothing trained
-        is lost: the state of the last whole optimizer step), then stops with the file's error."""
-        where = self.checkpointer.save_now("interrupted")
-        kept = (
-            f"saved {where} (step {self.position.global_step})"
-            if where
-            else f"the newest checkpoint in {self.parts.run_folder} holds the last saved state"
+        how = (
+            ", without saving (the latest step was skipped for NaN/inf gradients). To continue from the newest "
+            "checkpoint, run the same command with --resume auto"
         )
-        error = DatasetError(
-            f"{message}; {kept}: continue with --resume auto once the file is fixed (a removed file changes the "
-            f"dataset, which a resume refuses: then start from that checkpoint with --load)"
-        )
-        raise raised_on_every_rank(error)
-
-    def _stop_for_max_steps(self) -> TrainOutcome:
-        logger.info("Reached --max-steps %d", self.config.optimisation.max_steps)
-        return TrainOutcome(self.position, reached_max_steps=True, checkpoint=self.checkpointer.save_now("last"))
-
-    # -------------------------------------------------------------------------------------- non-finite steps
-
-    def _check_skipped_steps(self) -> int:
-        """Report skipped steps; stop the run at --max-nonfinite-steps in a row. Returns the current run of them.
-
-        Reads the device: call only where the loop synchronises anyway. Every rank counts the same steps (the
-        gradients were all-reduced), so all of them stop at the same point without a collective.
-        """
-        report = self.step.skip_report()
-        if report is None:
-            return 0
-        step = self.position.global_step
-        if report.skipped and self.ctx.is_main:
-            logger.warning(
-                "%d optimizer step(s) up to step %d had NaN or inf gradients and were skipped (weights unchanged)",
-                report.skipped,
-                step,
-            )
-        limit = self.config.optimisation.max_nonfinite_steps
-        if limit and report.longest_run >= limit:
-            diverged = UserError(
-                f"training diverged: {report.longest_run} optimizer steps in a row (up to step {step}) had NaN or inf "
-                f"loss or gradients and were skipped; the newest checkpoint in {self.parts.run_folder} (if any) holds "
-                f"the last good state. Lower --learning-rate, keep --grad-clip on, check the data, or raise "
-                f"--max-nonfinite-steps (now {limit})"
-            )
-            raise raised_on_every_rank(diverged)  # every rank counts the same steps
-        return report.current_run
+        if saved := self.checkpointer.save_now("interrupted"):
+            how = f"; saved {saved}. To continue, run the same command with --resume auto (or --resume {saved})"
+        where = f"at epoch {self.position.epoch + 1}, step {self.position.global_step}"
+        return TrainOutcome(f"Stopped by {signal.Signals(signum).name} {where}{how}", interrupted_by=signum)
 
 
 def _next_batch(iterator: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:

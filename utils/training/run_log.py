@@ -33,13 +33,11 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from utils.checkpoint.run_folder import RunFolder
 from utils.cli import stderr_is_terminal
 from utils.errors import ConfigError, count
 from utils.evaluation import EvalResult, predict_classes
 from utils.launch.process_group import DistributedContext, sum_across_ranks
 from utils.output_files import OutputError, open_for_append, side_output_folder
-from utils.training.config import TrainConfig
 from utils.training.config_file import write_config_file
 from utils.training.curves import write_curves_if_possible
 
@@ -55,20 +53,22 @@ ZERO_DICE_HINT = (
     "Dice 0.0000 in the first validations is expected: a model early in training predicts no foreground pixel at "
     "all; it rises once the model starts to find the objects"
 )
-Scalars = dict[str, tuple[str, float]]
-"""wandb name -> (TensorBoard tag, value): one score, named as each of them shows it."""
+SCALARS = {
+    "loss": ("train/loss", "train loss"),
+    "lr": ("train/learning_rate", "learning rate"),
+    "images_per_s": ("train/images_per_s", "images/s"),
+    "dice": ("val/dice", "validation Dice"),
+    "iou": ("val/iou", "validation IoU"),
+    "per_class_dice": ("val/dice/class_{}", "validation Dice/class {}"),
+    "per_class_iou": ("val/iou/class_{}", "validation IoU/class {}"),
+}
+"""The scores of a metrics.jsonl record that TensorBoard and wandb show: its key -> (TensorBoard tag, wandb name). A
+list (per class) is one score per class, numbered in both names."""
 
 
 def bars_wanted(*, is_main: bool, no_progress: bool, stream: TextIO | None = None) -> bool:
     """Progress bars only on global rank 0, on a terminal, and unless ``--no-progress``."""
     return is_main and not no_progress and stderr_is_terminal(sys.stderr if stream is None else stream)
-
-
-def format_duration(seconds: float) -> str:
-    """``1:02:03`` for hours, ``2:03`` below an hour."""
-    hours, rest = divmod(max(int(round(seconds)), 0), 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 class RunLog:
@@ -85,42 +85,26 @@ class RunLog:
         self.run_folder = run_folder = parts.run_folder
         self.bars = bars_wanted(is_main=ctx.is_main, no_progress=config.logging.no_progress)
         self._log_lines = ctx.is_main and not self.bars
-        self._last_epoch = config.epoch_range()[1]
+        self._first_epoch, self._last_epoch = config.epoch_range()
         # Losses summed over ranks as [sum, count]: since the last train line (a window may span an epoch's end), and
         # of this epoch (for the epoch line's mean).
         self._window, self._epoch = [0.0, 0.0], [0.0, 0.0]
-        self._last_validation: tuple[float, float] | None = None
-        self._scored_any_foreground = False
-        self._bar: tqdm | None = None
-        self._wandb_run = None
-        self._tensorboard = None
+        self._last_validation: EvalResult | None = None
+        self._zero_dice_explained = False
+        self._curves_current = False  # whether curves.png shows every record of metrics.jsonl already
+        self._wandb_run = self._tensorboard = None  # the side outputs of rank 0 (below)
         # The run's summary: ``Starting training: epochs 1..6, ...``, or for a resumed run where in its plan it goes on
         plan, position = parts.batch_plan, parts.position
-        start = (
-            f"Resuming at epoch {position.epoch + 1}, step {position.global_step} "
-            f"({position.step_in_epoch} batches of the epoch done) of"
-            if parts.resumed
-            else "Starting training:"
-        )
+        done = f"step {position.global_step} ({position.step_in_epoch} batches of the epoch done)"
+        start = f"Resuming at epoch {position.epoch + 1}, {done} of" if parts.resumed else "Starting training:"
         logger.info(
-            "%s epochs %d..%d, batch size %d per process x %s x %d accumulation = %d, "
-            "learning rate %g, %d training / %d validation images, scale %g, precision %s, device %s, "
-            "%s and %s per process, run folder %s",
-            start,
-            *config.epoch_range(),
-            plan.batch_size,
-            count(plan.world_size, "process", "processes"),
-            plan.grad_accum,
-            plan.images_per_step,
-            config.optimisation.learning_rate,
-            len(parts.data.train_set),
-            len(parts.data.val_set),
-            config.data.scale,
-            parts.step.precision,
-            ctx.device,
-            count(torch.get_num_threads(), "CPU thread"),
-            count(parts.loaders.num_workers, "loader worker"),
-            parts.run_folder,
+            f"{start} epochs {self._first_epoch}..{self._last_epoch}, batch size {plan.batch_size} per process x "
+            f"{count(plan.world_size, 'process', 'processes')} x {plan.grad_accum} accumulation = "
+            f"{plan.images_per_step}, learning rate {config.optimisation.learning_rate:g}, "
+            f"{len(parts.data.train_set)} training / {len(parts.data.val_set)} validation images, scale "
+            f"{config.data.scale:g}, precision {parts.step.precision}, device {ctx.device}, "
+            f"{count(torch.get_num_threads(), 'CPU thread')} and {count(parts.loaders.num_workers, 'loader worker')} "
+            f"per process, run folder {run_folder}"
         )
         settings = config.settings_block()
         logger.info("%s", settings)
@@ -137,10 +121,8 @@ class RunLog:
                 f"cannot write to the run folder {run_folder}: {error.strerror or error}; choose a writable "
                 f"--checkpoint-dir"
             ) from error
-        if config.logging.tensorboard:
-            self._tensorboard = _start_tensorboard(run_folder, position.global_step + 1 if parts.resumed else None)
-        if config.logging.wandb != "disabled":
-            self._wandb_run = _start_wandb(run_folder, config)
+        self._tensorboard = _start_tensorboard(parts) if config.logging.tensorboard else None
+        self._wandb_run = _start_wandb(parts) if config.logging.wandb != "disabled" else None
 
     # ------------------------------------------------------------------------------------------------ training
 
@@ -150,14 +132,13 @@ class RunLog:
         self._started = self._last_train_line = time.perf_counter()
         self._start_step = step = self.parts.position.global_step
         self._images_seen = self._images_at_last_line = step * self.parts.batch_plan.images_per_step
-        self._write_phase("loop_start", 0.0)  # a moment, not a span: the benchmark's epoch section ends start-up here
+        self._write("phase", {"phase": "loop_start", "seconds": 0.0})  # a moment, not a span: see ``phase``
         return logging_redirect_tqdm()
 
-    @contextlib.contextmanager
-    def epoch_bar(self, epoch: int, *, images_done: int) -> Iterator[None]:
-        """The bar of ``epoch``, which counts global images (all ranks), the unit users reason in: exactly those the
-        epoch trains (with several ranks the sampler pads the epoch to a multiple of the world size), so it ends at
-        100%."""
+    def epoch_bar(self, epoch: int, *, images_done: int) -> tqdm:
+        """The bar of ``epoch`` (a context: closed at its end), which counts global images (all ranks), the unit users
+        reason in: exactly those the epoch trains (with several ranks the sampler pads the epoch to a multiple of the
+        world size), so it ends at 100%."""
         plan = self.parts.batch_plan
         self._bar = tqdm(
             total=images_done + plan.images_per_rank(images_done) * plan.world_size,
@@ -167,111 +148,96 @@ class RunLog:
             disable=not self.bars,
             dynamic_ncols=True,
         )
-        try:
-            yield
-        finally:
-            self._bar.close()
+        return self._bar
 
     def trained(self, images: int) -> None:
         """Count ``images`` of this rank's micro-batch (every rank trains as many) into the bar and the rate."""
         self._images_seen += images * self.ctx.world_size
         self._bar.update(images * self.ctx.world_size)
 
-    def add_losses(self, losses: torch.Tensor) -> None:
-        """Count the steps' ``[loss sum, count]`` into the window and the epoch; on every rank (an all-reduce)."""
-        window = sum_across_ranks(self.ctx, losses).tolist()
-        self._window = [total + value for total, value in zip(self._window, window, strict=True)]
-        self._epoch = [total + value for total, value in zip(self._epoch, window, strict=True)]
+    def _add_losses(self) -> None:
+        """Count the step's ``[loss sum, count]`` since the last read into the window and the epoch; on every rank (an
+        all-reduce)."""
+        losses = sum_across_ranks(self.ctx, self.parts.step.take_losses()).tolist()
+        self._window = [total + value for total, value in zip(self._window, losses, strict=True)]
+        self._epoch = [total + value for total, value in zip(self._epoch, losses, strict=True)]
 
     def log_train(self) -> None:
-        """The train line of the window since the previous one (bar, log line, metrics.jsonl, TensorBoard, wandb)."""
+        """The train line of the window since the previous one (bar, log line, metrics.jsonl, TensorBoard, wandb); on
+        every rank (the losses' all-reduce)."""
+        self._add_losses()
         (loss_sum, count), self._window = self._window, [0.0, 0.0]
         loss = loss_sum / count if count else float("nan")
         lr = self.parts.step.optimizer.param_groups[0]["lr"]
-        position = self.parts.position
-        now, step, epoch = time.perf_counter(), position.global_step, position.epoch
+        now, position = time.perf_counter(), self.parts.position
         images_per_s = (self._images_seen - self._images_at_last_line) / max(now - self._last_train_line, 1e-9)
         self._last_train_line, self._images_at_last_line = now, self._images_seen
         self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         if self._log_lines:
             logger.info(
-                "epoch %d/%d step %d/%d (global %d): loss %.4f, lr %.2e, %.1f img/s, ETA %s",
-                epoch + 1,
-                self._last_epoch,
-                position.step_in_epoch,
-                self.parts.batch_plan.steps_per_epoch,
-                step,
-                loss,
-                lr,
-                images_per_s,
-                self._eta(epoch, step, position.step_in_epoch),
+                f"epoch {position.epoch + 1}/{self._last_epoch} step {position.step_in_epoch}/"
+                f"{self.parts.batch_plan.steps_per_epoch} (global {position.global_step}): loss {loss:.4f}, "
+                f"lr {lr:.2e}, {images_per_s:.1f} img/s, ETA {self._eta()}"
             )
-        self._write(
-            {
-                "event": "train",
-                "epoch": epoch + 1,
-                "global_step": step,
-                "loss": loss,
-                "lr": lr,
-                "images_per_s": images_per_s,
-                "images_seen": self._images_seen,
-                "time": time.time(),
-            }
-        )
-        scalars = {"train loss": ("train/loss", loss), "learning rate": ("train/learning_rate", lr)}
-        self._publish(step, {**scalars, "images/s": ("train/images_per_s", images_per_s)})
+        record = {"epoch": position.epoch + 1, "global_step": position.global_step, "loss": loss, "lr": lr}
+        self._write("train", {**record, "images_per_s": images_per_s, "images_seen": self._images_seen})
 
-    def _eta(self, epoch: int, global_step: int, step_in_epoch: int) -> str:
-        if global_step <= self._start_step:
+    def _eta(self) -> str:
+        position, steps_per_epoch = self.parts.position, self.parts.batch_plan.steps_per_epoch
+        if position.global_step <= self._start_step:
             return "?"
-        seconds_per_step = (time.perf_counter() - self._started) / (global_step - self._start_step)
-        steps_per_epoch = self.parts.batch_plan.steps_per_epoch
-        remaining = (self._last_epoch - epoch - 1) * steps_per_epoch + steps_per_epoch - step_in_epoch
+        seconds_per_step = (time.perf_counter() - self._started) / (position.global_step - self._start_step)
+        remaining = (self._last_epoch - position.epoch) * steps_per_epoch - position.step_in_epoch
         if max_steps := self.parts.config.optimisation.max_steps:
-            remaining = min(remaining, max_steps - global_step)
-        return format_duration(max(remaining, 0) * seconds_per_step)
+            remaining = min(remaining, max_steps - position.global_step)
+        return tqdm.format_interval(max(remaining, 0) * seconds_per_step)  # 2:03:04, or 03:04 below an hour
 
     def epoch_line(self) -> None:
-        """Log the epoch's mean training loss and its validation (Dice, IoU) if it validated; resets both."""
+        """Log the epoch's mean training loss and its validation (Dice, IoU) if it validated; resets both. On every
+        rank: it reads the epoch's remaining losses (an all-reduce), whether or not it logs."""
+        self._add_losses()
         (total, count), self._epoch = self._epoch, [0.0, 0.0]
         validation, self._last_validation = self._last_validation, None
         if not self._log_lines:
             return
         mean = f"{total / count:.4f}" if count else "n/a"
-        scores = f"; validation Dice {validation[0]:.4f}, IoU {validation[1]:.4f}" if validation else ""
+        scores = f"; validation Dice {validation.dice:.4f}, IoU {validation.iou:.4f}" if validation else ""
         position = self.parts.position
         logger.info(
-            "epoch %d/%d done (step %d): mean training loss %s%s", position.epoch, self._last_epoch,
-            position.global_step, mean, scores,
-        )  # fmt: skip
+            f"epoch {position.epoch}/{self._last_epoch} done (step {position.global_step}): mean training loss "
+            f"{mean}{scores}"
+        )
 
     # ---------------------------------------------------------------------------------------------- validation
 
     def log_val(self, result: EvalResult) -> None:
-        """The validation at the position's epoch end; TensorBoard and wandb show a few of its images too."""
-        epoch, global_step = self.parts.position.epoch, self.parts.position.global_step
-        self._last_validation = (result.dice, result.iou)
-        if result.dice == 0 and not self._scored_any_foreground:
-            self._scored_any_foreground = True  # said once: the next zeros need no repeat
+        """The validation at the position's epoch end (rank 0): its line, its record, a few of its images for
+        TensorBoard and wandb, and curves.png."""
+        position, micro = self.parts.position, result.reductions()["micro"]
+        per_class = ", ".join(
+            f"{k}: Dice {dice:.4f} IoU {iou:.4f}"
+            for k, (dice, iou) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True))
+        )
+        logger.info(
+            f"Validation after epoch {position.epoch} (step {position.global_step}, {count(result.n_images, 'image')}"
+            f"): Dice {result.dice:.4f}, IoU {result.iou:.4f} [{per_class}] (macro: per-image means; the means "
+            f"average classes 1+); micro (dataset-level) Dice {micro['dice']:.4f}, IoU {micro['iou']:.4f}"
+        )
+        self._last_validation = result
+        if result.dice == 0 and not self._zero_dice_explained:
             logger.info(ZERO_DICE_HINT)
-        self._scored_any_foreground |= result.dice > 0
+        self._zero_dice_explained |= result.dice >= 0  # said once, and never after a foreground was found
         # The scores as evaluate.py writes them: the headline macro (per-image mean) Dice and IoU, and both reductions
         # (with micro: dataset-level), per class and averaged; see utils.evaluation.
-        self._write(
-            {"event": "val", "epoch": epoch, "global_step": global_step, **result.as_dict(), "time": time.time()}
-        )
-        scalars = {"validation Dice": ("val/dice", result.dice), "validation IoU": ("val/iou", result.iou)}
-        for index, (dice, iou) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True)):
-            scalars[f"validation Dice/class {index}"] = (f"val/dice/class_{index}", dice)
-            scalars[f"validation IoU/class {index}"] = (f"val/iou/class_{index}", iou)
+        record = {"epoch": position.epoch, "global_step": position.global_step, **result.as_dict()}
         wanted = self._wandb_run is not None or self._tensorboard is not None
-        self._publish(global_step, scalars, self._samples(len(result.per_class_dice)) if wanted else None)
+        self._write("val", record, self._samples(len(result.per_class_dice)) if wanted else None)
         self.draw_curves()  # after every validation, so a long run's curves.png is always current
 
     @torch.inference_mode()
     def _samples(self, n_classes: int) -> dict[str, Any]:
-        """A few validation images with their true and predicted masks (as ``class_images``), plus weight/gradient
-        histograms (wandb's)."""
+        """A few validation images with their true and predicted masks (grey images, classes spread out over [0, 1]
+        so that they are visible; void pixels black like class 0), plus weight/gradient histograms (wandb's)."""
         model = self.parts.evaluated_model
         batch = next(iter(self.parts.loaders.val))
         model.eval()
@@ -286,19 +252,22 @@ class RunLog:
                 histograms[f"Weights/{tag}"] = parameter.detach()
             if parameter.grad is not None and torch.isfinite(parameter.grad).all():
                 histograms[f"Gradients/{tag}"] = parameter.grad.detach()
-        return {
-            "image": batch["image"][:SAMPLE_IMAGES],
-            "true": class_images(batch["mask"][:SAMPLE_IMAGES], n_classes),
-            "pred": class_images(predict_classes(logits), n_classes),
-            "histograms": histograms,
+        masks = {"true": batch["mask"][:SAMPLE_IMAGES], "pred": predict_classes(logits)}
+        samples = {
+            name: (classes.cpu().clamp(min=0).float() / max(n_classes - 1, 1)).clamp(max=1).unsqueeze(1)
+            for name, classes in masks.items()
         }
+        return {"image": batch["image"][:SAMPLE_IMAGES], **samples, "histograms": histograms}
 
     # ------------------------------------------------------------------------------------------ files and runs
 
     def draw_curves(self) -> bool:
-        """curves.png from metrics.jsonl (rank 0); False when there was nothing to draw or it could not be written."""
+        """curves.png from metrics.jsonl (rank 0), unless it shows every record already (drawing takes about half a
+        second); False when there was nothing to draw or it could not be written."""
         with self.phase("curves"):
-            return self.ctx.is_main and write_curves_if_possible(self.run_folder.metrics, self.run_folder.curves)
+            if self.ctx.is_main and not self._curves_current:
+                self._curves_current = write_curves_if_possible(self.run_folder.metrics, self.run_folder.curves)
+            return self._curves_current
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -311,10 +280,7 @@ class RunLog:
         try:
             yield
         finally:
-            self._write_phase(name, time.perf_counter() - started)
-
-    def _write_phase(self, name: str, seconds: float) -> None:
-        self._write({"event": "phase", "phase": name, "seconds": seconds, "time": time.time()})
+            self._write("phase", {"phase": name, "seconds": time.perf_counter() - started})
 
     def close(self) -> None:
         if not self.ctx.is_main:
@@ -323,28 +289,40 @@ class RunLog:
         if self._tensorboard is not None:
             with contextlib.suppress(OSError):  # a full disk was said by the write that met it
                 self._tensorboard.close()
-            self._tensorboard = None
         if self._wandb_run is not None:
             self._wandb_run.finish()
-            self._wandb_run = None
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, event: str, fields: dict[str, Any], samples: dict[str, Any] | None = None) -> None:
+        """One record of metrics.jsonl (rank 0); a train or val record's scores go to TensorBoard and wandb too, at its
+        step, with a validation's ``samples``."""
         if not self.ctx.is_main:
             return
         # One complete line per event, flushed, so a reader polling the file (or a crash) never sees half a record.
-        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.write(json.dumps({"event": event, **fields, "time": time.time()}) + "\n")
         self._metrics_file.flush()
-
-    def _publish(self, step: int, scalars: Scalars, samples: dict[str, Any] | None = None) -> None:
-        """``scalars`` and the validation ``samples`` to TensorBoard and wandb, those that are on."""
+        if event == "phase":
+            return
+        self._curves_current = False
+        step, scalars = fields["global_step"], {}  # TensorBoard tag -> (wandb name, value)
+        for key, (tag, name) in SCALARS.items():
+            if isinstance(fields.get(key), list):
+                scalars |= {tag.format(k): (name.format(k), value) for k, value in enumerate(fields[key])}
+            elif key in fields:
+                scalars[tag] = (name, fields[key])
         if self._tensorboard is not None:
+            writer = self._tensorboard
             try:  # a side output: a full or failing disk is one warning, and the run goes on without it
-                _write_events(self._tensorboard, step, scalars, samples)
+                for tag, (_, value) in scalars.items():
+                    writer.add_scalar(tag, value, step)
+                if samples is not None:
+                    writer.add_images("val/image", samples["image"].detach().float().cpu().clamp(0, 1), step)
+                    writer.add_images("val/truth", samples["true"], step)
+                    writer.add_images("val/prediction", samples["pred"], step)
+                writer.flush()  # a write error of the writer's thread surfaces here
             except OSError as error:
                 logger.warning(
-                    "cannot write TensorBoard events to %s: %s; training continues without --tensorboard",
-                    self.run_folder.tensorboard,
-                    error.strerror or error,
+                    f"cannot write TensorBoard events to {self.run_folder.tensorboard}: {error.strerror or error}; "
+                    "training continues without --tensorboard"
                 )
                 with contextlib.suppress(Exception):
                     self._tensorboard.close()
@@ -357,57 +335,37 @@ class RunLog:
                 self._wandb_run = None
 
 
-def _write_events(writer: Any, step: int, scalars: Scalars, samples: dict[str, Any] | None) -> None:
-    for tag, value in scalars.values():
-        writer.add_scalar(tag, value, step)
-    if samples is not None:
-        writer.add_images("val/image", samples["image"].detach().float().cpu().clamp(0, 1), step)
-        writer.add_images("val/truth", samples["true"], step)
-        writer.add_images("val/prediction", samples["pred"], step)
-    writer.flush()  # a write error of the writer's thread surfaces here
-
-
-def class_images(classes: torch.Tensor, n_classes: int) -> torch.Tensor:
-    """Class indices ``[N, H, W]`` as grey ``[N, 1, H, W]`` images in [0, 1], classes spread out so that the masks are
-    visible. Void pixels (negative indices) are black like class 0."""
-    classes = classes.detach().cpu()
-    return (classes.clamp(min=0).float() / (max(n_classes, 2) - 1)).clamp(max=1).unsqueeze(1)
-
-
-def _wandb_record(scalars: Scalars, samples: dict[str, Any] | None) -> dict[str, Any]:
+def _wandb_record(scalars: dict[str, tuple[str, float]], samples: dict | None) -> dict[str, Any]:
     import wandb
 
-    record: dict[str, Any] = {name: value for name, (_, value) in scalars.items()}
+    record: dict[str, Any] = dict(scalars.values())
     if samples is not None:
         # The first of the samples (TensorBoard shows them all).
         record["images"] = wandb.Image(samples["image"][0].float().cpu().permute(1, 2, 0).numpy())
         record["masks"] = {name: wandb.Image((samples[name][0, 0] * 255).byte().numpy()) for name in ("true", "pred")}
-        for name, values in samples.get("histograms", {}).items():
+        for name, values in samples["histograms"].items():
             record[name] = wandb.Histogram(values.float().cpu())
     return record
 
 
-def _start_tensorboard(run_folder: RunFolder, purge_step: int | None) -> Any:
+def _start_tensorboard(parts: TrainParts) -> Any:
     if importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard, or drop --tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
-    try:
-        folder = side_output_folder(run_folder.tensorboard, "--tensorboard")
-    except OutputError as error:
-        logger.warning("%s; training continues without TensorBoard events", error)
-        return None
     _quiet_event_writer_threads()
     try:
-        return SummaryWriter(log_dir=str(folder), purge_step=purge_step)
-    except OSError as error:
-        logger.warning("cannot write TensorBoard events to %s: %s; training continues without them", folder, error)
+        folder = side_output_folder(parts.run_folder.tensorboard, "--tensorboard")
+        # A resumed run hides what the run it continues logged after its checkpoint: see the module's docstring.
+        return SummaryWriter(log_dir=str(folder), purge_step=parts.position.global_step + 1 if parts.resumed else None)
+    except (OutputError, OSError) as error:  # the folder refused (a link, a file), or a full disk already
+        logger.warning("%s; training continues without --tensorboard", error)
         return None
 
 
 def _quiet_event_writer_threads() -> None:
     """TensorBoard's writer thread re-raises its write error (a full disk) as a traceback on stderr, and the main
-    thread meets the same error at its next flush (one warning, ``RunLog._publish``): the traceback goes to debug."""
+    thread meets the same error at its next flush (one warning, ``RunLog._write``): the traceback goes to debug."""
     if getattr(threading.excepthook, "_quiets_event_writers", False):
         return
     previous = threading.excepthook
@@ -422,22 +380,19 @@ def _quiet_event_writer_threads() -> None:
     threading.excepthook = hook
 
 
-def _start_wandb(run_folder: RunFolder, config: TrainConfig) -> Any:
+def _start_wandb(parts: TrainParts) -> Any:
+    mode = parts.config.logging.wandb
     try:
         import wandb
-    except ImportError:
-        logger.warning(
-            "--wandb %s but wandb is not installed; continuing without it (pip install wandb)", config.logging.wandb
-        )
-        return None
-    try:
+
         return wandb.init(
             project=WANDB_PROJECT,
-            name=config.checkpoint.exp_name,
-            config=config.as_dict(),
-            mode=config.logging.wandb,
-            dir=str(run_folder.path),
+            name=parts.config.checkpoint.exp_name,
+            config=parts.run_args,
+            mode=mode,
+            dir=str(parts.run_folder.path),
         )
-    except Exception as error:  # wandb raises many kinds (network, auth); none should stop training
-        logger.warning("wandb could not start (%s); continuing without it", error)
+    except Exception as error:  # not installed, or any of wandb's failures (network, login): none should stop training
+        fix = " (pip install wandb)" if isinstance(error, ImportError) else ""
+        logger.warning("--wandb %s: wandb could not start (%s); continuing without it%s", mode, error, fix)
         return None

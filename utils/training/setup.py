@@ -39,10 +39,8 @@ from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
 from utils.training.model import check_resume, starting_model
 from utils.training.objective import build_optimization, class_weights_of
-from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan
 from utils.training.step import TrainStep
-from utils.training.validation import Validator
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +61,10 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
     try:
         configure_reproducibility(data.seed, deterministic=config.optimisation.deterministic)
         parts = agree_on_errors(ctx, lambda: build_parts(config, ctx, choice))
-        run_log = agree_on_errors(ctx, lambda: RunLog(ctx, parts))
+        return agree_on_errors(ctx, lambda: Trainer(ctx, parts, interrupts))
     except BaseException:
         choice.folder.unlock()
         raise
-    validator = Validator(ctx, parts, interrupts=interrupts, run_log=run_log)
-    return Trainer(ctx, parts, run_log=run_log, validator=validator, interrupts=interrupts)
 
 
 # ------------------------------------------------------------------------------------------------ epoch plan
@@ -89,14 +85,11 @@ def planned_config(config: TrainConfig, state: TrainingState | None) -> TrainCon
         optimisation=dataclasses.replace(config.optimisation, epochs=int(saved["epochs"])),
     )
     if planned != config:
+        first, last = planned.epoch_range()
         logger.warning(
-            "--resume continues the run's plan, epochs %d..%d (--start_from %d --epochs %d); this command's "
-            "--start_from %d --epochs %d are ignored",
-            *planned.epoch_range(),
-            planned.checkpoint.start_from,
-            planned.optimisation.epochs,
-            config.checkpoint.start_from,
-            config.optimisation.epochs,
+            f"--resume continues the run's plan, epochs {first}..{last} (--start_from {planned.checkpoint.start_from} "
+            f"--epochs {planned.optimisation.epochs}); this command's --start_from {config.checkpoint.start_from} "
+            f"--epochs {config.optimisation.epochs} are ignored"
         )
     return planned
 
@@ -162,11 +155,8 @@ def build_parts(config: TrainConfig, ctx: DistributedContext, choice: RunChoice)
     class_weights = class_weights_of(config, data.train_class_pixels)
     step = TrainStep(config, optimization, model, ctx, precision=precision, class_weights=class_weights)
     # After DDP's wrapping, which broadcasts rank 0's weights: every rank's average starts from the same ones.
-    ema = (
-        WeightAverage(model, config.optimisation.ema, optimization.optimizer)
-        if config.optimisation.ema is not None
-        else None
-    )
+    decay = config.optimisation.ema
+    ema = WeightAverage(model, decay, optimization.optimizer) if decay is not None else None
     position, resume_images = TrainPosition(epoch=config.checkpoint.start_from - 1), 0
     if state is not None:
         restore(state, {"model": model, "ema": ema, **vars(optimization)})
@@ -244,26 +234,19 @@ def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:
     The position is stored as batches of the saving run; times its batch size and world size it is a count of images
     of the epoch's order (``utils.training.sampler``), which this run skips whatever its own world size.
     """
-    saved = BatchPlan(
-        n_train=plan.n_train,
+    saved = dataclasses.replace(
+        plan,
         batch_size=int(state.run_args.get("batch_size", plan.batch_size)),
         world_size=state.world_size,
         grad_accum=int(state.run_args.get("grad_accum", plan.grad_accum)),
     )
     images = saved.images_consumed(state.position.step_in_epoch)
-    if (saved.world_size, saved.batch_size, saved.grad_accum) != (plan.world_size, plan.batch_size, plan.grad_accum):
+    if saved != plan:
         logger.warning(
-            "the effective batch size changes from %d (%d process(es) x --batch-size %d x --grad-accum %d) in the "
-            "checkpoint to %d (%d x %d x %d) in this run; consider scaling --learning-rate. The data continues from "
-            "the same image (%d of this epoch done), but the steps are not bit-identical to an uninterrupted run",
-            saved.images_per_step,
-            saved.world_size,
-            saved.batch_size,
-            saved.grad_accum,
-            plan.images_per_step,
-            plan.world_size,
-            plan.batch_size,
-            plan.grad_accum,
-            images,
+            f"the effective batch size changes from {saved.images_per_step} ({saved.world_size} process(es) x "
+            f"--batch-size {saved.batch_size} x --grad-accum {saved.grad_accum}) in the checkpoint to "
+            f"{plan.images_per_step} ({plan.world_size} x {plan.batch_size} x {plan.grad_accum}) in this run; "
+            f"consider scaling --learning-rate. The data continues from the same image ({images} of this epoch "
+            f"done), but the steps are not bit-identical to an uninterrupted run"
         )
     return images

@@ -3,24 +3,42 @@
 ``TrainStep`` is the object the training loop runs and the one the benchmark times, so the benchmark's compute-only
 figure measures exactly what ``train.py`` does per step (autocast, gradient accumulation without all-reduce on the
 first micro-batches, the non-finite guard, clipping, the scheduler step). It does no host synchronisation: losses
-accumulate on the device until ``take_losses`` is called.
+and the count of skipped steps accumulate on the device until ``take_losses`` and ``skipped_steps`` read them.
+
+Steps whose gradients hold NaN or inf are skipped (``NonFiniteStepGuard``). One such step (a learning rate far too
+large, an overflow) would poison the weights, and through them every later checkpoint. So every optimizer step takes
+the global gradient norm (clipping computes it anyway) and skips the step when the norm is not finite:
+
+* the fused AdamW (the default) skips on the device: its ``found_inf`` input leaves the weights, the moments and the
+  step count untouched, and nothing waits for the GPU;
+* other optimizers (RMSprop) cannot, so the answer is read on the host: one synchronisation per step, the price that
+  GradScaler pays for the same check;
+* the BatchNorm running statistics, which the forward pass of the skipped step already updated, are put back.
+
+The gradients are all-reduced before the norm is taken, so every rank skips the same steps without talking to the
+others. The counts stay on the device until the training loop synchronises anyway (logging, checkpoints). fp16 runs
+leave all this to GradScaler, whose skipped steps are a normal part of finding the loss scale.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from utils.errors import UserError
 from utils.hardware import autocast
-from utils.launch.process_group import DistributedContext
+from utils.launch.process_group import DistributedContext, raised_on_every_rank
 from utils.training.config import TrainConfig
 from utils.training.model import wrap_for_training
-from utils.training.nonfinite import NonFiniteStepGuard, SkipReport
 from utils.training.objective import Optimization, supervised_loss
+
+logger = logging.getLogger(__name__)
 
 
 class TrainStep:
@@ -60,18 +78,17 @@ class TrainStep:
         self._ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
         self._memory_format = torch.channels_last if config.performance.channels_last else torch.contiguous_format
         self._class_weights = None if class_weights is None else torch.tensor(class_weights, device=device)
-        # fp16 runs leave skipping to GradScaler (see utils.training.nonfinite).
+        # fp16 runs leave skipping to GradScaler.
         self.guard = NonFiniteStepGuard(model, self.optimizer, device) if self.scaler is None else None
         # Sum and count of the finite losses since the last read (a skipped step's NaN would hide the others').
-        self._loss_sum = torch.zeros((), device=device)
-        self._loss_count = torch.zeros((), device=device)
+        self._losses = torch.zeros(2, device=device)
         encoder = getattr(model, "encoder", None) if self.freeze_encoder_before_epoch else None
         self._encoder_parameters = list(encoder.parameters()) if encoder is not None else []
-        self._encoder_frozen = bool(self._encoder_parameters)
+        self._frozen = self._encoder_parameters
 
     def set_epoch(self, epoch: int) -> None:
         """Call before each epoch (numbered from 0): the encoder is frozen before ``freeze_encoder_before_epoch``."""
-        self._encoder_frozen = bool(self._encoder_parameters) and epoch < self.freeze_encoder_before_epoch
+        self._frozen = self._encoder_parameters if epoch < self.freeze_encoder_before_epoch else []
 
     def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> None:
         """One whole optimizer step over ``micro_batches`` (gradients all-reduced on the last one only)."""
@@ -101,18 +118,16 @@ class TrainStep:
             else:
                 scaled.backward()
         loss = loss.detach()
-        self._loss_sum += torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)
-        self._loss_count += torch.isfinite(loss)
+        self._losses += torch.stack([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0), torch.isfinite(loss)])
         return images.shape[0]
 
     def update(self) -> None:
         """The optimizer update (skipped when the gradients are not finite), then the scheduler step."""
-        if self._encoder_frozen:
-            # Freezing by dropping the (already all-reduced) gradients, not by requires_grad: DDP's buckets stay as
-            # built, every rank drops the same ones, and the optimizer skips parameters without a gradient (no
-            # update, no weight decay, no moment), while the schedule of the other parameters is untouched.
-            for parameter in self._encoder_parameters:
-                parameter.grad = None
+        # Freezing by dropping the (already all-reduced) gradients, not by requires_grad: DDP's buckets stay as built,
+        # every rank drops the same ones, and the optimizer skips parameters without a gradient (no update, no weight
+        # decay, no moment), while the schedule of the other parameters is untouched.
+        for parameter in self._frozen:
+            parameter.grad = None
         if self.guard is not None:
             self.guard.step(self.config.optimisation.grad_clip)
         else:
@@ -128,11 +143,92 @@ class TrainStep:
 
     def take_losses(self) -> torch.Tensor:
         """``[sum, count]`` of the finite losses since the previous call, on the device; resets them."""
-        totals = torch.stack([self._loss_sum, self._loss_count])
-        self._loss_sum.zero_()
-        self._loss_count.zero_()
+        totals, self._losses = self._losses, torch.zeros_like(self._losses)
         return totals
 
-    def skip_report(self) -> SkipReport | None:
-        """Steps skipped for NaN/inf gradients since the previous report (reads the device); None under GradScaler."""
-        return self.guard.report() if self.guard is not None else None
+    def skipped_steps(self, global_step: int, run_folder: Path) -> int:
+        """Warn about the steps skipped for NaN/inf gradients since the previous call; stop the run at
+        --max-nonfinite-steps in a row. Returns the run of them up to ``global_step`` (0: the latest step was applied;
+        always 0 under GradScaler).
+
+        Reads the device: call only where the loop synchronises anyway. Every rank counts the same steps (the
+        gradients were all-reduced), so all of them stop at the same point without a collective.
+        """
+        if self.guard is None:
+            return 0
+        skipped, longest_run, current_run = self.guard.report()
+        if skipped:
+            logger.warning(
+                f"{skipped} optimizer step(s) up to step {global_step} had NaN or inf gradients and were skipped "
+                f"(weights unchanged)"
+            )
+        limit = self.config.optimisation.max_nonfinite_steps
+        if limit and longest_run >= limit:
+            diverged = UserError(
+                f"training diverged: {longest_run} optimizer steps in a row (up to step {global_step}) had NaN or inf "
+                f"loss or gradients and were skipped; the newest checkpoint in {run_folder} (if any) holds the last "
+                f"good state. Lower --learning-rate, keep --grad-clip on, check the data, or raise "
+                f"--max-nonfinite-steps (now {limit})"
+            )
+            raise raised_on_every_rank(diverged)  # every rank counts the same steps
+        return current_run
+
+
+class NonFiniteStepGuard:
+    """Steps an optimizer unless the gradients are non-finite, and counts the steps it skipped."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self._optimizer = optimizer
+        self._parameters = [p for p in model.parameters() if p.requires_grad]
+        # BatchNorm running means and variances, saved and restored as one flat tensor per dtype and device: a few
+        # kernels per step instead of one per tensor.
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        self._statistics = [(buffers, _flatten(buffers)) for buffers in groups.values()]
+        # The fused kernels take the skip decision as a tensor; the others need it on the host.
+        self._skips_on_device = bool(optimizer.defaults.get("fused"))
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        self._current_run, self._longest_run, self._skipped = zero, zero.clone(), zero.clone()
+
+    def start_step(self) -> None:
+        """Remember the BatchNorm statistics; call before the first forward pass of each optimizer step."""
+        for buffers, saved in self._statistics:
+            saved.copy_(_flatten(buffers))
+
+    def step(self, grad_clip: float) -> None:
+        """Clip the gradients to ``grad_clip`` (0 = no clipping), then step unless their norm is NaN or inf."""
+        if grad_clip:
+            norm = nn.utils.clip_grad_norm_(self._parameters, grad_clip)
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in self._parameters if p.grad is not None])
+        finite = torch.isfinite(norm)
+        if self._skips_on_device:
+            # The attribute GradScaler sets for the same purpose: 1.0 makes the fused step a no-op.
+            self._optimizer.found_inf = (~finite).to(torch.float32)
+            try:
+                self._optimizer.step()
+            finally:
+                del self._optimizer.found_inf
+        elif finite.item():
+            self._optimizer.step()
+        for buffers, saved in self._statistics:
+            kept = torch.where(finite, _flatten(buffers), saved).split([b.numel() for b in buffers])
+            torch._foreach_copy_(buffers, [part.view_as(b) for part, b in zip(kept, buffers, strict=True)])
+        self._current_run = torch.where(finite, 0, self._current_run + 1)
+        torch.maximum(self._longest_run, self._current_run, out=self._longest_run)
+        self._skipped += ~finite
+
+    def report(self) -> tuple[int, int, int]:
+        """Steps skipped since the previous report; the longest run of them in a row since then (a run may have
+        started before it); the run up to now (0 when the latest step was applied). Reads the device: call where the
+        loop synchronises anyway."""
+        skipped, longest_run, current_run = torch.stack([self._skipped, self._longest_run, self._current_run]).tolist()
+        self._skipped.zero_()
+        self._longest_run.copy_(self._current_run)
+        return skipped, longest_run, current_run
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])

@@ -1,152 +1,97 @@
 """Validation during training: the Dice score that every rank steps on, and its report on global rank 0.
 
-``--val-mode rank0`` (the default): rank 0 scores the whole validation set with the unwrapped model while the other
-ranks wait for its Dice score, which every rank then uses (ReduceLROnPlateau must step identically everywhere).
-``--val-mode sharded``: every rank scores its part (``utils.evaluation.shard_range``) and the sums are all-reduced, so
-every rank gets the scores of the whole set. Either way a file that fails to load stops every rank with its message.
+Every rank scores its part of the validation set with the unwrapped model, and the sums are all-reduced, so every rank
+gets the scores of the whole set (ReduceLROnPlateau must step identically everywhere). ``--val-mode rank0`` (the
+default): rank 0's part is the whole set and the others have none: they wait in the all-reduce while rank 0 scores.
+``--val-mode sharded``: every rank scores its own part (``utils.evaluation.shard_range``). Either way a file that
+fails to load stops every rank with its message.
 
 A stop signal during a rank-0 validation ends it at the next batch, so that the trained state is saved at once, not
 after it: with a short grace period (SLURM's, Kubernetes') a validation that runs to its end, followed by one more
 training batch, can lose the whole trained epoch. Rank 0 scores batches only while no signal has arrived
-(``UntilStopped``); when one arrives, the partial score is dropped, every rank learns it from the score broadcast
-and raises it (``ValidationStopped``), and the loop saves ``INTERRUPTED.pth`` with the position of
-the epoch's last step (every batch trained, the validation not done). The resumed run has no batch of that epoch
-left, so it goes straight to the epoch's end and repeats the validation.
+(``UntilStopped``); when one arrives, the partial score is dropped, every rank learns the signal from a second
+all-reduce, and the loop saves ``INTERRUPTED.pth`` with the position of the
+epoch's last step (every batch trained, the validation not done). The resumed run has no batch of that epoch left,
+so it goes straight to the epoch's end and repeats the validation.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from utils.errors import DatasetError, count, user_message
-from utils.evaluation import EvalResult, SegmentationMetrics, score_batches
-from utils.launch.process_group import (
-    DistributedContext,
-    agree_on_errors,
-    broadcast_from_main,
-    raised_on_every_rank,
-    sum_across_ranks,
-)
+from utils.evaluation import score_batches
+from utils.launch.process_group import DistributedContext, agree_on_errors, sum_across_ranks
 from utils.launch.signals import InterruptFlag
 from utils.training.run_log import RunLog
 
 if TYPE_CHECKING:
     from utils.training.loop import TrainParts
 
-logger = logging.getLogger(__name__)
 
-
-class ValidationStopped(Exception):
-    """Raised on every rank by ``Validator.validate`` when a signal, ``signum``, cut rank 0's validation short."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)  # the constructor's own arguments: rank 0 broadcasts it pickled
-        self.signum = signum
-
-
+@dataclass
 class UntilStopped:
-    """``loader``'s batches while ``flag`` has recorded no signal; ``stopped_by`` tells which signal ended it."""
+    """``loader``'s batches while ``flag`` (None: never) has recorded no signal; ``stopped_by`` tells which signal
+    ended them. Its length is the loader's (the progress bar's total)."""
 
-    def __init__(self, loader: Iterable[Any], flag: InterruptFlag) -> None:
-        self._loader = loader
-        self._flag = flag
-        self.stopped_by = 0
+    loader: Any
+    flag: InterruptFlag | None
+    stopped_by: int = 0
 
     def __len__(self) -> int:
-        return len(self._loader)  # type: ignore[arg-type]
+        return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self._loader:
-            if self._flag.signum:
+        for batch in self.loader:
+            if self.flag is not None and self.flag.signum:
                 # Stop before computing on the batch; leaving the loop lets the loader shut its workers down.
-                self.stopped_by = self._flag.signum
+                self.stopped_by = self.flag.signum
                 return
             yield batch
 
 
+@dataclass
 class Validator:
     """Scores the run's evaluated model (``TrainParts.evaluated_model``, unwrapped: no DDP collective; in eval mode:
     BatchNorm untouched) on ``parts.loaders.val``, this rank's part of the validation set (all of it on rank 0 with
-    --val-mode rank0, nothing on the others), in the step's precision; reported at ``parts.position``.
+    --val-mode rank0, nothing on the others), in the step's precision; reported at ``parts.position`` by the
+    ``RunLog``."""
 
-    ``Loaders.val_sharded`` (which decided the loaders): every rank scores its own part and the sums are
-    all-reduced."""
+    ctx: DistributedContext
+    parts: TrainParts
+    interrupts: InterruptFlag
+    run_log: RunLog
 
-    def __init__(
-        self, ctx: DistributedContext, parts: TrainParts, *, interrupts: InterruptFlag, run_log: RunLog
-    ) -> None:
-        self.ctx = ctx
-        self.parts = parts
-        self._interrupts = interrupts
-        self._run_log = run_log
-
-    def validate(self) -> float:
-        """The validation Dice, the same on every rank; raises ``ValidationStopped`` (a signal cut rank 0's short) or
-        a ``DatasetError`` (a file failed to load) on every rank."""
-        with self._run_log.phase("validation"):
-            if self.parts.loaders.val_sharded:
-                # Agreed before the all-reduce: a rank whose file failed would never reach it, and the others wait.
-                metrics = agree_on_errors(self.ctx, lambda: self._score(self.parts.loaders.val))
-                metrics.reduce(lambda sums: sum_across_ranks(self.ctx, sums.to(self.ctx.device)))
-                result = metrics.compute()
-                if self.ctx.is_main:
-                    self._report(result)
-                return result.dice
-            # The broadcast is also the barrier: the other ranks wait here while rank 0 evaluates.
-            dice = broadcast_from_main(self.ctx, self._on_main() if self.ctx.is_main else None)
-        if isinstance(dice, Exception):
-            raise dice  # rank 0's, on every rank
-        return float(dice)
-
-    def _on_main(self) -> float | DatasetError | ValidationStopped:
-        """Rank 0's part of a --val-mode rank0 validation: its Dice, or the error every rank raises (a file that
-        failed to load, or the stop)."""
-        batches = UntilStopped(self.parts.loaders.val, self._interrupts)
-        try:
-            metrics = self._score(batches)
-        except DatasetError as error:
-            # It holds the loader's iterator, whose idle workers would block the exit: see Trainer.train.
-            error.__traceback__ = None
-            return raised_on_every_rank(DatasetError(user_message(error)))  # its message alone travels
-        # Asked before computing: a signal before the first batch leaves no image scored, which is a stop, not an
-        # empty validation set.
-        if batches.stopped_by:
-            return ValidationStopped(batches.stopped_by)  # a partial score is no score: not reported
-        result = metrics.compute()
-        self._report(result)
-        return result.dice
-
-    def _score(self, batches: Iterable[dict[str, torch.Tensor]]) -> SegmentationMetrics:
-        """The validation sums over ``batches`` (one shard, or the whole set on rank 0), not yet scored."""
-        return score_batches(
-            self.parts.evaluated_model,
-            batches,
-            self.ctx.device,
-            n_classes=self.parts.config.model.classes,
-            precision=self.parts.step.precision,
-            progress=self._run_log.bars,
-        )
-
-    def _report(self, result: EvalResult) -> None:
-        per_class = ", ".join(
-            f"{k}: Dice {d:.4f} IoU {i:.4f}"
-            for k, (d, i) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True))
-        )
-        micro = result.reductions()["micro"]
-        logger.info(
-            "Validation after epoch %d (step %d, %s): Dice %.4f, IoU %.4f [%s] (macro: per-image means; "
-            "the means average classes 1+); micro (dataset-level) Dice %.4f, IoU %.4f",
-            self.parts.position.epoch,
-            self.parts.position.global_step,
-            count(result.n_images, "image"),
-            result.dice,
-            result.iou,
-            per_class,
-            micro["dice"],
-            micro["iou"],
-        )
-        self._run_log.log_val(result)
+    def validate(self) -> tuple[float | None, int]:
+        """The validation Dice and 0, the same on every rank; or None and the signal that cut rank 0's validation short
+        (a partial score is no score: not reported). A file that failed to load raises its DatasetError on every
+        rank."""
+        ctx, loaders = self.ctx, self.parts.loaders
+        # Only a rank-0 validation stops at a signal: with --val-mode sharded every rank scores its part to the end.
+        batches = UntilStopped(loaders.val or [], None if loaders.val_sharded else self.interrupts)
+        with self.run_log.phase("validation"):
+            # Agreed before the all-reduce: a rank whose file failed would never reach it, and the others wait.
+            metrics = agree_on_errors(
+                ctx,
+                lambda: score_batches(
+                    self.parts.evaluated_model,
+                    batches,
+                    ctx.device,
+                    n_classes=self.parts.config.model.classes,
+                    precision=self.parts.step.precision,
+                    progress=self.run_log.bars,
+                ),
+            )
+            metrics.reduce(lambda sums: sum_across_ranks(ctx, sums.to(ctx.device)))
+            # Asked before scoring: a signal before the first batch leaves no image scored, which is a stop, not an
+            # empty validation set. Only rank 0 can have one: the sum is its signal.
+            stopped = int(sum_across_ranks(ctx, torch.tensor([batches.stopped_by], device=ctx.device)).item())
+            if stopped:
+                return None, stopped
+            result = metrics.compute()
+            if ctx.is_main:
+                self.run_log.log_val(result)
+        return result.dice, 0
