@@ -219,6 +219,7 @@ class StopAgreement:
         self._ctx = ctx
         self._flag = flag
         self._pending: tuple[Any, Tensor] | None = None
+        self._first = True
         self.save_agreed = False
         """Set by ``poll``: whether a rank asked to save (``save_due``) at the boundary whose answer arrived."""
 
@@ -231,11 +232,13 @@ class StopAgreement:
         if not self._ctx.is_distributed:
             self.save_agreed = save_due
             return self._flag.signum
-        first = self._pending is None
         agreed = self._collect()
         local = torch.tensor([self._flag.signum, int(save_due)], dtype=torch.int32)
         work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
         self._pending = (work, local)
+        # Only the first boundary waits for its own answer (a signal during start-up stops at the first step); every
+        # later one reads the answer started one boundary before, so the step never waits for the all-reduce.
+        first, self._first = self._first, False
         return self._collect() if first else agreed
 
     def finish(self) -> int:
