@@ -27,12 +27,10 @@ from collections.abc import Sequence
 import torch
 
 from unet import UNet
-from utils.errors import count
 from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items
 from utils.inference.export import Preprocessing, export_model
-from utils.inference.file_plan import collect_inputs, plan_outputs, prediction_reads
-from utils.inference.writer import prediction_summary, write_predictions
+from utils.inference.writer import collect_inputs, plan_outputs, prediction_reads, write_predictions
 from utils.launch.runner import run_single_process
 from utils.output_files import check_outputs
 
@@ -51,15 +49,7 @@ def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConf
     plans = plan_outputs(inputs, config)
     model.to(device)
     predictions = predict_items(model, PredictionInputs(inputs, preprocessing, config), device, config)
-    failures = write_predictions(predictions, plans, preprocessing, config)
-    if failures:
-        logger.error("%d of %s failed (named above)", len(failures), count(len(inputs), "image"))
-    folders = {plan.mask.parent for plan in plans}
-    written = len(inputs) - len(failures)
-    logger.info(
-        "%s", prediction_summary(written, len(inputs), masks=not config.no_save, viz=config.viz, folders=folders)
-    )
-    return PARTIAL_FAILURE_EXIT_CODE if failures else 0
+    return PARTIAL_FAILURE_EXIT_CODE if write_predictions(predictions, plans, preprocessing, config) else 0
 
 
 def run(config: PredictConfig) -> int:
