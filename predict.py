@@ -26,9 +26,8 @@ from collections.abc import Sequence
 from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items
 from utils.inference.export import export_model
-from utils.inference.writer import collect_inputs, plan_outputs, prediction_reads, write_predictions
+from utils.inference.writer import collect_inputs, plan_outputs, write_predictions
 from utils.launch.runner import run_single_process
-from utils.output_files import check_outputs
 
 __all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "main", "run"]
 
@@ -41,20 +40,12 @@ def run(config: PredictConfig) -> int:
     the module docstring)."""
     device, model, preprocessing = load_predictor(config)
     inputs = collect_inputs(config.inputs)
+    plans = plan_outputs(inputs, config)  # --export's path too: nothing is written before every output is checked
     if config.export_format is not None:
-        # The file may replace neither the checkpoint, an input, a training run's file, nor an existing file without
-        # --overwrite; it carries the preprocessing record (in an ONNX file's metadata).
-        check_outputs(
-            [(config.export_path, "--export")],
-            prediction_reads(inputs, config),
-            writes_images=False,
-            replaces_torchscript=config.overwrite and config.export_format == "torchscript",
-            overwrite=config.overwrite,
-        )
+        # The file carries the preprocessing record (in an ONNX file's metadata).
         export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
         if not inputs:
             return 0
-    plans = plan_outputs(inputs, config)
     model.to(device)
     predictions = predict_items(model, PredictionInputs(inputs, preprocessing, config), device, config)
     return PARTIAL_FAILURE_EXIT_CODE if write_predictions(predictions, plans, preprocessing, config) else 0

@@ -32,7 +32,7 @@ import json
 import logging
 import tempfile
 from collections import deque
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -108,9 +108,9 @@ class OutputPlan(NamedTuple):
 
 
 def plan_outputs(inputs: Sequence[Path], config: PredictConfig) -> list[OutputPlan]:
-    """Output paths per input (``inputs`` as ``collect_inputs(config.inputs)`` found them), checked before anything
-    runs: ``ConfigError`` on a count mismatch of ``--output``, an output over a file the run reads or must keep, or
-    an output folder that cannot be written."""
+    """Output paths per input (``inputs`` as ``collect_inputs(config.inputs)`` found them), checked with --export's
+    before anything runs: ``ConfigError`` on a count mismatch of ``--output``, an output over a file the run reads or
+    must keep, or an output folder that cannot be written."""
     if config.outputs is not None:
         if not all(Path(pattern).is_file() for pattern in config.inputs):
             raise ConfigError("--output pairs outputs with input files; for folders and globs use --output-dir")
@@ -129,31 +129,37 @@ def plan_outputs(inputs: Sequence[Path], config: PredictConfig) -> list[OutputPl
         for output, role, wanted in ((plan.mask, "mask", not config.no_save), (plan.viz, "overlay", config.viz))
         if wanted
     ]
-    # The folders a run reads from: each input's (a folder given as an input is its images' folder) and --masks.
-    read_from = [path.parent for path in inputs]
-    if config.masks_dir is not None:
-        read_from.append(config.masks_dir)
-    check_outputs(outputs, prediction_reads(inputs, config), read_from)
+    folders = {config.masks_dir: "a true mask in --masks"}
+    guard_outputs(outputs, config.model, folders, inputs)
+    if config.export_path is not None:
+        # Neither the checkpoint, an input, a training run's file, nor an existing file without --overwrite.
+        torchscript = config.overwrite and config.export_format == "torchscript"
+        options = {"replaces_torchscript": torchscript, "overwrite": config.overwrite}
+        guard_outputs([(config.export_path, "--export")], config.model, folders, inputs, writes_images=False, **options)
     # An input's mask and overlay share a folder.
     check_writable({plan.mask.parent for plan in plans})
     return plans
 
 
-def prediction_reads(inputs: Iterable[Path], config: PredictConfig) -> dict[Path, str]:
-    """Every file predict.py reads or must keep: the inputs, the true masks of --viz and the checkpoint."""
-    return read_files(config.model, {config.masks_dir: "a true mask in --masks"}, inputs)
-
-
-def read_files(checkpoint: Path, folders: Mapping[Path | None, str], inputs: Iterable[Path] = ()) -> dict[Path, str]:
-    """Every file a run reads or must keep, each with its role, for ``check_outputs``: the checkpoint, each file
-    directly in ``folders`` (``{--masks: "a true mask in --masks"}``; None: not given) and the ``inputs``."""
-    found: dict[Path, str] = {}
+def guard_outputs(
+    outputs: list[tuple[Path, str]],
+    checkpoint: Path,
+    folders: Mapping[Path | None, str],
+    inputs: Sequence[Path] = (),
+    **options: bool,
+) -> None:
+    """``check_outputs`` of ``outputs`` against every file the run reads or must keep, each with its role: the
+    checkpoint, the ``inputs`` and each file directly in ``folders`` (``{--masks: "a true mask in --masks"}``; None:
+    not given), which are with the inputs' own folders the folders it reads from."""
+    protected: dict[Path, str] = {}
     for folder, role in folders.items():
         if folder is not None and folder.is_dir():
-            found.update((path, role) for path in folder.iterdir() if path.is_file())
-    found.update((path, "the input") for path in inputs)
-    found[checkpoint] = "the checkpoint"
-    return found
+            protected.update((path, role) for path in folder.iterdir() if path.is_file())
+    protected.update((path, "the input") for path in inputs)
+    protected[checkpoint] = "the checkpoint"
+    # A folder given as an input is its images' folder.
+    read_from = [*(path.parent for path in inputs), *(folder for folder in folders if folder is not None)]
+    check_outputs(outputs, protected, read_from, **options)
 
 
 def check_writable(folders: set[Path]) -> None:
@@ -470,12 +476,9 @@ def format_table(result: EvalResult, mask_values: Sequence, class_names: Sequenc
 
 def check_json_path(config: EvaluateConfig) -> None:
     """``--json`` must not replace an image, a mask or a checkpoint (checked before anything runs)."""
-    if config.json_path is None:
-        return
-    protected = read_files(
-        config.model, {config.images_dir: "an image in --imgs", config.masks_dir: "a mask in --masks"}
-    )
-    check_outputs([(config.json_path, "--json")], protected, [config.images_dir, config.masks_dir], writes_images=False)
+    if config.json_path is not None:
+        folders = {config.images_dir: "an image in --imgs", config.masks_dir: "a mask in --masks"}
+        guard_outputs([(config.json_path, "--json")], config.model, folders, writes_images=False)
 
 
 def write_json(
