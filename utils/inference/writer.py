@@ -284,11 +284,10 @@ def legend_entries(
     """``(colour, label)`` for every foreground class (class 0 is not drawn), labelled as a person knows it: its name
     when the checkpoint has names, else its value in the mask files (``value 255``, ``value (128, 0, 0)``)."""
     entries = []
-    for k in range(1, len(colours)):
-        value = mask_values[k] if k < len(mask_values) else k
-        if isinstance(value, Sequence):  # an RGB colour of a colour-coded mask
-            value = "(" + ", ".join(str(int(channel)) for channel in value) + ")"
-        entries.append((tuple(colours[k]), class_names[k] if k < len(class_names) else f"value {value}"))
+    for k in range(1, len(colours)):  # one colour per mask value (class_colours)
+        value = mask_values[k]
+        shown = tuple(int(channel) for channel in value) if isinstance(value, Sequence) else value  # (128, 0, 0)
+        entries.append((tuple(colours[k]), class_names[k] if k < len(class_names) else f"value {shown}"))
     return entries
 
 
@@ -304,11 +303,9 @@ def with_captions(
     entries = list(legend[:MAX_LEGEND_ENTRIES])
     if len(legend) > MAX_LEGEND_ENTRIES:
         entries.append(((255, 255, 255), f"... {len(legend) - MAX_LEGEND_ENTRIES} more classes"))
-    widths = [swatch + 4 + int(font.getlength(label)) + 12 for _, label in entries]
-    caption_widths = [int(font.getlength(caption)) + 4 for caption in captions]
-    width = max([panel_width, *widths, *caption_widths])
     # Legend entries in a grid below the captions, each in a cell as wide as the widest, as many a row as fit.
-    cell = max(widths, default=1)
+    cell = max((swatch + 4 + int(font.getlength(label)) + 12 for _, label in entries), default=1)
+    width = max(panel_width, cell, *(int(font.getlength(caption)) + 4 for caption in captions))
     per_row = width // cell
     canvas = Image.new("RGB", (width, height + row_pixels * (1 + -(-len(entries) // per_row))), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
@@ -411,8 +408,7 @@ def write_predictions(
     pending: deque[Future] = deque()
 
     def collect(future: Future) -> None:
-        message = future.result()
-        if message is not None:
+        if (message := future.result()) is not None:
             logger.error("%s", message)
             failures.append(message)
 
