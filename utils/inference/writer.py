@@ -77,9 +77,8 @@ def collect_inputs(patterns: Sequence[str]) -> list[Path]:
     for pattern in patterns:
         path = Path(pattern)
         if path.is_file():
-            found.append(path)
-            continue
-        if path.is_dir():
+            images = [path]
+        elif path.is_dir():
             # The one folder index, as train.py's and evaluate.py's: a link loop or a dangling link named like an
             # image is one line naming it, not a file silently left out.
             images = sorted(path / info.name for info in index_folder(path, "input image").values())
@@ -425,23 +424,21 @@ def write_predictions(
         predictions.close()
     if failures:
         logger.error("%d of %s failed (named above)", len(failures), count(len(plans), "image"))
-    folders = {plan.mask.parent for plan in plans}
-    written = len(plans) - len(failures)
-    logger.info(
-        "%s", prediction_summary(written, len(plans), masks=not config.no_save, viz=config.viz, folders=folders)
-    )
+    logger.info("%s", prediction_summary(plans, len(failures), config))
     return failures
 
 
-def prediction_summary(written: int, total: int, *, masks: bool, viz: bool, folders: Sequence[Path]) -> str:
-    """``"Wrote 8 masks and 8 overlays (8 of 8 images) to outputs/demo"``; ``folders``: where the outputs go."""
-    kinds = [count(written, noun) for noun, wanted in (("mask", masks), ("overlay", viz)) if wanted]
-    names = sorted({str(folder) for folder in folders})
+def prediction_summary(plans: Sequence[OutputPlan], failures: int, config: PredictConfig) -> str:
+    """``"Wrote 8 masks and 8 overlays (8 of 8 images) to outputs/demo"``: what was written (as ``config`` says:
+    --no-save, --viz) for ``plans`` but ``failures`` of them, and where."""
+    written = len(plans) - failures
+    kinds = [count(written, noun) for noun, wanted in (("mask", not config.no_save), ("overlay", config.viz)) if wanted]
+    names = sorted({str(plan.mask.parent) for plan in plans})
     where = ", ".join(names[:MAX_FOLDERS_NAMED])
     if len(names) > MAX_FOLDERS_NAMED:
         where += f" and {count(len(names) - MAX_FOLDERS_NAMED, 'other folder')}"
     what = " and ".join(kinds) if kinds else "nothing (--no-save without --viz)"
-    return f"Wrote {what} ({written} of {count(total, 'image')}) to {where}"
+    return f"Wrote {what} ({written} of {count(len(plans), 'image')}) to {where}"
 
 
 def format_table(result: EvalResult, mask_values: Sequence, class_names: Sequence[str] = ()) -> str:
