@@ -1,5 +1,5 @@
 """Prediction: the model and its preparation, decoding inputs in loader workers, batching images of equal size,
-optional tiling, logits to classes.
+optional tiling, logits to classes; what evaluation adds to the same start.
 
 ``predict_items`` is the loop behind ``predict.py``: images are decoded and resized in ``DataLoader`` workers (so
 decoding overlaps the forward passes), grouped into batches of equal network-input size (images of mixed sizes
@@ -8,6 +8,10 @@ precision, and the logits are resized bilinearly to the original size before the
 milesial/Pytorch-UNet's ``predict_img``.
 
 Tiled inference (``TileSettings``, for images too large to run whole) lives in ``utils.inference.tiling``.
+
+evaluate.py shares the start and the loader, and adds its own: the dataset's mask values mapped to the checkpoint's
+classes (``align_mask_values``), ``--split``'s validation images (``validation_subset``) and stacked batches of one
+size (``SizeGroupedBatches``).
 """
 
 from __future__ import annotations
