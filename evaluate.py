@@ -23,16 +23,13 @@ if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gi
 import sys  # noqa: E402 - after the start-up handler above, as every import below
 from collections.abc import Sequence
 
-from torch.utils.data import Subset
-
 from utils.checkpoint.model import check_expected
 from utils.datasets.dataset import BasicDataset
-from utils.datasets.splits import validation_positions
 from utils.errors import count
 from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.inference.config import EvaluateConfig, parse_inference_config
-from utils.inference.engine import item_loader, open_model
-from utils.inference.scoring import SizeGroupedBatches, align_mask_values, check_json_path, format_table, write_json
+from utils.inference.engine import SizeGroupedBatches, align_mask_values, item_loader, open_model, validation_subset
+from utils.inference.writer import check_json_path, format_table, write_json
 from utils.launch.runner import run_single_process
 
 __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", "main", "run"]
@@ -58,17 +55,7 @@ def run(config: EvaluateConfig) -> int:
     images_from = f"--imgs {config.images_dir}"
     check_expected(spec, {"n_channels": dataset.channels}, config.model, source="--model", images_from=images_from)
     mask_values = align_mask_values(dataset, spec.mask_values, config.model)
-    # --split: exactly the validation images of the run that wrote the file, whatever else the folders hold.
-    scored = dataset
-    if config.split_path is not None:
-        positions = validation_positions(
-            dataset.ids,
-            config.split_path,
-            trained_on=spec.split_digest,
-            model=config.model,
-            other_split=config.other_split,
-        )
-        scored = Subset(dataset, positions)
+    scored = validation_subset(dataset, config, spec.split_digest)
     loader = item_loader(scored, batch_size=config.batch_size, workers=config.workers, pin_memory=device.type == "cuda")
     model.to(device)
     result = evaluate_segmentation(

@@ -20,65 +20,35 @@ if __name__ == "__main__":  # before the heavy imports: Ctrl-C while they run gi
 
     stop_quietly_while_starting()
 
-import logging  # noqa: E402 - after the start-up handler above, as every import below
-import sys
+import sys  # noqa: E402 - after the start-up handler above, as every import below
 from collections.abc import Sequence
 
-import torch
-
-from unet import UNet
-from utils.errors import count
 from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items
-from utils.inference.export import Preprocessing, export_model
-from utils.inference.file_plan import collect_inputs, plan_outputs, prediction_reads
-from utils.inference.writer import prediction_summary, write_predictions
+from utils.inference.export import export_model
+from utils.inference.writer import collect_inputs, plan_outputs, write_predictions
 from utils.launch.runner import run_single_process
-from utils.output_files import check_outputs
 
-__all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "main", "predict_files", "run"]
-
-logger = logging.getLogger("predict")
+__all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "main", "run"]
 
 PARTIAL_FAILURE_EXIT_CODE = 1
 OOM_FIX = "lower --batch-size, or use --tile 512 (or smaller) for large images"
 
 
-def predict_files(model: UNet, preprocessing: Preprocessing, config: PredictConfig, device: torch.device) -> int:
-    """Predict and write every input of ``config`` as the checkpoint's ``preprocessing`` says; the exit status (see
+def run(config: PredictConfig) -> int:
+    """Export and/or predict and write every input of ``config`` as the checkpoint says; returns the exit status (see
     the module docstring)."""
+    device, model, preprocessing = load_predictor(config)
     inputs = collect_inputs(config.inputs)
-    plans = plan_outputs(inputs, config)
+    plans = plan_outputs(inputs, config)  # --export's path too: nothing is written before every output is checked
+    if config.export_format is not None:
+        # The file carries the preprocessing record (in an ONNX file's metadata).
+        export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
+        if not inputs:
+            return 0
     model.to(device)
     predictions = predict_items(model, PredictionInputs(inputs, preprocessing, config), device, config)
-    failures = write_predictions(predictions, plans, preprocessing, config)
-    if failures:
-        logger.error("%d of %s failed (named above)", len(failures), count(len(inputs), "image"))
-    folders = {plan.mask.parent for plan in plans}
-    written = len(inputs) - len(failures)
-    logger.info(
-        "%s", prediction_summary(written, len(inputs), masks=not config.no_save, viz=config.viz, folders=folders)
-    )
-    return PARTIAL_FAILURE_EXIT_CODE if failures else 0
-
-
-def run(config: PredictConfig) -> int:
-    """Export and/or predict as ``config`` says; returns the exit status (see the module docstring)."""
-    device, model, preprocessing = load_predictor(config)
-    if config.export_format is not None:
-        # The file may replace neither the checkpoint, an input, a training run's file, nor an existing file without
-        # --overwrite; it carries the preprocessing record (in an ONNX file's metadata).
-        check_outputs(
-            [(config.export_path, "--export")],
-            prediction_reads(collect_inputs(config.inputs), config),
-            writes_images=False,
-            replaces_torchscript=config.overwrite and config.export_format == "torchscript",
-            overwrite=config.overwrite,
-        )
-        export_model(model, config.export_format, config.export_path, config.export_size, preprocessing)
-        if not config.inputs:
-            return 0
-    return predict_files(model, preprocessing, config, device)
+    return PARTIAL_FAILURE_EXIT_CODE if write_predictions(predictions, plans, preprocessing, config) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

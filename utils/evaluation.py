@@ -183,32 +183,29 @@ class SegmentationMetrics:
 
     def __init__(self, n_classes: int) -> None:
         self.n_classes = n_classes
-        # Per class, summed over images: the Dice, the IoU, then true positives, false positives, false negatives.
-        self._sums = torch.zeros(5, n_classes, dtype=torch.float64)
-        self._n_images = 0
+        # Per class, summed over images: the Dice, the IoU, then true positives, false positives, false negatives,
+        # and the images themselves (their count, in every column).
+        self._sums = torch.zeros(6, n_classes, dtype=torch.float64)
 
     def update(self, pred: Tensor, target: Tensor) -> None:
         """Add a ``[B, H, W]`` batch of predicted and true class indices."""
         counts = confusion_counts(pred, target, self.n_classes)
-        per_image = [dice_from_counts(*counts), iou_from_counts(*counts), *counts]
+        per_image = [dice_from_counts(*counts), iou_from_counts(*counts), *counts, torch.ones_like(counts[0])]
         self._sums += torch.stack([values.sum(dim=0) for values in per_image])
-        self._n_images += pred.shape[0]
 
     def reduce(self, reduce_sums: Callable[[Tensor], Tensor]) -> None:
-        """Replace every sum by ``reduce_sums`` of it (the sum over ranks): one float64 vector, one collective."""
-        packed = torch.cat([self._sums.flatten(), torch.tensor([self._n_images], dtype=torch.float64)])
-        total = reduce_sums(packed).cpu()
-        self._sums = total[:-1].reshape(5, self.n_classes).clone()
-        self._n_images = int(round(float(total[-1])))
+        """Replace the sums by ``reduce_sums`` of them (the sum over ranks): one float64 tensor, one collective."""
+        self._sums = reduce_sums(self._sums).cpu()
 
     def compute(self) -> EvalResult:
-        if self._n_images == 0:
+        dice_sum, iou_sum, *counts_sum, images = self._sums
+        n_images = int(images[0])  # a float64 count: exact
+        if n_images == 0:
             raise ValueError("no images were evaluated: the validation set is empty")
-        dice_sum, iou_sum, *counts_sum = self._sums
         return EvalResult(
-            per_class_dice=(dice_sum / self._n_images).tolist(),
-            per_class_iou=(iou_sum / self._n_images).tolist(),
-            n_images=self._n_images,
+            per_class_dice=(dice_sum / n_images).tolist(),
+            per_class_iou=(iou_sum / n_images).tolist(),
+            n_images=n_images,
             micro_per_class_dice=dice_from_counts(*counts_sum).tolist(),
             micro_per_class_iou=iou_from_counts(*counts_sum).tolist(),
         )

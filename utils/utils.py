@@ -27,42 +27,34 @@ def plot_img_and_mask(img: Any, mask: Any) -> Any:
     ``mask``: class indices ``[H, W]`` (milesial's current ``predict_img``; a boolean mask is classes 0 and 1) or one
     plane per class ``[C, H, W]`` (its older one-hot output).
     """
-    planes = _class_planes(np.asarray(mask))
-    if _can_show():
-        import matplotlib.pyplot as plt
-
-        figure, axes = plt.subplots(1, len(planes) + 1, squeeze=False)
-        _draw(axes[0], img, planes)
-        plt.show()
-        return figure
-    from matplotlib.figure import Figure
-
-    # A Figure made without pyplot draws on the Agg canvas and touches no window system.
-    figure = Figure()
-    axes = figure.subplots(1, len(planes) + 1, squeeze=False)
-    _draw(axes[0], img, planes)
-    logger.info("No display: the image and mask figure is not shown (plot_img_and_mask returns it; .savefig saves it)")
-    return figure
-
-
-def _class_planes(mask: np.ndarray) -> list[np.ndarray]:
-    if mask.ndim == 3:
-        return [mask[index] for index in range(mask.shape[0])]
-    if mask.ndim != 2:
+    mask = np.asarray(mask)
+    if mask.ndim not in (2, 3):
         raise ValueError(f"plot_img_and_mask: mask must be [H, W] class indices or [C, H, W] planes, got {mask.shape}")
     classes = max(int(mask.max()) + 1, 2) if mask.size else 2
-    return [mask == index for index in range(classes)]
+    planes = list(mask) if mask.ndim == 3 else [mask == index for index in range(classes)]
+    show = _can_show()
+    if show:
+        import matplotlib.pyplot as plt
 
+        figure = plt.figure()
+    else:
+        from matplotlib.figure import Figure
 
-def _draw(axes: Any, img: Any, planes: list[np.ndarray]) -> None:
-    axes[0].set_title("Input image")
-    axes[0].imshow(img)
-    for index, plane in enumerate(planes):
-        axes[index + 1].set_title(f"Mask (class {index})")
-        axes[index + 1].imshow(plane)
-    for each in axes:
+        figure = Figure()  # made without pyplot, it draws on the Agg canvas and touches no window system
+    axes = figure.subplots(1, len(planes) + 1, squeeze=False)[0]
+    titles = ["Input image", *(f"Mask (class {index})" for index in range(len(planes)))]
+    for each, title, picture in zip(axes, titles, [img, *planes], strict=True):
+        each.set_title(title)
+        each.imshow(picture)
         each.set_xticks([])
         each.set_yticks([])
+    if show:
+        plt.show()
+    else:
+        logger.info(
+            "No display: the image and mask figure is not shown (plot_img_and_mask returns it; .savefig saves it)"
+        )
+    return figure
 
 
 def _can_show() -> bool:

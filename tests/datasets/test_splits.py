@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,10 +25,11 @@ from utils.datasets.splits import (
     read_split_file,
     split_dataset,
     split_positions,
-    validation_positions,
     write_split_file,
 )
 from utils.errors import ConfigError, DatasetError
+from utils.inference.config import EvaluateConfig
+from utils.inference.engine import validation_subset
 
 
 def carvana_ids(cars: int, views: int) -> list[str]:
@@ -36,6 +38,14 @@ def carvana_ids(cars: int, views: int) -> list[str]:
 
 def sides(ids: list[str], positions: list[int]) -> set[str]:
     return {prefix_of(ids[p]) for p in positions}
+
+
+def scored_ids(ids: list[str], split: Path, trained_on: str | None = None, other_split: bool = False) -> list[str]:
+    """The ids of ``ids`` that ``evaluate.py --split split`` scores (``engine.validation_subset``, which reads the
+    dataset's ids only), for a checkpoint ``m.pth`` whose recorded split digest is ``trained_on``."""
+    config = EvaluateConfig(model=Path("m.pth"), split_path=split, other_split=other_split)
+    subset = validation_subset(SimpleNamespace(ids=ids), config, trained_on)
+    return [ids[position] for position in subset.indices]
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture, ids: list[str], flags: SplitFlags) -> list[str]:
@@ -153,10 +163,10 @@ def test_split_file_round_trip_digest_and_evaluate_positions(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="last.pth was trained on another train/validation split"):
         check_same_split(record.digest, other, "last.pth")
     shuffled = list(reversed(ids)) + ["extra_01"]
-    assert [shuffled[p] for p in validation_positions(shuffled, path)] == sorted(record.validation, reverse=True)
+    assert scored_ids(shuffled, path) == sorted(record.validation, reverse=True)
     with pytest.raises(DatasetError, match=rf"{len(record.validation)} of the {len(record.validation)} validation "
                        r"images of --split .*split\.json are not in the folders given"):  # fmt: skip
-        validation_positions(["x"], path)
+        scored_ids(["x"], path)
 
 
 def test_unreadable_split_file_names_the_flag(tmp_path: Path) -> None:
@@ -217,11 +227,12 @@ def test_a_split_other_than_the_recorded_one_is_refused_unless_asked(tmp_path: P
     path = _edited_split(tmp_path)
     ids = carvana_ids(6, 2)
     record = read_split_file(path)
-    assert validation_positions(ids, path, trained_on=record.digest)  # the model's own split
-    assert validation_positions(ids, path, trained_on=None)  # a checkpoint that records none
+    validation = sorted(record.validation)
+    assert scored_ids(ids, path, trained_on=record.digest) == validation  # the model's own split
+    assert scored_ids(ids, path, trained_on=None) == validation  # a checkpoint that records none
     with pytest.raises(ConfigError, match=r"split\.json is not the split m\.pth was trained on.*add --other-split"):
-        validation_positions(ids, path, trained_on="0" * 64, model="m.pth")
-    assert validation_positions(ids, path, trained_on="0" * 64, other_split=True)
+        scored_ids(ids, path, trained_on="0" * 64)
+    assert scored_ids(ids, path, trained_on="0" * 64, other_split=True) == validation
 
 
 def test_group_split_far_above_the_asked_share_warns_in_one_line(caplog: pytest.LogCaptureFixture) -> None:

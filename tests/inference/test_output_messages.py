@@ -19,7 +19,8 @@ from utils.checkpoint.files import load_checkpoint_file
 from utils.checkpoint.format import KEY_INFERENCE, InferenceRecord
 from utils.checkpoint.model import load_model
 from utils.errors import USER_ERROR_EXIT_CODE, count
-from utils.inference.writer import class_colours, legend_entries, prediction_summary
+from utils.inference.config import PredictConfig
+from utils.inference.writer import OutputPlan, class_colours, legend_entries, prediction_summary
 
 
 def last_line(text: str) -> str:
@@ -45,12 +46,12 @@ def test_predict_ends_with_the_output_folder_and_the_counts(tmp_path, images, bi
 
 
 def test_the_summary_names_a_few_folders_and_counts_the_rest():
-    folders = [Path(f"out/{name}") for name in "dcbae"]
-    line = prediction_summary(5, 6, masks=False, viz=True, folders=folders)
+    plans = [
+        OutputPlan(Path(f"out/{name}/{n}_OUT.png"), Path(f"out/{name}/{n}_VIZ.png")) for n, name in enumerate("dcbaee")
+    ]
+    line = prediction_summary(plans, 1, PredictConfig(viz=True, no_save=True))
     assert line == "Wrote 5 overlays (5 of 6 images) to out/a, out/b, out/c and 2 other folders"
-    assert (
-        prediction_summary(1, 1, masks=True, viz=False, folders=folders[:1]) == "Wrote 1 mask (1 of 1 image) to out/d"
-    )
+    assert prediction_summary(plans[:1], 0, PredictConfig()) == "Wrote 1 mask (1 of 1 image) to out/d"
 
 
 def test_evaluate_names_its_json_and_its_bar_says_evaluating(

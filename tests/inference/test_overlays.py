@@ -69,14 +69,17 @@ def test_grey_images_are_shown_in_colour():
     assert np.all(np.asarray(rendered)[:4, :4] == 200)
 
 
-def test_truth_masks_are_found_by_name_and_mapped_to_classes(tmp_path):
+def test_truth_masks_are_found_by_name_and_mapped_to_classes(tmp_path, caplog):
     Image.fromarray(np.array([[0, 255], [255, 0]], dtype=np.uint8)).save(tmp_path / "car_mask.png")
-    found = find_truth_mask(tmp_path, tmp_path / "images" / "car.jpg")
-    assert found == tmp_path / "car_mask.png"
+    car = tmp_path / "images" / "car.jpg"
+    assert find_truth_mask(tmp_path, car) == tmp_path / "car_mask.png"
     assert find_truth_mask(tmp_path, tmp_path / "bus.jpg") is None
-    np.testing.assert_array_equal(load_truth_classes(found, [0, 255], (2, 2)), [[0, 1], [1, 0]])
+    np.testing.assert_array_equal(load_truth_classes(tmp_path, car, [0, 255], (2, 2)), [[0, 1], [1, 0]])
     # A mask of another size is resized (nearest) to the image's.
-    assert load_truth_classes(found, [0, 255], (4, 4)).shape == (4, 4)
+    assert load_truth_classes(tmp_path, car, [0, 255], (4, 4)).shape == (4, 4)
+    # No mask: the overlay goes alone, with one warning naming the image.
+    assert load_truth_classes(tmp_path, tmp_path / "bus.jpg", [0, 255], (2, 2)) is None
+    assert f"no true mask for {tmp_path / 'bus.jpg'} in {tmp_path}" in caplog.text
 
 
 def test_side_by_side_view_has_captions_and_a_legend_of_every_foreground_class():

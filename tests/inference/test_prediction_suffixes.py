@@ -10,11 +10,11 @@ import evaluate as evaluate_cli
 import predict
 from utils.datasets.dataset import BasicDataset
 from utils.datasets.image_files import OUTPUT_SUFFIX, VIZ_SUFFIX, index_folder
-from utils.inference import file_plan
+from utils.inference import writer
 
 
 def test_the_suffixes_have_one_home():
-    assert file_plan.OUTPUT_SUFFIX is OUTPUT_SUFFIX and file_plan.VIZ_SUFFIX is VIZ_SUFFIX
+    assert writer.OUTPUT_SUFFIX is OUTPUT_SUFFIX and writer.VIZ_SUFFIX is VIZ_SUFFIX
 
 
 def test_evaluating_a_folder_after_predicting_into_it_works_with_one_warning(

@@ -130,10 +130,7 @@ def _colour(pixels: torch.Tensor, jitter: list[tuple[str, float]], scale: float)
     """
     channels, height, width = pixels.shape
     identity = torch.eye(channels, dtype=torch.float64)
-    if channels == 3:
-        luma = torch.tensor(_LUMA, dtype=torch.float64)
-    else:
-        luma = torch.full((channels,), 1 / channels, dtype=torch.float64)
+    luma = torch.tensor(_LUMA if channels == 3 else [1 / channels] * channels, dtype=torch.float64)
     matrix, offset = identity * scale, torch.zeros(channels, dtype=torch.float64)
     for op, factor in jitter:
         step, shift = identity * factor, torch.zeros(channels, dtype=torch.float64)

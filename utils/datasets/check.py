@@ -22,7 +22,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from utils.cli import print_error
@@ -70,21 +70,24 @@ class CheckSettings(SplitFlags):
 
 @dataclass
 class CheckReport:
-    """Everything the check found; ``problems`` stop training, ``warnings`` do not."""
+    """Everything the check found: what it read (the lines printed first), ``problems`` (they stop training) and
+    ``warnings`` (they do not)."""
 
-    n_images: int
-    n_pairs: int
+    summary: list[str]
     problems: list[Finding]
     warnings: list[Finding]
-    mask_values: list = field(default_factory=list)
-    class_shares: list[tuple[object, float]] = field(default_factory=list)
-    """``(mask value, share of the non-void pixels)`` per class, in class order."""
-    void_share: float = 0.0
-    seconds: float = 0.0
 
     def passes(self, strict: bool) -> bool:
         """Whether training would start on this data (and, ``strict``, nothing was found even to warn about)."""
         return not self.problems and not (strict and self.warnings)
+
+    def lines(self, strict: bool) -> list[str]:
+        """The lines the command prints: the summary, then one line per warning and problem (``strict``: the
+        warnings are problems too), and OK when training would start."""
+        warning = "problem" if strict else "warning"
+        lines = [*self.summary, *(f"{warning}: {found.kind}: {found.sentence()}" for found in self.warnings)]
+        lines += [f"problem: {found.kind}: {found.sentence()}" for found in self.problems]
+        return lines + (["OK: training would start on this data"] if self.passes(strict) else [])
 
 
 def check_dataset(settings: CheckSettings) -> CheckReport:
@@ -95,12 +98,14 @@ def check_dataset(settings: CheckSettings) -> CheckReport:
     if settings.split_by is not None:  # the split's flags together (each one's range: parse_flags), before any file
         check_split_flags(settings.split_by, settings.group_pattern, settings.folds, settings.fold)
     pairing = pair_folders(settings.imgs, settings.masks, None)
-    report = CheckReport(len(pairing.images), len(pairing.pairs), pairing.problems, pairing.warnings)
+    report = CheckReport([], pairing.problems, pairing.warnings)
     pairs = [pair for pair in pairing.pairs if pair.image.size and pair.mask.size]
     if pairs:  # the values of the usable pairs, whatever else is wrong: one run reports every kind of problem
         _report_mask_values(report, pairs, settings)
     _report_photos(report, pairs, sorted(pairing.images), settings)
-    report.seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    read = f"{len(pairing.images)} images in {settings.imgs}, {len(pairing.pairs)} with a mask in {settings.masks}"
+    report.summary.insert(0, f"{read} (checked in {seconds:.1f} s)")
     return report
 
 
@@ -117,13 +122,17 @@ def _inspect_photo(pair: MaskPair) -> tuple[str | None, int | None]:
 
 
 def _report_mask_values(report: CheckReport, pairs: list[MaskPair], settings: CheckSettings) -> None:
+    """The mask values, each class's share of the non-void pixels (and the void share), and the class-value rules."""
     scan = scan_masks(pairs, cache_dir=settings.cache_dir, workers=settings.workers)
     report.problems += scan.problems
-    report.mask_values = list(scan.mask_values)
     values, per_image, void = scan.classes(settings.ignore_values)
     totals = class_totals(per_image.values(), len(values))
-    report.class_shares = [(value, pixels / max(sum(totals), 1)) for value, pixels in zip(values, totals, strict=True)]
-    report.void_share = void / max(sum(totals) + void, 1)
+    shares = (
+        f"{value}: {100 * pixels / max(sum(totals), 1):.2f}%" for value, pixels in zip(values, totals, strict=True)
+    )
+    report.summary.append(f"mask values {list(scan.mask_values)}; pixels per class: {', '.join(shares)}")
+    if settings.ignore_values:
+        report.summary.append(f"void (--ignore-value): {100 * void / max(sum(totals) + void, 1):.2f}% of the pixels")
     problems, warnings = class_value_findings(values, pairs, settings.masks, settings.classes, settings.ignore_values)
     report.problems += problems
     report.warnings += warnings
@@ -169,24 +178,6 @@ def _copies(groups: list[list[str]]) -> tuple[str, ...]:
     return tuple(format_examples(names, 3, " = ") for names in groups)
 
 
-def format_report(report: CheckReport, settings: CheckSettings) -> list[str]:
-    """The lines the command prints: a summary, the classes' shares, then one line per warning and problem."""
-    lines = [
-        f"{report.n_images} images in {settings.imgs}, {report.n_pairs} with a mask in {settings.masks} "
-        f"(checked in {report.seconds:.1f} s)"
-    ]
-    if report.class_shares:
-        shares = ", ".join(f"{value}: {100 * share:.2f}%" for value, share in report.class_shares)
-        lines.append(f"mask values {report.mask_values}; pixels per class: {shares}")
-        if settings.ignore_values:
-            lines.append(f"void (--ignore-value): {100 * report.void_share:.2f}% of the pixels")
-    lines += [f"{'problem' if settings.strict else 'warning'}: {f.kind}: {f.sentence()}" for f in report.warnings]
-    lines += [f"problem: {f.kind}: {f.sentence()}" for f in report.problems]
-    if report.passes(settings.strict):
-        lines.append("OK: training would start on this data")
-    return lines
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = FlagParser(
         CheckSettings,
@@ -201,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as error:
         print_error(error)
         return USER_ERROR_EXIT_CODE
-    print("\n".join(format_report(report, settings)))
+    print("\n".join(report.lines(settings.strict)))
     return 0 if report.passes(settings.strict) else PROBLEMS_EXIT_CODE
 
 

@@ -341,29 +341,3 @@ def read_split_file(path: Path) -> SplitRecord:
     return SplitRecord(
         **{key: raw[key] for key in _FIELD_TYPES}, train=tuple(raw["train"]), validation=tuple(raw["validation"])
     )
-
-
-def validation_positions(
-    ids: Sequence[str], split_file: Path, *, trained_on: str | None = None, model: Any = None, other_split: bool = False
-) -> list[int]:
-    """Positions in ``ids`` of the validation images of the run that wrote ``split_file`` (evaluate.py --split).
-
-    ``trained_on`` is the split digest the checkpoint ``model`` records (None: not recorded): another split is
-    refused unless ``other_split`` (its validation images may be the model's training images). A DatasetError when
-    some are not in ``ids``.
-    """
-    record = read_split_file(split_file)
-    if trained_on is not None and record.digest != trained_on and not other_split:
-        raise ConfigError(
-            f"--split {split_file} is not the split {model} was trained on (its recorded split_sha256 differs), so "
-            f"its validation images may be training images of the model; pass the split.json of the model's run "
-            f"folder, or add --other-split to score this split anyway"
-        )
-    position = {image_id: index for index, image_id in enumerate(ids)}
-    missing = [image_id for image_id in record.validation if image_id not in position]
-    if missing:
-        raise DatasetError(
-            f"{len(missing)} of the {len(record.validation)} validation images of --split {split_file} are not in the "
-            f"folders given: {format_examples(missing)}; pass the --imgs and --masks the run was trained on"
-        )
-    return sorted(position[image_id] for image_id in record.validation)

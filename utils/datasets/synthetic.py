@@ -33,6 +33,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from utils.cli import parse_size, print_error
 from utils.datasets.image_files import split_name
 from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, DatasetError, UserError
+from utils.flags import check_range
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,9 @@ def generate_carvana_like(
     out_dir = Path(out_dir)
     if n_classes is not None and not 3 <= n_classes <= MAX_CLASSES:
         raise ConfigError(f"--classes must be between 3 and {MAX_CLASSES}, got {n_classes}; omit it for binary data")
-    width, height = size
-    if n < 1:
-        raise ConfigError(f"--n must be at least 1, got {n}")
-    if not 1 <= views <= 99:
-        raise ConfigError(f"--views must be between 1 and 99, got {views}")
-    if width < MIN_SIDE or height < MIN_SIDE:
-        raise ConfigError(f"--size must be at least {MIN_SIDE}x{MIN_SIDE}, got {width}x{height}")
+    check_range(n, "--n", "[1, inf)")
+    check_range(views, "--views", "[1, 99]")
+    check_range(min(size), "--size's width and height", f"[{MIN_SIDE}, inf)")
     images_dir, masks_dir = out_dir / "imgs", out_dir / "masks"
     for folder in (images_dir, masks_dir):
         _prepare_folder(folder, force)

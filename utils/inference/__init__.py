@@ -1,8 +1,8 @@
 """Inference behind ``predict.py`` and ``evaluate.py``.
 
-``engine`` (predict's model from its checkpoint, inputs, batches by size, the prediction loop), ``tiling`` (one
-forward pass, ``--tta`` and sliding windows; whole image or windows by the free memory), ``file_plan`` (input files,
-output paths, writability), ``writer`` (class indices to mask values, ``--viz`` overlays, writer threads and the run's
-last line), ``export`` (ONNX/TorchScript), ``scoring`` (evaluate's masks, batches, table and ``--json``), ``flags``
-and ``config`` (the two scripts' shared flags and their typed configurations).
+``engine`` (the model from its checkpoint, predict's inputs and prediction loop, batches by size, evaluate's mask
+values and ``--split``), ``tiling`` (one forward pass, ``--tta`` and sliding windows; whole image or windows by the free
+memory), ``writer`` (input files, where outputs go and the one guard of every output, class indices to mask values,
+``--viz`` overlays, writer threads and predict's last line, evaluate's table and ``--json``), ``export``
+(ONNX/TorchScript) and ``config`` (the two scripts' shared flags and their typed configurations).
 """

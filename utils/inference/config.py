@@ -18,8 +18,8 @@ from utils.errors import ConfigError
 from utils.flags import FlagParser, flag
 from utils.hardware import PRECISIONS, check_workers
 from utils.inference.export import EXPORT_FORMATS
-from utils.inference.file_plan import MASK_FORMATS
 from utils.inference.tiling import DEFAULT_TILE_OVERLAP, TileSettings
+from utils.inference.writer import MASK_FORMATS
 
 # Probability above which a one-logit model's pixel is foreground (milesial's -t default).
 DEFAULT_MASK_THRESHOLD = 0.5

@@ -1,5 +1,5 @@
 """Prediction: the model and its preparation, decoding inputs in loader workers, batching images of equal size,
-optional tiling, logits to classes.
+optional tiling, logits to classes; what evaluation adds to the same start.
 
 ``predict_items`` is the loop behind ``predict.py``: images are decoded and resized in ``DataLoader`` workers (so
 decoding overlaps the forward passes), grouped into batches of equal network-input size (images of mixed sizes
@@ -8,6 +8,10 @@ precision, and the logits are resized bilinearly to the original size before the
 milesial/Pytorch-UNet's ``predict_img``.
 
 Tiled inference (``TileSettings``, for images too large to run whole) lives in ``utils.inference.tiling``.
+
+evaluate.py shares the start and the loader, and adds its own: the dataset's mask values mapped to the checkpoint's
+classes (``align_mask_values``), ``--split``'s validation images (``validation_subset``) and stacked batches of one
+size (``SizeGroupedBatches``).
 """
 
 from __future__ import annotations
@@ -23,17 +27,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 from tqdm import tqdm
 
 from unet import UNet
 from utils.checkpoint import model as model_spec
-from utils.datasets.dataset import cached_image, image_tensor, resized_image, unit_float
-from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
+from utils.datasets.dataset import BasicDataset, cached_image, image_tensor, resized_image, unit_float
+from utils.datasets.image_files import FileInfo, format_examples, image_header, load_image, mode_channels
 from utils.datasets.pixel_cache import PixelCache
+from utils.datasets.splits import read_split_file
+from utils.errors import ConfigError, DatasetError
 from utils.evaluation import predict_classes
 from utils.hardware import SharedMemoryGuard, guarded_loader, pick_device, warn_if_emulated
-from utils.inference.config import DEFAULT_MASK_THRESHOLD, InferenceConfig, PredictConfig
+from utils.inference.config import DEFAULT_MASK_THRESHOLD, EvaluateConfig, InferenceConfig, PredictConfig
 from utils.inference.export import Preprocessing
 from utils.inference.tiling import MemoryPlanner, forward_logits, predict_logits_tiled
 from utils.inference.writer import mask_values_to_write
@@ -233,3 +239,82 @@ def predict_items(
         logger.warning(
             "%d %s image(s) were converted to %s for the %d-channel model", converted, kind, target, dataset.n_channels
         )
+
+
+def align_mask_values(dataset: BasicDataset, checkpoint_values: list | None, checkpoint: Path) -> list:
+    """Make the dataset map mask values to the checkpoint's classes; raise ``DatasetError`` if it cannot.
+
+    A validation set may lack some classes, so its values only need to be among the checkpoint's; the dataset then
+    uses the checkpoint's full list, so that value ``v`` becomes the class the model was trained to predict for it.
+    """
+    dataset_values = [_comparable(value) for value in dataset.mask_values]
+    if checkpoint_values is None:
+        logger.warning(
+            "%s stores no mask_values; assuming the masks' values %s are its classes in order",
+            checkpoint,
+            dataset.mask_values,
+        )
+        return list(dataset.mask_values)
+    known = [_comparable(value) for value in checkpoint_values]
+    unknown = [value for value in dataset_values if value not in known]
+    if unknown:
+        raise DatasetError(
+            f"the masks in {dataset.mask_dir} hold values {dataset.mask_values} but {checkpoint} was trained on "
+            f"{list(checkpoint_values)} ({unknown} unknown to it); evaluate on masks made the same way as its "
+            "training masks"
+        )
+    if dataset_values != known:
+        logger.info("The masks use %s of the checkpoint's mask values %s", dataset.mask_values, checkpoint_values)
+        dataset.mask_values = list(checkpoint_values)
+    return list(checkpoint_values)
+
+
+def _comparable(value: object) -> object:
+    return tuple(int(channel) for channel in value) if isinstance(value, list | tuple) else int(value)
+
+
+@dataclass(frozen=True)
+class SizeGroupedBatches:
+    """Stacked batches of up to the loader's ``batch_size`` items of one image size, from ``engine.item_loader``'s
+    lists of items.
+
+    Images of mixed sizes are grouped by size as ``predict.py`` groups them (``batches_by_shape``): since the score is a
+    mean over images, grouping does not change it.
+    """
+
+    loader: SharedMemoryGuard
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        items = itertools.chain.from_iterable(self.loader)
+        for batch in batches_by_shape(items, self.loader.batch_size, lambda item: item["image"].shape):
+            yield {key: torch.stack([item[key] for item in batch]) for key in batch[0]}
+
+
+def validation_subset(dataset: BasicDataset, config: EvaluateConfig, trained_on: str | None) -> Dataset:
+    """``--split``: exactly the validation images of the run that wrote the file (``dataset`` whole without it),
+    whatever else the folders hold.
+
+    ``trained_on`` is the split digest the checkpoint records (None: not recorded): another split is refused unless
+    ``--other-split`` (its validation images may be the model's training images). A DatasetError when some are not
+    in the dataset.
+    """
+    if config.split_path is None:
+        return dataset
+    record = read_split_file(config.split_path)
+    if trained_on is not None and record.digest != trained_on and not config.other_split:
+        raise ConfigError(
+            f"--split {config.split_path} is not the split {config.model} was trained on (its recorded split_sha256 "
+            f"differs), so its validation images may be training images of the model; pass the split.json of the "
+            f"model's run folder, or add --other-split to score this split anyway"
+        )
+    position = {image_id: index for index, image_id in enumerate(dataset.ids)}
+    missing = [image_id for image_id in record.validation if image_id not in position]
+    if missing:
+        raise DatasetError(
+            f"{len(missing)} of the {len(record.validation)} validation images of --split {config.split_path} are not "
+            f"in the folders given: {format_examples(missing)}; pass the --imgs and --masks the run was trained on"
+        )
+    return Subset(dataset, sorted(position[image_id] for image_id in record.validation))

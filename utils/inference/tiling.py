@@ -216,22 +216,13 @@ class MemoryPlanner:
         window_pixel_bytes = estimate_forward_bytes(model, window_batch, 1, 1, tta)
         side = math.isqrt(max(0, budget - stitched) // window_pixel_bytes)
         tile = (side - DOWNSAMPLING) // DOWNSAMPLING * DOWNSAMPLING
+        available = f"only {budget / GIB:.1f} GiB are free"
+        shortage = f"a {width}x{height} image needs about {needed / GIB:.1f} GiB to predict but {available}"
         if tile < MIN_TILE:
-            raise UserError(
-                f"a {width}x{height} image needs about {needed / GIB:.1f} GiB to predict but only "
-                f"{budget / GIB:.1f} GiB are free, too little even for --tile {MIN_TILE}; "
-                "lower --scale or --batch-size, or free memory"
-            )
-        log = logger.warning if not self._warned else logger.debug
-        log(
-            "a whole %dx%d image needs about %.1f GiB but %.1f GiB are free; predicting in %d-pixel windows "
-            "(pass --tile %d to choose this yourself)",
-            width,
-            height,
-            needed / GIB,
-            budget / GIB,
-            tile,
-            tile,
-        )
+            fix = "lower --scale or --batch-size, or free memory"
+            raise UserError(f"{shortage}, too little even for --tile {MIN_TILE}; {fix}")
+        # Once: every batch of this size would say it again.
+        log = logger.debug if self._warned else logger.warning
+        log("%s; predicting in %d-pixel windows (pass --tile %d to choose this yourself)", shortage, tile, tile)
         self._warned = True
         return TileSettings(tile, tta=tta)

@@ -1,9 +1,12 @@
-"""Writing predictions: masks and overlays encoded in writer threads, overlapping the next forward passes; the run's
-last line says what was written where, so a person knows where to look.
+"""What ``predict.py`` and ``evaluate.py`` read and write: the input files, where each one's outputs go (checked
+before anything runs), masks and overlays encoded in writer threads (overlapping the next forward passes), predict's
+last line (what was written where, so a person knows where to look), evaluate's table and ``--json``.
+
+The outputs and the files they must not replace are listed here; ``utils.output_files.check_outputs`` compares them
+(by file identity) and writes them.
 
 Class ``k`` is written as ``mask_values[k]``, as in milesial/Pytorch-UNet's ``mask_to_image``, so a prediction can be
 compared with (or used in place of) the masks the model was trained on:
-
 * ``[0, 1]`` (Carvana) becomes a 1-bit PNG (PIL mode ``'1'``);
 * other grey values become an 8-bit ``'L'`` image, or 16-bit ``'I;16'`` when a value does not fit in a byte;
 * colour values (``[r, g, b]`` lists, one per class) become an ``'RGB'`` image (``'LA'``/``'RGBA'`` for 2/4 channels).
@@ -24,31 +27,152 @@ write would fail the same way.
 
 from __future__ import annotations
 
+import glob
+import json
 import logging
+import tempfile
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
-from utils.checkpoint.model import ModelSpec
 from utils.datasets.dataset import mask_classes
-from utils.datasets.image_files import IMAGE_EXTENSIONS, load_image
-from utils.errors import CheckpointError, UserError, count
-from utils.inference.config import PredictConfig
-from utils.inference.export import Preprocessing
-from utils.inference.file_plan import MASK_FORMATS, OutputPlan
-from utils.output_files import OutputError, write_file
+from utils.datasets.image_files import (
+    IMAGE_EXTENSIONS,
+    OUTPUT_SUFFIX,
+    PREDICTION_SUFFIXES,
+    VIZ_SUFFIX,
+    index_folder,
+    load_image,
+)
+from utils.errors import CheckpointError, ConfigError, UserError, count
+from utils.output_files import OutputError, check_outputs, write_file, write_text
 
-if TYPE_CHECKING:  # utils.inference.engine imports the mask value checks from here
+if TYPE_CHECKING:  # utils.inference.config imports MASK_FORMATS, and utils.inference.engine the mask values, from here
+    from utils.checkpoint.model import ModelSpec
+    from utils.evaluation import EvalResult
+    from utils.inference.config import EvaluateConfig, PredictConfig
     from utils.inference.engine import InputItem
+    from utils.inference.export import Preprocessing
 
 logger = logging.getLogger(__name__)
+
+# Masks must be stored losslessly: a JPEG would blur class values into each other.
+MASK_FORMATS = (".png", ".gif", ".bmp", ".tif", ".tiff")
+
+
+def collect_inputs(patterns: Sequence[str]) -> list[Path]:
+    """Expand files, folders and globs into image files (in order, each once).
+
+    Folders and globs skip earlier outputs (``*_OUT.*``, ``*_VIZ.*``), so predicting a folder twice does not predict
+    the first run's masks. A missing file, an empty folder or a glob that matches nothing is an error.
+    """
+    found: list[Path] = []
+    for pattern in patterns:
+        path = Path(pattern)
+        if path.is_file():
+            images = [path]
+        elif path.is_dir():
+            # The one folder index, as train.py's and evaluate.py's: a link loop or a dangling link named like an
+            # image is one line naming it, not a file silently left out.
+            images = sorted(path / info.name for info in index_folder(path, "input image").values())
+        elif glob.has_magic(pattern):
+            images = [
+                candidate
+                for candidate in sorted(Path(match) for match in glob.glob(pattern))
+                if candidate.is_file()
+                and candidate.suffix.lower() in IMAGE_EXTENSIONS
+                and not candidate.name.startswith(".")
+                and not candidate.stem.endswith(PREDICTION_SUFFIXES)
+            ]
+        else:
+            raise ConfigError(f"--input {pattern}: no such file or folder")
+        if not images:
+            raise ConfigError(f"--input {pattern}: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) found there")
+        found.extend(images)
+    return list(dict.fromkeys(found))
+
+
+class OutputPlan(NamedTuple):
+    """Where one input's mask and visualisation go."""
+
+    mask: Path
+    viz: Path
+
+
+def plan_outputs(inputs: Sequence[Path], config: PredictConfig) -> list[OutputPlan]:
+    """Output paths per input (``inputs`` as ``collect_inputs(config.inputs)`` found them), checked with --export's
+    before anything runs: ``ConfigError`` on a count mismatch of ``--output``, an output over a file the run reads or
+    must keep, or an output folder that cannot be written."""
+    if config.outputs is not None:
+        if not all(Path(pattern).is_file() for pattern in config.inputs):
+            raise ConfigError("--output pairs outputs with input files; for folders and globs use --output-dir")
+        if len(config.outputs) != len(inputs):
+            raise ConfigError(
+                f"--output got {len(config.outputs)} paths for {len(inputs)} input images; give one per input file"
+            )
+        masks = [(out, out.stem) for out in config.outputs]
+    else:
+        masks = [((config.output_dir or path.parent) / f"{path.stem}{OUTPUT_SUFFIX}.png", path.stem) for path in inputs]
+    # An overlay goes beside its mask: <mask name>_VIZ.png, or <input name>_VIZ.png beside <input name>_OUT.png.
+    plans = [OutputPlan(mask, mask.with_name(f"{stem}{VIZ_SUFFIX}.png")) for mask, stem in masks]
+    outputs = [
+        (output, f"the {role} of {path}")
+        for path, plan in zip(inputs, plans, strict=True)
+        for output, role, wanted in ((plan.mask, "mask", not config.no_save), (plan.viz, "overlay", config.viz))
+        if wanted
+    ]
+    folders = {config.masks_dir: "a true mask in --masks"}
+    guard_outputs(outputs, config.model, folders, inputs)
+    if config.export_path is not None:
+        # Neither the checkpoint, an input, a training run's file, nor an existing file without --overwrite.
+        torchscript = config.overwrite and config.export_format == "torchscript"
+        options = {"replaces_torchscript": torchscript, "overwrite": config.overwrite}
+        guard_outputs([(config.export_path, "--export")], config.model, folders, inputs, writes_images=False, **options)
+    # An input's mask and overlay share a folder.
+    check_writable({plan.mask.parent for plan in plans})
+    return plans
+
+
+def guard_outputs(
+    outputs: list[tuple[Path, str]],
+    checkpoint: Path,
+    folders: Mapping[Path | None, str],
+    inputs: Sequence[Path] = (),
+    **options: bool,
+) -> None:
+    """``check_outputs`` of ``outputs`` against every file the run reads or must keep, each with its role: the
+    checkpoint, the ``inputs`` and each file directly in ``folders`` (``{--masks: "a true mask in --masks"}``; None:
+    not given), which are with the inputs' own folders the folders it reads from."""
+    protected: dict[Path, str] = {}
+    for folder, role in folders.items():
+        if folder is not None and folder.is_dir():
+            protected.update((path, role) for path in folder.iterdir() if path.is_file())
+    protected.update((path, "the input") for path in inputs)
+    protected[checkpoint] = "the checkpoint"
+    # A folder given as an input is its images' folder.
+    read_from = [*(path.parent for path in inputs), *(folder for folder in folders if folder is not None)]
+    check_outputs(outputs, protected, read_from, **options)
+
+
+def check_writable(folders: set[Path]) -> None:
+    """Create the output folders and prove each is writable, so a run never fails after hours of prediction."""
+    for folder in sorted(folders):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as error:
+            raise ConfigError(
+                f"cannot write outputs to {folder}: {error.strerror or error}; choose another --output-dir/--output"
+            ) from error
+
 
 # Folders named in full; a run writing beside inputs in more folders names these and counts the rest.
 MAX_FOLDERS_NAMED = 3
@@ -159,11 +283,10 @@ def legend_entries(
     """``(colour, label)`` for every foreground class (class 0 is not drawn), labelled as a person knows it: its name
     when the checkpoint has names, else its value in the mask files (``value 255``, ``value (128, 0, 0)``)."""
     entries = []
-    for k in range(1, len(colours)):
-        value = mask_values[k] if k < len(mask_values) else k
-        if isinstance(value, Sequence):  # an RGB colour of a colour-coded mask
-            value = "(" + ", ".join(str(int(channel)) for channel in value) + ")"
-        entries.append((tuple(colours[k]), class_names[k] if k < len(class_names) else f"value {value}"))
+    for k in range(1, len(colours)):  # one colour per mask value (class_colours)
+        value = mask_values[k]
+        shown = tuple(int(channel) for channel in value) if isinstance(value, Sequence) else value  # (128, 0, 0)
+        entries.append((tuple(colours[k]), class_names[k] if k < len(class_names) else f"value {shown}"))
     return entries
 
 
@@ -179,11 +302,9 @@ def with_captions(
     entries = list(legend[:MAX_LEGEND_ENTRIES])
     if len(legend) > MAX_LEGEND_ENTRIES:
         entries.append(((255, 255, 255), f"... {len(legend) - MAX_LEGEND_ENTRIES} more classes"))
-    widths = [swatch + 4 + int(font.getlength(label)) + 12 for _, label in entries]
-    caption_widths = [int(font.getlength(caption)) + 4 for caption in captions]
-    width = max([panel_width, *widths, *caption_widths])
     # Legend entries in a grid below the captions, each in a cell as wide as the widest, as many a row as fit.
-    cell = max(widths, default=1)
+    cell = max((swatch + 4 + int(font.getlength(label)) + 12 for _, label in entries), default=1)
+    width = max(panel_width, cell, *(int(font.getlength(caption)) + 4 for caption in captions))
     per_row = width // cell
     canvas = Image.new("RGB", (width, height + row_pixels * (1 + -(-len(entries) // per_row))), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
@@ -205,8 +326,15 @@ def find_truth_mask(masks_dir: Path, image_path: Path) -> Path | None:
     return next((masks_dir / name for name in names if (masks_dir / name).is_file()), None)
 
 
-def load_truth_classes(mask_path: Path, mask_values: Sequence, size: tuple[int, int]) -> np.ndarray:
-    """Class indices ``[H, W]`` of a true mask, resized (nearest) to ``size`` = ``(H, W)`` if it differs."""
+def load_truth_classes(
+    masks_dir: Path, image_path: Path, mask_values: Sequence, size: tuple[int, int]
+) -> np.ndarray | None:
+    """Class indices ``[H, W]`` of the true mask of ``image_path`` in ``masks_dir`` (``find_truth_mask``), resized
+    (nearest) to ``size`` = ``(H, W)`` if it differs; None, with a warning, when there is none."""
+    mask_path = find_truth_mask(masks_dir, image_path)
+    if mask_path is None:
+        logger.warning("no true mask for %s in %s; writing the prediction overlay alone", image_path, masks_dir)
+        return None
     mask_image = load_image(mask_path)
     if mask_image.size != size[::-1]:
         logger.warning(
@@ -252,13 +380,7 @@ def write_prediction(
             assert item.original is not None
             truth = None
             if config.masks_dir is not None:
-                truth_path = find_truth_mask(config.masks_dir, item.path)
-                if truth_path is None:
-                    logger.warning(
-                        "no true mask for %s in %s; writing the prediction overlay alone", item.path, config.masks_dir
-                    )
-                else:
-                    truth = load_truth_classes(truth_path, preprocessing.mask_values, item.original_size)
+                truth = load_truth_classes(config.masks_dir, item.path, preprocessing.mask_values, item.original_size)
             overlay = render_visualization(item.original, item.classes, preprocessing, truth)
             write_file(plan.viz, overlay.save, f"the overlay of {item.path}")
     except (OSError, ValueError, UserError) as error:
@@ -275,7 +397,7 @@ def write_predictions(
     config: PredictConfig,
 ) -> list[str]:
     """Write every prediction (``write_prediction``) in writer threads; returns the failures (each logged), inputs'
-    and writes'.
+    and writes', after the run's last line (``prediction_summary``).
 
     At most ``MAX_PENDING_WRITES`` predictions wait for a thread, so a fast model cannot fill memory with them. An
     ``OutputError`` of the output location is raised once the threads stop; writes not yet started are cancelled and
@@ -285,8 +407,7 @@ def write_predictions(
     pending: deque[Future] = deque()
 
     def collect(future: Future) -> None:
-        message = future.result()
-        if message is not None:
+        if (message := future.result()) is not None:
             logger.error("%s", message)
             failures.append(message)
 
@@ -301,15 +422,71 @@ def write_predictions(
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         predictions.close()
+    if failures:
+        logger.error("%d of %s failed (named above)", len(failures), count(len(plans), "image"))
+    logger.info("%s", prediction_summary(plans, len(failures), config))
     return failures
 
 
-def prediction_summary(written: int, total: int, *, masks: bool, viz: bool, folders: Sequence[Path]) -> str:
-    """``"Wrote 8 masks and 8 overlays (8 of 8 images) to outputs/demo"``; ``folders``: where the outputs go."""
-    kinds = [count(written, noun) for noun, wanted in (("mask", masks), ("overlay", viz)) if wanted]
-    names = sorted({str(folder) for folder in folders})
+def prediction_summary(plans: Sequence[OutputPlan], failures: int, config: PredictConfig) -> str:
+    """``"Wrote 8 masks and 8 overlays (8 of 8 images) to outputs/demo"``: what was written (as ``config`` says:
+    --no-save, --viz) for ``plans`` but ``failures`` of them, and where."""
+    written = len(plans) - failures
+    kinds = [count(written, noun) for noun, wanted in (("mask", not config.no_save), ("overlay", config.viz)) if wanted]
+    names = sorted({str(plan.mask.parent) for plan in plans})
     where = ", ".join(names[:MAX_FOLDERS_NAMED])
     if len(names) > MAX_FOLDERS_NAMED:
         where += f" and {count(len(names) - MAX_FOLDERS_NAMED, 'other folder')}"
     what = " and ".join(kinds) if kinds else "nothing (--no-save without --viz)"
-    return f"Wrote {what} ({written} of {count(total, 'image')}) to {where}"
+    return f"Wrote {what} ({written} of {count(len(plans), 'image')}) to {where}"
+
+
+def format_table(result: EvalResult, mask_values: Sequence, class_names: Sequence[str] = ()) -> str:
+    """Per-class Dice and IoU and their means as an aligned text table (with a name column when classes have names)."""
+    labels = ["class", "mask value", *(["name"] if class_names else [])]
+    rows = [[*labels, "Dice", "IoU"]]
+    for index, (dice, iou) in enumerate(zip(result.per_class_dice, result.per_class_iou, strict=True)):
+        value = mask_values[index] if index < len(mask_values) else "?"
+        name = [class_names[index] if index < len(class_names) else ""] if class_names else []
+        rows.append([str(index), str(value), *name, f"{dice:.4f}", f"{iou:.4f}"])
+    # Macro rows are per-image means; micro rows score the pixels of the whole dataset at once.
+    foreground = "mean (classes 1+)" if len(result.per_class_dice) > 1 else "mean"
+    for prefix, scores in (("", result.reductions()["macro"]), ("micro ", result.reductions()["micro"])):
+        for label, key in ((foreground, ""), ("mean (all classes)", "_with_background")):
+            scored = [f"{scores['dice' + key]:.4f}", f"{scores['iou' + key]:.4f}"]
+            rows.append([prefix + label, *[""] * (len(labels) - 1), *scored])
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    lines = [
+        "  ".join(
+            # The text columns left-aligned, the scores right-aligned.
+            cell.ljust(width) if column < len(labels) else cell.rjust(width)
+            for column, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+    return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+def check_json_path(config: EvaluateConfig) -> None:
+    """``--json`` must not replace an image, a mask or a checkpoint (checked before anything runs)."""
+    if config.json_path is not None:
+        folders = {config.images_dir: "an image in --imgs", config.masks_dir: "a mask in --masks"}
+        guard_outputs([(config.json_path, "--json")], config.model, folders, writes_images=False)
+
+
+def write_json(
+    config: EvaluateConfig, result: EvalResult, mask_values: list, scale: float, class_names: tuple[str, ...] = ()
+) -> None:
+    """The scores as ``--json`` FILE, with what was scored and how."""
+    assert config.json_path is not None
+    payload = {
+        "checkpoint": str(config.model),
+        "images": str(config.images_dir),
+        "masks": str(config.masks_dir),
+        **({"split": str(config.split_path)} if config.split_path is not None else {}),
+        "scale": scale,
+        "mask_values": mask_values,
+        **({"class_names": list(class_names)} if class_names else {}),
+        **result.as_dict(),
+    }
+    write_text(config.json_path, json.dumps(payload, indent=2) + "\n", role="--json")
