@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchvision import models
+from torchvision.models._utils import IntermediateLayerGetter
 
 from .unet_model import AuxiliaryHeads, SegmentationNet, UNetArgs
 from .unet_parts import conv_bn_relu_twice
@@ -47,26 +48,6 @@ def input_statistics(n_channels: int) -> tuple[tuple[float, ...], tuple[float, .
         return IMAGENET_MEAN, IMAGENET_STD
     mean, std = sum(IMAGENET_MEAN) / 3, sum(IMAGENET_STD) / 3
     return (mean,) * n_channels, (std,) * n_channels
-
-
-class ResNetEncoder(nn.Module):
-    """torchvision's ResNet without ``avgpool`` and ``fc``; returns the features at 1/2, 1/4, 1/8, 1/16 and 1/32."""
-
-    def __init__(self, name: str, n_channels: int) -> None:
-        super().__init__()
-        resnet = getattr(models, name)(weights=None)
-        if n_channels != 3:
-            resnet.conv1 = nn.Conv2d(n_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-        # The same attribute names as torchvision's ResNet, so its state dict (less fc) loads unchanged.
-        self.conv1, self.bn1, self.relu, self.maxpool = resnet.conv1, resnet.bn1, resnet.relu, resnet.maxpool
-        self.layer1, self.layer2, self.layer3, self.layer4 = resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4
-
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        stem = self.relu(self.bn1(self.conv1(x)))
-        f1 = self.layer1(self.maxpool(stem))
-        f2 = self.layer2(f1)
-        f3 = self.layer3(f2)
-        return [stem, f1, f2, f3, self.layer4(f3)]
 
 
 class DecoderBlock(nn.Module):
@@ -107,7 +88,13 @@ class ResNetUNet(SegmentationNet):
         self.register_buffer("input_mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("input_std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
 
-        self.encoder = ResNetEncoder(encoder, n_channels)
+        resnet = getattr(models, encoder)(weights=None)
+        if n_channels != 3:
+            resnet.conv1 = nn.Conv2d(n_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        # torchvision's ResNet up to layer4 (no avgpool, fc) under its own names, so its state dict (less fc) loads
+        # unchanged; it returns the features at 1/2 (after the stem's ReLU), 1/4, 1/8, 1/16 and 1/32.
+        layers = ("relu", "layer1", "layer2", "layer3", "layer4")
+        self.encoder = IntermediateLayerGetter(resnet, {name: name for name in layers})
         stem, c1, c2, c3, c4 = _FEATURE_CHANNELS[encoder]
         widths = [max(1, base_channels * m // 4) for m in (16, 8, 4, 2, 1)]
         # Each stage takes the previous one's output (the deepest feature first) and the skip feature of its scale.
@@ -123,7 +110,7 @@ class ResNetUNet(SegmentationNet):
         # Zeros after normalisation: the padding looks like an average ImageNet pixel, not like black.
         pad_bottom, pad_right = (-height) % SIZE_MULTIPLE, (-width) % SIZE_MULTIPLE
         x = F.pad(x, [0, pad_right, 0, pad_bottom])
-        *features, x = self.encoder(x)
+        *features, x = self.encoder(x).values()
         levels = []
         # The deepest feature first; each stage takes the skip feature of its scale (none for the last).
         for block, skip in zip(self.decoder, [*reversed(features), None], strict=True):
