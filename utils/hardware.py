@@ -26,7 +26,7 @@ Shared memory (``guarded_loader``, the one loader builder of train.py, predict.p
 Linux). Docker gives a container 64 MB there by default: a worker that cannot allocate prints a traceback from its
 queue's feeder thread and the batch never arrives, so the main process waits for ever. So the loader
 
-- estimates what its workers keep in flight from one real item (``tensor_bytes``) and refuses to start them when
+- estimates what its workers keep in flight from one real item (``item_bytes``) and refuses to start them when
   ``/dev/shm`` has less free, with one ``Error:`` line naming the workers flag and the larger ``/dev/shm`` that fix
   it;
 - waits ``LOADER_TIMEOUT_S`` for a batch (a batch that never comes becomes an error, not a hang) and turns that
@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import logging
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -278,17 +278,10 @@ FAILURE_MARKERS = ("shared memory", "no space left on device", "bus error")
 _MB = 1024 * 1024
 
 
-def tensor_bytes(item: Any) -> int:
-    """Bytes of the tensors in ``item`` (a tensor, or dicts, lists, tuples and dataclasses of them)."""
-    if isinstance(item, torch.Tensor):
-        return item.numel() * item.element_size()
-    if isinstance(item, dict):
-        return sum(tensor_bytes(value) for value in item.values())
-    if isinstance(item, list | tuple):
-        return sum(tensor_bytes(value) for value in item)
-    if dataclasses.is_dataclass(item) and not isinstance(item, type):
-        return sum(tensor_bytes(getattr(item, field.name)) for field in dataclasses.fields(item))
-    return 0
+def item_bytes(item: Any) -> int:
+    """Bytes of ``item`` as a worker hands it over: pickled, which copies every tensor's data (a view's whole storage,
+    as the worker's shared memory holds it) and the rest (names, paths) besides."""
+    return len(pickle.dumps(item))
 
 
 def shortage_message(workers_fix: str, detail: str) -> str:
@@ -316,7 +309,7 @@ def guarded_loader(
     except OSError:  # no such folder (not Linux): nothing to check
         free = None
     if workers and len(dataset) and free is not None:  # type: ignore[arg-type]
-        needed = tensor_bytes(dataset[0]) * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
+        needed = item_bytes(dataset[0]) * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
         if needed > free:
             who = f"{workers} worker(s)" + (f" in each of {processes} processes" if processes > 1 else "")
             detail = (
@@ -349,21 +342,16 @@ class SharedMemoryGuard(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         iterator = super().__iter__()
-        while True:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            except RuntimeError as error:
-                if (cause := _shared_memory_cause(error)) is None:
-                    raise
-                failure = shortage_message(self.workers_fix, cause)
-                # A worker's error re-raised by torch sits in a reference cycle through its traceback, which holds
-                # the iterator: dropped, the iterator can shut its workers down at once (see below).
-                error.__traceback__ = None
-                break
-            yield batch
+        try:
+            yield from iterator
+            return
+        except RuntimeError as error:
+            if (cause := _shared_memory_cause(error)) is None:
+                raise
+            # A worker's error re-raised by torch sits in a reference cycle through its traceback, which holds the
+            # iterator: dropped, the iterator can shut its workers down at once (see below).
+            error.__traceback__ = None
         # Raised outside the handler, and its traceback holds this frame: without its iterator, whose workers shut
         # down now (idle workers ignoring SIGTERM would otherwise keep the process from exiting).
         del iterator
-        raise ConfigError(failure)
+        raise ConfigError(shortage_message(self.workers_fix, cause))
