@@ -147,15 +147,6 @@ def barrier(ctx: DistributedContext) -> None:
         dist.barrier(group=ctx.control_group)
 
 
-def broadcast_from_main(ctx: DistributedContext, value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (small picklable objects: paths, scores)."""
-    if not ctx.is_distributed:
-        return value
-    box = [value if ctx.is_main else None]
-    dist.broadcast_object_list(box, src=0, group=ctx.control_group)
-    return box[0]
-
-
 def sum_across_ranks(ctx: DistributedContext, values: Tensor) -> Tensor:
     """Element-wise sum over ranks of a small tensor (on the training device, at log steps only)."""
     if ctx.is_distributed:
@@ -164,8 +155,14 @@ def sum_across_ranks(ctx: DistributedContext, values: Tensor) -> Tensor:
 
 
 def decide_on_main(ctx: DistributedContext, decide: Callable[[], _T]) -> _T:
-    """Run ``decide`` on global rank 0 only and return its result on every rank; its UserError is raised everywhere."""
-    return broadcast_from_main(ctx, agree_on_errors(ctx, lambda: decide() if ctx.is_main else None))
+    """Run ``decide`` on global rank 0 only and return its result (a small picklable object: paths, scores) on every
+    rank; its UserError is raised everywhere."""
+    decision = agree_on_errors(ctx, lambda: decide() if ctx.is_main else None)
+    if ctx.is_distributed:
+        box = [decision]
+        dist.broadcast_object_list(box, src=0, group=ctx.control_group)
+        decision = box[0]
+    return decision
 
 
 def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
@@ -232,17 +229,16 @@ class StopAgreement:
             self.save_agreed = save_due
             return self._flag.signum
         first = self._pending is None
-        agreed = self._collect()
+        agreed = self.finish()
         local = torch.tensor([self._flag.signum, int(save_due)], dtype=torch.int32)
         work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
         self._pending = (work, local)
-        return self._collect() if first else agreed
+        return self.finish() if first else agreed
 
     def finish(self) -> int:
         """Complete the outstanding all-reduce (before any other collective on the control group) and return it."""
-        return self._collect() if self._ctx.is_distributed else self._flag.signum
-
-    def _collect(self) -> int:
+        if not self._ctx.is_distributed:
+            return self._flag.signum
         if self._pending is None:
             self.save_agreed = False
             return 0
