@@ -316,8 +316,6 @@ def validate_config(config: TrainConfig) -> None:
         raise ConfigError(
             "--dist-url is for manual launches and needs --rank and --world-size (torchrun sets the address itself)"
         )
-    if launch.dist_url is not None and not launch.dist_url.startswith(("tcp://", "file://", "env://")):
-        raise ConfigError(f"--dist-url must look like tcp://HOST:PORT, got {launch.dist_url!r}")
 
 
 def describe_flag(flag: str, value: Any) -> str:
