@@ -33,7 +33,7 @@ from utils.inference.engine import PredictionInputs, load_predictor, predict_ite
 from utils.inference.export import Preprocessing, export_model
 from utils.inference.file_plan import collect_inputs, plan_outputs, prediction_reads
 from utils.inference.writer import prediction_summary, write_predictions
-from utils.launch.runner import run_single_process
+from utils.launch.process_group import run_single_process
 from utils.output_files import check_outputs
 
 __all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "main", "predict_files", "run"]

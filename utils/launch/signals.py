@@ -2,14 +2,14 @@
 orphaned worker. Standard library only: the entry scripts import this before torch.
 
 * Start-up: until the script installs its own handling (``InterruptFlag`` in train.py; predict.py and evaluate.py
-  call ``startup_done`` so that Ctrl-C raises KeyboardInterrupt again, which ``utils.launch.runner`` reports), a
+  call ``startup_done`` so that Ctrl-C raises KeyboardInterrupt again, which ``process_group.run_main`` reports), a
   SIGINT would interrupt an import and print a long traceback through torch's modules: one line and exit 130 instead.
   train.py catches SIGTERM and the requeue signals from its first line too (``catch_signals_from_start``): SLURM's
   ``--signal`` can land while torch is imported, whose default action would end the job FAILED with nothing saved.
   Such a signal is remembered and the first ``InterruptFlag.install`` takes it (the run stops at its first step
   boundary: saved, requeued). Once training is over they are ignored (``InterruptFlag.restore``): the work is done,
   and a requeue would train nothing, so the job ends with the run's own status (COMPLETED 0:0 after "Training
-  complete"), and soon: train.py skips Python's finalisation (``utils.launch.runner.leave``).
+  complete"), and soon: train.py skips Python's finalisation (``utils.launch.process_group.leave``).
 * Graceful stop: the handler only records the signal (saving inside a handler can hang, Lightning #21406); the ranks
   agree on the step to stop at (``utils.launch.process_group.StopAgreement``), rank 0 writes ``INTERRUPTED.pth`` and
   every process exits with ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
