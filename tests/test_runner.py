@@ -1,4 +1,4 @@
-"""run_main (utils.launch.process_group): the entry scripts' one way out (exit status and one line); the shared --device."""
+"""run_main (utils.launch.process_group): the scripts' one way out (exit status and one line); the shared --device."""
 
 from __future__ import annotations
 
