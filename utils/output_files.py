@@ -195,11 +195,10 @@ def replacing(path: Path, role: str | None = None, *, durable: bool = True, keep
             with open(temporary, "rb") as handle:
                 os.fsync(handle.fileno())
         os.replace(temporary, path)
-    except OSError as error:
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
-        raise _output_error(path, role, error) from error
-    except BaseException:
-        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise _output_error(path, role, error) from error
         raise
     if durable:  # the rename itself made durable: the folder's entry on disk (a folder that cannot be, as it is)
         with contextlib.suppress(OSError):

@@ -296,10 +296,8 @@ def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
     For deciding who prints an error found before the launch plan exists (a bad flag: every rank has the same).
     """
     environ = os.environ if environ is None else environ
-    try:
-        return int(environ.get("RANK") or environ.get("SLURM_PROCID") or 0)
-    except ValueError:
-        return 0
+    rank = environ.get("RANK") or environ.get("SLURM_PROCID") or "0"
+    return int(rank) if rank.isdigit() else 0  # a malformed one is plan_launch's to refuse, naming it
 
 
 # SLURM's host list: names separated by commas, each with bracket groups of numbers and ranges (gpu[01-03,07],cpu5).

@@ -98,9 +98,8 @@ def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSecti
                 host, port = plan.master_address.rsplit(":", 1)
                 # torchrun's agent serves this store; a client of it, with keys of this attempt only.
                 agent_store = dist.TCPStore(host, int(port), plan.world_size, is_master=False, timeout=timeout)
-                dist.init_process_group(store=dist.PrefixStore(plan.store_namespace, agent_store), **join)
-            else:
-                dist.init_process_group(init_method=plan.init_method, **join)
+                join["store"] = dist.PrefixStore(plan.store_namespace, agent_store)
+            dist.init_process_group(init_method=None if "store" in join else plan.init_method, **join)
     except dist.DistError as error:
         raise ConfigError(
             f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at "
@@ -418,10 +417,8 @@ def report_user_error(error: UserError, stage: RunStage) -> None:
     if not quiet:
         print_error(error)
     if shared and ctx is not None and ctx.is_distributed:
-        try:
+        with contextlib.suppress(RuntimeError):  # DistError too: a rank is gone already, nothing left to wait for
             barrier(ctx)  # rank 0 has printed
-        except (RuntimeError, torch.distributed.DistError):
-            pass  # a rank is gone already: nothing left to wait for
     if quiet:
         # torchrun stops the others with SIGTERM once rank 0 has exited; the stop handler installed at the start would
         # take it as a request to save and sleep on, until torchrun's SIGKILL 30 s later.
