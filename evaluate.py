@@ -30,7 +30,7 @@ from utils.evaluation import EvalResult, evaluate, evaluate_segmentation
 from utils.inference.config import EvaluateConfig, parse_inference_config
 from utils.inference.engine import SizeGroupedBatches, align_mask_values, item_loader, open_model, validation_subset
 from utils.inference.writer import check_json_path, format_table, write_json
-from utils.launch.runner import run_single_process
+from utils.launch.process_group import run_single_process
 
 __all__ = ["EvalResult", "EvaluateConfig", "evaluate", "evaluate_segmentation", "main", "run"]
 

@@ -27,7 +27,7 @@ from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import PredictionInputs, load_predictor, predict_items
 from utils.inference.export import export_model
 from utils.inference.writer import collect_inputs, plan_outputs, write_predictions
-from utils.launch.runner import run_single_process
+from utils.launch.process_group import run_single_process
 
 __all__ = ["PARTIAL_FAILURE_EXIT_CODE", "PredictConfig", "main", "run"]
 

@@ -9,7 +9,8 @@
 
 Exit status: 0 when training finished (or stopped at --max-steps), 2 for a user error (one ``Error:`` line on
 stderr, printed by global rank 0 when every rank has it; out of memory too), 1 when another rank died or stopped
-answering, 130/143 when SIGINT/SIGTERM stopped it (after INTERRUPTED.pth was written); see ``utils/launch/runner.py``.
+answering, 130/143 when SIGINT/SIGTERM stopped it (after INTERRUPTED.pth was written); see ``run_main`` in
+``utils/launch/process_group.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import sys
 
 from utils.cli import setup_logging
 from utils.launch.environments import launcher_rank, plan_launch
-from utils.launch.process_group import teardown
-from utils.launch.runner import RunStage, leave, run_main
+from utils.launch.process_group import RunStage, leave, run_main, teardown
 from utils.launch.signals import InterruptFlag, requeue_if_asked, signal_exit_code, stop_when_orphaned
 from utils.training.config import parse_config
 from utils.training.setup import build_trainer, join

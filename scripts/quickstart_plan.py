@@ -29,7 +29,7 @@ from utils.checkpoint.run_folder import RunFolder, RunSeries
 from utils.datasets.image_files import split_name
 from utils.datasets.splits import read_split_file
 from utils.errors import count
-from utils.launch.runner import run_main
+from utils.launch.process_group import run_main
 from utils.training.config import TrainConfig
 
 

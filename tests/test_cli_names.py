@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
-from utils.flags import command_name
+import pytest
+
+from utils.errors import ConfigError
+from utils.flags import FlagParser
+from utils.inference.config import PredictConfig
 
 
-def test_command_name_follows_how_the_program_was_started():
-    assert command_name("train.py", "/home/me/.venv/bin/unet-train") == "unet-train"
-    assert command_name("train.py", "train.py") == "python train.py"
-    assert command_name("predict.py", "/repo/predict.py") == "python predict.py"
-    assert command_name("python -m utils.datasets.check", "/repo/utils/datasets/check.py") == (
-        "python -m utils.datasets.check"
-    )
+@pytest.mark.parametrize(
+    ("prog", "argv0", "command"),
+    [
+        ("train.py", "/home/me/.venv/bin/unet-train", "unet-train"),
+        ("train.py", "train.py", "python train.py"),
+        ("predict.py", "/repo/predict.py", "python predict.py"),
+        ("python -m utils.datasets.check", "/repo/utils/datasets/check.py", "python -m utils.datasets.check"),
+    ],
+)
+def test_the_error_line_names_the_program_as_it_was_started(monkeypatch, prog, argv0, command):
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(ConfigError, match=re.escape(f"bad flag (see {command} --help)")):
+        FlagParser(PredictConfig, prog=prog).error("bad flag")
 
 
 def test_an_installed_command_names_itself_in_its_error_line(monkeypatch, capsys):

@@ -122,6 +122,10 @@ def test_a_rendezvous_host_that_does_not_resolve_is_named_with_where_it_came_fro
     with pytest.raises(ConfigError, match=r"invalid' \(from MASTER_ADDR/MASTER_PORT\) cannot be resolved"):
         check_rendezvous_host(plan_launch(launch_flags(ddp_mode=True), environ=environ))
     check_rendezvous_host(plan_launch(launch_flags(ddp_mode=True), environ={**environ, "MASTER_ADDR": "127.0.0.1"}))
-    manual = launch_flags(ddp_mode=True, rank=0, world_size=2, dist_url="tcp://localhost")
-    with pytest.raises(ConfigError, match="--dist-url tcp://localhost is not tcp://HOST:PORT"):
-        check_rendezvous_host(plan_launch(manual, environ={}))
+    for dist_url in ("tcp://localhost", "http://h:1", "h:1"):
+        manual = launch_flags(ddp_mode=True, rank=0, world_size=2, dist_url=dist_url)
+        with pytest.raises(ConfigError, match=f"--dist-url {dist_url} is not tcp://HOST:PORT"):
+            plan_launch(manual, environ={})
+    store = plan_launch(launch_flags(ddp_mode=True, rank=0, world_size=2, dist_url="file:///tmp/store"), environ={})
+    assert store.init_method == "file:///tmp/store" and store.master_address is None  # no host to check
+    check_rendezvous_host(store)

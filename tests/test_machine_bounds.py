@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,10 @@ import pytest
 
 from tests.conftest import REPO_ROOT, SyntheticData, TrainRunner, child_env
 from tests.helpers import one_error_line, save_checkpoint, tiny_unet
-from utils.hardware import MIN_WORKERS_BOUND, WORKERS_PER_CPU, available_cpus, model_parameters
+from utils import hardware
+from utils.errors import ConfigError
+from utils.hardware import MIN_WORKERS_BOUND, WORKERS_PER_CPU, available_cpus
+from utils.training.config import ModelSection
 
 
 @pytest.mark.slow
@@ -54,11 +59,29 @@ def test_the_bound_allows_what_trains(runner: TrainRunner) -> None:
     assert (runner.run_dir("ok") / "last.pth").is_file()
 
 
-def test_the_parameter_count_is_the_models() -> None:
+def test_the_parameter_count_is_the_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The model counted on the meta device is the one train.py builds: its count, in the message of a machine too small.
     model = tiny_unet()
-    assert model_parameters(3, 2, bilinear=False, base_channels=8) == sum(
-        tensor.numel() for tensor in [*model.parameters(), *model.buffers()]
-    )
+    count = sum(tensor.numel() for tensor in [*model.parameters(), *model.buffers()])
+    monkeypatch.setattr(hardware, "memory_bytes", lambda: 4 * count - 1)
+    with pytest.raises(ConfigError, match=re.escape(f"--base-channels 8 makes a UNet of {count:.3g} weights")):
+        hardware.check_model_fits(ModelSection(classes=2, base_channels=8))
+    monkeypatch.setattr(hardware, "memory_bytes", lambda: 4 * count)
+    hardware.check_model_fits(ModelSection(classes=2, base_channels=8))
+
+
+def test_the_memory_bound_is_the_least_of_the_machine_the_cgroup_and_the_address_space(monkeypatch) -> None:
+    # On a machine of more than 4 GiB (unknown files read as unreadable).
+    gib = 2**30
+    files = {"/proc/meminfo": 6 * gib, "/sys/fs/cgroup/memory.max": 4 * gib, "/sys/fs/cgroup/memory.current": gib}
+    monkeypatch.setattr(hardware, "_number", lambda path, field=None: files.get(path))
+    assert hardware.memory_bytes(free=True) == 3 * gib  # the cgroup's limit less its use
+    assert hardware.memory_bytes() == 4 * gib  # the cgroup's limit (this machine has more RAM)
+    files["/sys/fs/cgroup/memory.current"] = None  # its use unknown: the cgroup tells nothing free
+    assert hardware.memory_bytes(free=True) == 6 * gib  # MemAvailable
+    files["/proc/self/status"] = gib
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (5 * gib, resource.RLIM_INFINITY))
+    assert hardware.memory_bytes(free=True) == 4 * gib  # ulimit -v less what this process maps
 
 
 @pytest.mark.parametrize("script", ["predict", "evaluate"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchvision
 
-from unet import UNet, build_model
+from unet import UNet, UNetArgs, build_model
 from unet.resnet_unet import IMAGENET_MEAN, IMAGENET_STD, ResNetUNet
 from utils.checkpoint.model import load_model
 from utils.errors import ConfigError
@@ -42,14 +42,14 @@ def test_milesial_checkpoint_still_loads_as_unet():
 @pytest.mark.parametrize("encoder", ["resnet18", "resnet50"])
 @pytest.mark.parametrize("size", [(37, 45), (20, 70), (64, 32)])
 def test_resnet_unet_any_size_gives_logits_of_the_input_size(encoder, size):
-    model = ResNetUNet(1, 3, encoder, base_channels=8).eval()
+    model = ResNetUNet(UNetArgs(1, 3, encoder=encoder, base_channels=8)).eval()
     with torch.no_grad():
         assert model(torch.rand(2, 1, *size)).shape == (2, 3, *size)
 
 
 def test_resnet_unet_normalises_its_own_input_with_imagenet_statistics():
     torch.manual_seed(0)
-    model = ResNetUNet(3, 2, "resnet18", base_channels=8).eval()
+    model = ResNetUNet(UNetArgs(3, 2, encoder="resnet18", base_channels=8)).eval()
     assert "input_mean" not in model.state_dict()  # follows from the architecture; not a stored tensor
     images = torch.rand(1, 3, 32, 32)
     with torch.no_grad():
@@ -99,7 +99,7 @@ def test_supervised_loss_is_the_weighted_sum_over_nearest_downsampled_masks():
 
 def test_encoder_weights_equal_the_files_after_loading(tmp_path):
     path = torchvision_file(tmp_path / "resnet18-f37072fd.pth", seed=3)
-    model = ResNetUNet(3, 2, "resnet18", base_channels=8)
+    model = ResNetUNet(UNetArgs(3, 2, encoder="resnet18", base_channels=8))
     load_encoder_weights(model.encoder, path, "resnet18")
     stored = torch.load(path, weights_only=True)
     loaded = model.encoder.state_dict()
@@ -110,14 +110,14 @@ def test_encoder_weights_equal_the_files_after_loading(tmp_path):
 
 def test_encoder_weights_of_another_resnet_are_one_error_naming_the_file(tmp_path):
     path = torchvision_file(tmp_path / "resnet50.pth", "resnet50")
-    model = ResNetUNet(3, 2, "resnet18", base_channels=8)
+    model = ResNetUNet(UNetArgs(3, 2, encoder="resnet18", base_channels=8))
     with pytest.raises(ConfigError, match=r"--encoder-weights .*resnet50\.pth does not fit --encoder resnet18"):
         load_encoder_weights(model.encoder, path, "resnet18")
 
 
 def test_encoder_weights_for_rgb_refused_for_grey_images(tmp_path):
     path = torchvision_file(tmp_path / "r18.pth")
-    model = ResNetUNet(1, 2, "resnet18", base_channels=8)
+    model = ResNetUNet(UNetArgs(1, 2, encoder="resnet18", base_channels=8))
     with pytest.raises(ConfigError, match=r"conv1\.weight .*3-channel images"):
         load_encoder_weights(model.encoder, path, "resnet18")
 
@@ -132,7 +132,7 @@ def test_unusable_encoder_weights_files(tmp_path, content, message):
         path.write_bytes(content)
     elif content is not None:
         torch.save(content, path)
-    model = ResNetUNet(3, 2, "resnet18", base_channels=8)
+    model = ResNetUNet(UNetArgs(3, 2, encoder="resnet18", base_channels=8))
     with pytest.raises(ConfigError, match=f"--encoder-weights {path}.*{message}"):
         load_encoder_weights(model.encoder, path, "resnet18")
 

@@ -1,4 +1,4 @@
-"""utils.launch.runner: the three entry scripts' one way out (exit status and one line); the shared --device."""
+"""run_main (utils.launch.process_group): the scripts' one way out (exit status and one line); the shared --device."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from utils.cli import device_flag, setup_logging
 from utils.errors import ConfigError
-from utils.launch.runner import RunStage, run_main
+from utils.launch.process_group import RunStage, run_main
 from utils.training.config import parse_config
 
 
@@ -50,7 +50,7 @@ def test_help_and_argparse_statuses_pass_through() -> None:
 
 
 def test_a_shared_user_error_is_printed_by_rank_0_only(capsys, monkeypatch) -> None:
-    monkeypatch.setattr("utils.launch.runner.QUIET_EXIT_BEFORE_JOINING_S", 0.0)
+    monkeypatch.setattr("utils.launch.process_group.QUIET_EXIT_BEFORE_JOINING_S", 0.0)
     assert run_main(raising(ConfigError("bad flag")), oom_fix="", stage=RunStage(rank=1)) == 2
     assert capsys.readouterr().err == ""
     # While joining, the error is this rank's own: it prints it.

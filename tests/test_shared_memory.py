@@ -23,7 +23,7 @@ from tests.conftest import REPO_ROOT, child_env
 from tests.helpers import make_model, one_error_line, save_checkpoint_trained_at, small_tmpfs, write_images
 from utils import hardware
 from utils.errors import ConfigError
-from utils.hardware import PREFETCH_FACTOR, SAFETY_FACTOR, SharedMemoryGuard, guarded_loader, tensor_bytes
+from utils.hardware import PREFETCH_FACTOR, SAFETY_FACTOR, SharedMemoryGuard, guarded_loader, item_bytes
 
 MB = 1024 * 1024
 
@@ -34,12 +34,14 @@ class _Item:
     name: str
 
 
-def test_tensor_bytes_counts_every_tensor_of_an_item() -> None:
+def test_an_items_bytes_count_every_tensor_of_it() -> None:
     image = torch.zeros(3, 10, 20)  # float32: 2,400 bytes
     mask = torch.zeros(10, 20, dtype=torch.int64)  # 1,600 bytes
-    assert tensor_bytes({"image": image, "mask": mask, "name": "a"}) == 4000
-    assert tensor_bytes([_Item(image, "a"), (mask,)]) == 4000
-    assert tensor_bytes(None) == 0
+    # Each tensor's data, and less than a kilobyte for the rest (the pickle's own records, the names).
+    assert 4000 < item_bytes({"image": image, "mask": mask, "name": "a"}) < 5000
+    assert 4000 < item_bytes([_Item(image, "a"), (mask,)]) < 5000
+    assert 2400 < item_bytes({"image": torch.zeros(6, 10, 20)[:3]}) - 2400 < 3400  # a view: its whole storage
+    assert item_bytes(None) < 100
 
 
 def test_the_room_check_against_a_real_small_filesystem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +182,7 @@ WITHOUT_CHECK = """
 import runpy, sys
 sys.path.insert(0, {root!r})
 import utils.hardware as shared_memory
-shared_memory.tensor_bytes = lambda item: 0
+shared_memory.item_bytes = lambda item: 0
 shared_memory.LOADER_TIMEOUT_S = {timeout_s}
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,6 +1,6 @@
 """Ctrl-C while an entry script is still importing torch: exit 130 and one line, not a traceback through torch's
-imports; once the imports are over, predict.py and evaluate.py give SIGINT back to Python (utils.launch.runner
-reports it)."""
+imports; once the imports are over, predict.py and evaluate.py give SIGINT back to Python (``run_main`` of
+utils.launch.process_group reports it)."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def test_torchruns_sigterm_during_start_up_ends_a_rank_that_leaves_the_error_to_
     """torchrun stops the other ranks with SIGTERM once rank 0 has printed a bad flag and exited; a rank still
     importing then only remembers it, and must not sleep out its wait for that SIGTERM (torchrun's SIGKILL, 30 s
     later, would be reported as "Unable to shutdown process")."""
-    from utils.launch import runner
+    from utils.launch import process_group
 
     env = child_env() | {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "test"}  # fmt: skip
@@ -149,7 +149,7 @@ def test_torchruns_sigterm_during_start_up_ends_a_rank_that_leaves_the_error_to_
         time.sleep(0.01)
     process.send_signal(signal.SIGTERM)  # during the imports: the start-up handler remembers it
     # Well inside the wait that a rank without torchrun's SIGTERM keeps before leaving.
-    out, err = process.communicate(timeout=runner.QUIET_EXIT_BEFORE_JOINING_S / 2)
+    out, err = process.communicate(timeout=process_group.QUIET_EXIT_BEFORE_JOINING_S / 2)
     assert process.returncode == 2, (process.returncode, err[-3000:])
     assert "Error:" not in err, "rank 0 prints the error, not this rank"
     assert not (tmp_path / "out").exists()

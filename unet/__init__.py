@@ -16,7 +16,6 @@ def build_model(args: dict[str, Any]) -> nn.Module:
     spec = UNetArgs(**args)
     if spec.encoder == "unet":
         return UNet(spec.n_channels, spec.n_classes, spec.bilinear, spec.base_channels, spec.deep_supervision)
-    # Bilinear upsampling is the plain UNet's: refused with another encoder where flags and checkpoints are read.
     from .resnet_unet import ResNetUNet  # imports torchvision, which the plain UNet does not need
 
-    return ResNetUNet(spec.n_channels, spec.n_classes, spec.encoder, spec.base_channels, spec.deep_supervision)
+    return ResNetUNet(spec)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchvision import models
+from torchvision.models._utils import IntermediateLayerGetter
 
 from .unet_model import AuxiliaryHeads, SegmentationNet, UNetArgs
 from .unet_parts import conv_bn_relu_twice
@@ -49,26 +50,6 @@ def input_statistics(n_channels: int) -> tuple[tuple[float, ...], tuple[float, .
     return (mean,) * n_channels, (std,) * n_channels
 
 
-class ResNetEncoder(nn.Module):
-    """torchvision's ResNet without ``avgpool`` and ``fc``; returns the features at 1/2, 1/4, 1/8, 1/16 and 1/32."""
-
-    def __init__(self, name: str, n_channels: int) -> None:
-        super().__init__()
-        resnet = getattr(models, name)(weights=None)
-        if n_channels != 3:
-            resnet.conv1 = nn.Conv2d(n_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-        # The same attribute names as torchvision's ResNet, so its state dict (less fc) loads unchanged.
-        self.conv1, self.bn1, self.relu, self.maxpool = resnet.conv1, resnet.bn1, resnet.relu, resnet.maxpool
-        self.layer1, self.layer2, self.layer3, self.layer4 = resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4
-
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        stem = self.relu(self.bn1(self.conv1(x)))
-        f1 = self.layer1(self.maxpool(stem))
-        f2 = self.layer2(f1)
-        f3 = self.layer3(f2)
-        return [stem, f1, f2, f3, self.layer4(f3)]
-
-
 class DecoderBlock(nn.Module):
     """2x nearest upsampling, concatenation of the skip feature (if any), then (3x3 conv, BatchNorm, ReLU) twice."""
 
@@ -84,38 +65,40 @@ class DecoderBlock(nn.Module):
 
 
 class ResNetUNet(SegmentationNet):
-    """A torchvision ResNet encoder under a UNet decoder; ``n_classes`` logit maps of the input's height and width.
+    """A torchvision ResNet encoder (``args.encoder``) under a UNet decoder; ``n_classes`` logit maps of the input's
+    height and width.
 
     With ``deep_supervision``, training-mode forward passes return ``[logits, logits at 1/2, logits at 1/4]`` (see
     ``unet.unet_model.SegmentationNet``); evaluation-mode passes return the logits alone. Activation checkpointing
     (``use_checkpointing``) is the plain UNet's: ``--checkpointing`` with another encoder is refused at parse time.
     """
 
-    def __init__(
-        self,
-        n_channels: int,
-        n_classes: int,
-        encoder: str = "resnet34",
-        base_channels: int = 64,
-        deep_supervision: bool = False,
-    ) -> None:
-        if encoder not in _FEATURE_CHANNELS:
-            raise ValueError(f"unknown encoder {encoder!r}; choose one of {', '.join(_FEATURE_CHANNELS)}")
-        super().__init__(UNetArgs(n_channels, n_classes, False, base_channels, encoder, deep_supervision))
-        mean, std = input_statistics(n_channels)
+    def __init__(self, args: UNetArgs) -> None:
+        if args.encoder not in _FEATURE_CHANNELS or args.bilinear:
+            raise ValueError(
+                f"{args} describes no ResNet UNet: its encoder is one of {', '.join(_FEATURE_CHANNELS)}, not bilinear"
+            )
+        super().__init__(args)
+        mean, std = input_statistics(args.n_channels)
         # Not persistent: the values follow from the architecture, so the state dict holds only learnt tensors.
         self.register_buffer("input_mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("input_std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
 
-        self.encoder = ResNetEncoder(encoder, n_channels)
-        stem, c1, c2, c3, c4 = _FEATURE_CHANNELS[encoder]
-        widths = [max(1, base_channels * m // 4) for m in (16, 8, 4, 2, 1)]
+        resnet = getattr(models, args.encoder)(weights=None)
+        if args.n_channels != 3:
+            resnet.conv1 = nn.Conv2d(args.n_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        # torchvision's ResNet up to layer4 (no avgpool, fc) under its own names, so its state dict (less fc) loads
+        # unchanged; it returns the features at 1/2 (after the stem's ReLU), 1/4, 1/8, 1/16 and 1/32.
+        layers = ("relu", "layer1", "layer2", "layer3", "layer4")
+        self.encoder = IntermediateLayerGetter(resnet, {name: name for name in layers})
+        stem, c1, c2, c3, c4 = _FEATURE_CHANNELS[args.encoder]
+        widths = [max(1, args.base_channels * m // 4) for m in (16, 8, 4, 2, 1)]
         # Each stage takes the previous one's output (the deepest feature first) and the skip feature of its scale.
         stages = zip([c4, *widths[:-1]], [c3, c2, c1, stem, 0], widths, strict=True)
         self.decoder = nn.ModuleList(DecoderBlock(previous, skip, width) for previous, skip, width in stages)
-        self.head = nn.Conv2d(widths[-1], n_classes, kernel_size=1)
+        self.head = nn.Conv2d(widths[-1], args.n_classes, kernel_size=1)
         # Auxiliary logits after the decoder stages at 1/2 and 1/4 of the input resolution.
-        self.aux_heads = AuxiliaryHeads((widths[3], widths[2]), n_classes) if deep_supervision else None
+        self.aux_heads = AuxiliaryHeads((widths[3], widths[2]), args.n_classes) if args.deep_supervision else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         height, width = x.shape[-2:]
@@ -123,7 +106,7 @@ class ResNetUNet(SegmentationNet):
         # Zeros after normalisation: the padding looks like an average ImageNet pixel, not like black.
         pad_bottom, pad_right = (-height) % SIZE_MULTIPLE, (-width) % SIZE_MULTIPLE
         x = F.pad(x, [0, pad_right, 0, pad_bottom])
-        *features, x = self.encoder(x)
+        *features, x = self.encoder(x).values()
         levels = []
         # The deepest feature first; each stage takes the skip feature of its scale (none for the last).
         for block, skip in zip(self.decoder, [*reversed(features), None], strict=True):

@@ -17,6 +17,10 @@ from utils.errors import ConfigError, user_message
 DEVICES = ("auto", "cuda", "mps", "cpu")  # --device's words besides cuda:N (this module imports no torch)
 
 
+# The one handler of the scripts' log lines, on the root logger.
+_HANDLER = logging.StreamHandler()
+
+
 def setup_logging(rank: int, world_size: int) -> None:
     """INFO on rank 0; rank-prefixed lines when there are several processes.
 
@@ -28,16 +32,12 @@ def setup_logging(rank: int, world_size: int) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
     if rank != 0:
         warnings.simplefilter("ignore")
-    if not any(getattr(handler, "_unet_handler", False) for handler in root.handlers):
-        handler = logging.StreamHandler(sys.stdout)
-        handler._unet_handler = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
-    for handler in root.handlers:
-        if getattr(handler, "_unet_handler", False):
-            # main() may run several times in one process (tests), each time with its own sys.stdout.
-            # Assign rather than setStream(): that flushes the previous stream, which pytest may have closed already.
-            handler.stream = sys.stdout
-            handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S"))
+    # main() may run several times in one process (tests), each time with its own sys.stdout. Assigned rather than
+    # setStream(): that flushes the previous stream, which pytest may have closed already.
+    _HANDLER.stream = sys.stdout
+    _HANDLER.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S"))
+    if _HANDLER not in root.handlers:
+        root.addHandler(_HANDLER)
 
 
 def print_error(message: object) -> None:

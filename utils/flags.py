@@ -4,7 +4,7 @@ A field is declared as ``epochs: int = flag(5, "--epochs", "-e", range="[1, inf)
 name, type (the annotation), default, spellings and allowed range are in that line, and the docstring is its help
 text. A config is either flat (``PredictConfig``) or made of sections (``TrainConfig.optimisation``, declared with
 ``section``), whose flags are listed under the section's help title. ``FlagParser`` makes the argparse arguments, each
-value parsed and range-checked by argparse as it is read (``check_range``); ``build_config`` makes the config from the
+value parsed by argparse and checked against its range (``check_range``); ``build_config`` makes the config from the
 flags given (``FlagParser.given_flags``). train.py's flags table in docs/TRAINING.md is tested against the same fields
 (``tests/test_readme_flags.py``).
 
@@ -148,7 +148,7 @@ class FlagParser(argparse.ArgumentParser):
             if item.kind is bool:
                 flag_options["action"] = "store_true"
             else:
-                flag_options["type"] = _value_parser(flag_options.get("type", item.kind), item.flag)
+                flag_options.setdefault("type", item.kind)
                 flag_options["default"] = item.default  # shown by --help; a parse never hands it out (given_flags)
                 if item.repeatable and "nargs" not in flag_options:
                     flag_options["action"] = "append"
@@ -157,16 +157,22 @@ class FlagParser(argparse.ArgumentParser):
             groups[item.title].add_argument(*item.flag.names, **flag_options)
 
     def error(self, message: str) -> NoReturn:
-        """One line, ending ``(see unet-train --help)``: the program as the user started it (``command_name``)."""
-        raise ConfigError(f"{message} (see {command_name(self.prog)} --help)")
+        """One line, ending ``(see unet-train --help)``: the program as the user started it, the installed command by
+        its own name (``unet-train``, from ``sys.argv[0]``), else ``python train.py``; a ``prog`` that is a whole
+        command line (``python -m utils.datasets.check``) as it is."""
+        command = sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1]
+        if not command.startswith("unet-"):
+            command = self.prog if self.prog.startswith("python ") else f"python {self.prog}"
+        raise ConfigError(f"{message} (see {command} --help)")
 
     def parse(self, argv: Sequence[str] | None) -> Any:
         """The config from ``argv`` (default: sys.argv[1:]), each value inside its range."""
         return build_config(self.config_class, self.given_flags(argv))
 
     def given_flags(self, argv: Sequence[str] | None) -> dict[str, Any]:
-        """``{dest: value}`` of the flags ``argv`` gives, parsed (a flag not given has no key: ``build_config`` gives
-        it its field's default); an unknown flag is a ConfigError naming the closest real one."""
+        """``{dest: value}`` of the flags ``argv`` gives, parsed and each inside its range (a flag not given has no
+        key: ``build_config`` gives it its field's default); an unknown flag is a ConfigError naming the closest real
+        one."""
         # Every destination starts as None, which no parsed value is, so argparse fills in no default (its defaults
         # are for --help): what is left not None was given.
         unset = argparse.Namespace(**{action.dest: None for action in self._actions})
@@ -175,19 +181,12 @@ class FlagParser(argparse.ArgumentParser):
             flags = [option for action in self._actions for option in action.option_strings]
             typo = next((argument.split("=", 1)[0] for argument in unknown if argument.startswith("-")), None)
             self.error(f"unrecognized arguments: {' '.join(unknown)}{did_you_mean(typo, flags) if typo else ''}")
-        return {dest: value for dest, value in vars(namespace).items() if value is not None}
-
-
-def _value_parser(parse: Any, record: Flag) -> Any:
-    """``parse``, then the value checked against the flag's range: a value out of range is refused as it is read."""
-    if record.range is None:
-        return parse
-
-    def parse_in_range(text: str) -> Any:
-        return check_range(parse(text), record.name, record.range)  # type: ignore[arg-type]
-
-    parse_in_range.__name__ = parse.__name__  # argparse's "invalid int value" names the type
-    return parse_in_range
+        given = {dest: value for dest, value in vars(namespace).items() if value is not None}
+        for item in flag_fields(self.config_class):
+            if item.flag.range is not None and item.dest in given:
+                for value in given[item.dest] if item.repeatable else [given[item.dest]]:
+                    check_range(value, item.flag.name, item.flag.range)
+        return given
 
 
 def check_range(value: Any, flag_name: str, interval: str) -> Any:
@@ -223,16 +222,6 @@ def did_you_mean(name: str, names: Iterable[str]) -> str:
     """``; did you mean --epochs?``: the one of ``names`` closest to a misspelt ``name``, or "" if none is close."""
     close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
-
-
-def command_name(prog: str, argv0: str | None = None) -> str:
-    """How the user started the program whose parser is ``prog`` (``train.py``): the installed command by its own
-    name (``unet-train``, from ``sys.argv[0]``), else ``python train.py``; a ``prog`` that is a whole command line
-    (``python -m utils.datasets.check``) as it is."""
-    name = (sys.argv[0] if argv0 is None else argv0).replace("\\", "/").rsplit("/", 1)[-1]
-    if name.startswith("unet-"):
-        return name
-    return prog if prog.startswith("python ") else f"python {prog}"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ Shared memory (``guarded_loader``, the one loader builder of train.py, predict.p
 Linux). Docker gives a container 64 MB there by default: a worker that cannot allocate prints a traceback from its
 queue's feeder thread and the batch never arrives, so the main process waits for ever. So the loader
 
-- estimates what its workers keep in flight from one real item (``tensor_bytes``) and refuses to start them when
+- estimates what its workers keep in flight from one real item (``item_bytes``) and refuses to start them when
   ``/dev/shm`` has less free, with one ``Error:`` line naming the workers flag and the larger ``/dev/shm`` that fix
   it;
 - waits ``LOADER_TIMEOUT_S`` for a batch (a batch that never comes becomes an error, not a hang) and turns that
@@ -37,18 +37,23 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import logging
 import os
+import pickle
+import re
+import resource
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from utils.errors import ConfigError, user_message
+
+if TYPE_CHECKING:
+    from utils.training.config import ModelSection
 
 logger = logging.getLogger(__name__)
 
@@ -202,39 +207,51 @@ def check_workers(workers: int, flag: str) -> None:
         )
 
 
-def model_parameters(n_channels: int, n_classes: int, *, bilinear: bool, base_channels: int) -> int:
-    """The UNet's number of weights and buffers, counted on the meta device (nothing is allocated)."""
-    from unet import UNet  # the model package imports torch's nn stack: only needed when counting
-
-    with torch.device("meta"):
-        model = UNet(n_channels, n_classes, bilinear=bilinear, base_channels=base_channels)
-    return sum(tensor.numel() for tensor in [*model.parameters(), *model.buffers()])
-
-
-def cgroup_memory(name: str) -> int | None:
-    """The cgroup's ``memory.<name>`` (``max``: its limit, ``current``: its use) in bytes; None where there is no
-    such file or no limit."""
+def memory_bytes(*, free: bool = False) -> int | None:
+    """Bytes of memory this process may use, the least of what bounds it: the machine's RAM, the cgroup's limit and
+    the address space (``ulimit -v``); with ``free``, what is left of each now (the kernel's MemAvailable, the limit
+    less the cgroup's use, less what this process maps already). None where none of them can be read."""
     try:
-        text = Path(f"/sys/fs/cgroup/memory.{name}").read_text().strip()
+        machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system
+        machine = None
+    address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+    bounds = [  # (a bound, how much of it is in use)
+        (_number("/proc/meminfo", "MemAvailable") if free else machine, 0),
+        (_number("/sys/fs/cgroup/memory.max"), _number("/sys/fs/cgroup/memory.current") if free else 0),
+        (
+            None if address_space == resource.RLIM_INFINITY else address_space,
+            _number("/proc/self/status", "VmSize") if free else 0,
+        ),
+    ]
+    return min((bound - used for bound, used in bounds if bound is not None and used is not None), default=None)
+
+
+def _number(path: str, field: str | None = None) -> int | None:
+    """The number file ``path`` holds (a cgroup's ``memory.max``: None for ``max``), or bytes of its line ``field:
+    N kB`` (/proc's); None where it cannot be read."""
+    try:
+        text = Path(path).read_text()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    found = re.search(rf"^{field}:\s*(\d+) kB" if field else r"^(\d+)$", text.strip(), re.MULTILINE)
+    return None if found is None else int(found.group(1)) * (1024 if field else 1)
 
 
-def check_model_fits(n_channels: int, n_classes: int, *, bilinear: bool, base_channels: int) -> None:
+def check_model_fits(model: ModelSection) -> None:
     """Refuse a UNet whose fp32 weights alone exceed this machine's memory (it is built in RAM before anything else;
     training needs about four times that: weights, gradients and two optimizer moments)."""
-    # This machine's memory as this process may use it: physical RAM, narrowed by a cgroup limit.
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    memory = min(memory, cgroup_memory("max") or memory)
-    count = model_parameters(n_channels, n_classes, bilinear=bilinear, base_channels=base_channels)
-    needed = count * BYTES_PER_WEIGHT
-    if needed > memory:
+    from unet import UNet  # the model package imports torch's nn stack: only needed when counting
+
+    # Counted on the meta device (nothing is allocated), for 3 channels: the photos' are not known yet (the first
+    # layer's share of the weights is negligible).
+    with torch.device("meta"):
+        unet = UNet(3, model.classes, model.bilinear, model.base_channels)
+    count = sum(tensor.numel() for tensor in [*unet.parameters(), *unet.buffers()])
+    needed, memory = count * BYTES_PER_WEIGHT, memory_bytes()
+    if memory is not None and needed > memory:
         raise ConfigError(
-            f"--base-channels {base_channels} makes a UNet of {count:.3g} weights, {_gib(needed)} in fp32 (about "
+            f"--base-channels {model.base_channels} makes a UNet of {count:.3g} weights, {_gib(needed)} in fp32 (about "
             f"{_gib(4 * needed)} to train), more than this machine's {_gib(memory)} of memory; use a smaller "
             f"--base-channels (64 is the classic model, {_gib(4 * 31_000_000 * BYTES_PER_WEIGHT)} to train)"
         )
@@ -261,17 +278,10 @@ FAILURE_MARKERS = ("shared memory", "no space left on device", "bus error")
 _MB = 1024 * 1024
 
 
-def tensor_bytes(item: Any) -> int:
-    """Bytes of the tensors in ``item`` (a tensor, or dicts, lists, tuples and dataclasses of them)."""
-    if isinstance(item, torch.Tensor):
-        return item.numel() * item.element_size()
-    if isinstance(item, dict):
-        return sum(tensor_bytes(value) for value in item.values())
-    if isinstance(item, list | tuple):
-        return sum(tensor_bytes(value) for value in item)
-    if dataclasses.is_dataclass(item) and not isinstance(item, type):
-        return sum(tensor_bytes(getattr(item, field.name)) for field in dataclasses.fields(item))
-    return 0
+def item_bytes(item: Any) -> int:
+    """Bytes of ``item`` as a worker hands it over: pickled, which copies every tensor's data (a view's whole storage,
+    as the worker's shared memory holds it) and the rest (names, paths) besides."""
+    return len(pickle.dumps(item))
 
 
 def shortage_message(workers_fix: str, detail: str) -> str:
@@ -299,7 +309,7 @@ def guarded_loader(
     except OSError:  # no such folder (not Linux): nothing to check
         free = None
     if workers and len(dataset) and free is not None:  # type: ignore[arg-type]
-        needed = tensor_bytes(dataset[0]) * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
+        needed = item_bytes(dataset[0]) * batch_size * workers * PREFETCH_FACTOR * SAFETY_FACTOR * processes
         if needed > free:
             who = f"{workers} worker(s)" + (f" in each of {processes} processes" if processes > 1 else "")
             detail = (
@@ -332,21 +342,16 @@ class SharedMemoryGuard(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         iterator = super().__iter__()
-        while True:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            except RuntimeError as error:
-                if (cause := _shared_memory_cause(error)) is None:
-                    raise
-                failure = shortage_message(self.workers_fix, cause)
-                # A worker's error re-raised by torch sits in a reference cycle through its traceback, which holds
-                # the iterator: dropped, the iterator can shut its workers down at once (see below).
-                error.__traceback__ = None
-                break
-            yield batch
+        try:
+            yield from iterator
+            return
+        except RuntimeError as error:
+            if (cause := _shared_memory_cause(error)) is None:
+                raise
+            # A worker's error re-raised by torch sits in a reference cycle through its traceback, which holds the
+            # iterator: dropped, the iterator can shut its workers down at once (see below).
+            error.__traceback__ = None
         # Raised outside the handler, and its traceback holds this frame: without its iterator, whose workers shut
         # down now (idle workers ignoring SIGTERM would otherwise keep the process from exiting).
         del iterator
-        raise ConfigError(failure)
+        raise ConfigError(shortage_message(self.workers_fix, cause))

@@ -195,14 +195,18 @@ def replacing(path: Path, role: str | None = None, *, durable: bool = True, keep
             with open(temporary, "rb") as handle:
                 os.fsync(handle.fileno())
         os.replace(temporary, path)
-    except OSError as error:
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
-        raise _output_error(path, role, error) from error
-    except BaseException:
-        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise _output_error(path, role, error) from error
         raise
-    if durable:
-        fsync_folder(path.parent)
+    if durable:  # the rename itself made durable: the folder's entry on disk (a folder that cannot be, as it is)
+        with contextlib.suppress(OSError):
+            descriptor = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
 
 
 def write_file(path: Path, write: Callable[[Path], object], role: str | None = None) -> None:
@@ -303,13 +307,3 @@ def _output_error(path: Path, role: str | None, error: OSError) -> OutputError:
     else:
         fix = "choose a folder you can write to" if location else "check the output path"
     return OutputError(f"cannot write {what}: {error.strerror or error}; {fix}", location_failure=location)
-
-
-def fsync_folder(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (its entry on disk); a folder that cannot be fsynced is left as it is."""
-    with contextlib.suppress(OSError):
-        descriptor = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)

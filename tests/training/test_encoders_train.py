@@ -16,6 +16,7 @@ import hubconf
 import predict
 from tests.conftest import finish, load_checkpoint, torchrun_prefix
 from tests.helpers import one_error_line, read_classes, reference_classes
+from unet import UNetArgs
 from unet.resnet_unet import ResNetUNet
 from utils.checkpoint.model import load_model
 
@@ -42,7 +43,8 @@ def resnet18_file(tmp_path: Path) -> Path:
 
 def encoder_parameters(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The encoder's learnt parameters (BatchNorm's running statistics move in training mode even when frozen)."""
-    names = {name for name, _ in ResNetUNet(3, 2, "resnet18", base_channels=8).encoder.named_parameters()}
+    model = ResNetUNet(UNetArgs(3, 2, encoder="resnet18", base_channels=8))
+    names = {name for name, _ in model.encoder.named_parameters()}
     return {name: model_state[f"encoder.{name}"] for name in names}
 
 

@@ -28,18 +28,15 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import re
-import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from utils.errors import ConfigError, UserError
 from utils.evaluation import run_model
-from utils.hardware import cgroup_memory
+from utils.hardware import memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -162,27 +159,7 @@ def free_bytes(device: torch.device) -> int | None:
     """Memory a forward pass may still use on ``device``; None where it cannot be told (MPS, other systems)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    if device.type != "cpu":
-        return None
-    cgroup_limit, cgroup_used = cgroup_memory("max"), cgroup_memory("current")
-    # ``ulimit -v`` counts the address space this process already maps (libraries too).
-    address_space, _ = resource.getrlimit(resource.RLIMIT_AS)
-    mapped = _proc_kib("/proc/self/status", "VmSize")
-    limits = [
-        _proc_kib("/proc/meminfo", "MemAvailable"),
-        None if cgroup_limit is None or cgroup_used is None else cgroup_limit - cgroup_used,
-        None if address_space == resource.RLIM_INFINITY or mapped is None else address_space - mapped,
-    ]
-    return min((limit for limit in limits if limit is not None), default=None)
-
-
-def _proc_kib(path: str, field_name: str) -> int | None:
-    """Bytes of a ``<field_name>: ... kB`` line of a /proc file; None where it cannot be read."""
-    try:
-        found = re.search(rf"^{field_name}:\s*(\d+)", Path(path).read_text(), re.MULTILINE)
-    except OSError:
-        return None
-    return None if found is None else int(found.group(1)) * 1024
+    return memory_bytes(free=True) if device.type == "cpu" else None
 
 
 @dataclass

@@ -76,13 +76,12 @@ class Launcher:
     local_rank: str = "LOCAL_RANK"
     """Wins over ``--local-rank`` (the legacy launcher without --use-env), then ``--rank`` (a manual launch: one
     machine, by default)."""
-    supervised: bool = False
-    """Its processes are workers of torchrun's agent, their parent: when the agent dies, nobody else stops them."""
     address_hint: str = DEFAULT_ADDRESS_HINT
 
 
 MANUAL = Launcher("--rank/--world-size", "--rank", "--world-size")
-TORCHRUN = Launcher("torchrun", supervised=True)
+TORCHRUN = Launcher("torchrun")
+"""Its processes are workers of torchrun's agent, their parent (``LaunchPlan.supervised``)."""
 LEGACY = Launcher("torch.distributed.launch")
 SLURM_ADDRESS_HINT = (
     "MASTER_ADDR (else SLURM_JOB_NODELIST's first host) and MASTER_PORT (else derived from SLURM_JOB_ID)"
@@ -175,7 +174,7 @@ def plan_launch(
     rank, world = given(launcher.rank, default=0), given(launcher.world_size, default=1)
     local_rank = given(launcher.local_rank, "--local-rank", "--rank", default=0)
     # The local rank's bound: LOCAL_WORLD_SIZE where the launcher sets it, else the world size.
-    local_world = given("LOCAL_WORLD_SIZE", default=0) if value("LOCAL_WORLD_SIZE") is not None else world
+    local_world = given("LOCAL_WORLD_SIZE", launcher.world_size, default=1)
     # Where no launcher says how many ranks share this machine (srun says it per node), assuming all of them only
     # makes the per-process CPU thread count smaller, never oversubscribed.
     per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
@@ -213,7 +212,7 @@ def plan_launch(
         master_address=master_address,
         store_namespace=f"unet-ddp/attempt{restarts}/" if shared_store else None,
         restart_count=restarts,
-        supervised=launcher.supervised,
+        supervised=launcher is TORCHRUN,
         slurm_job_id=slurm_job_id,
         requeue_signal=int(signal.Signals[f"SIG{config.requeue_signal}"]) if requeue else None,
         address_hint="--dist-url" if launcher is MANUAL and config.dist_url else launcher.address_hint,
@@ -259,15 +258,16 @@ def _rendezvous(launcher: Launcher, config: LaunchSection, environ: Mapping[str,
 
 
 def _dist_url_address(dist_url: str) -> str | None:
-    """HOST:PORT of ``--dist-url tcp://HOST:PORT`` (None for another scheme: a file store), refused without them."""
+    """HOST:PORT of ``--dist-url tcp://HOST:PORT`` (None for a ``file://`` or ``env://`` store); any other form is
+    refused."""
     url = urllib.parse.urlsplit(dist_url)
-    if url.scheme != "tcp":
+    if url.scheme in ("file", "env"):
         return None
     try:
         host, port = url.hostname, url.port
     except ValueError:  # a port that is no number
         host = port = None
-    if not (host and port):
+    if url.scheme != "tcp" or not (host and port):
         raise LaunchValueError(f"--dist-url {dist_url} is not tcp://HOST:PORT; name rank 0's host and a port")
     return f"{host}:{port}"
 
@@ -296,10 +296,8 @@ def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
     For deciding who prints an error found before the launch plan exists (a bad flag: every rank has the same).
     """
     environ = os.environ if environ is None else environ
-    try:
-        return int(environ.get("RANK") or environ.get("SLURM_PROCID") or 0)
-    except ValueError:
-        return 0
+    rank = environ.get("RANK") or environ.get("SLURM_PROCID") or "0"
+    return int(rank) if rank.isdigit() else 0  # a malformed one is plan_launch's to refuse, naming it
 
 
 # SLURM's host list: names separated by commas, each with bracket groups of numbers and ranges (gpu[01-03,07],cpu5).

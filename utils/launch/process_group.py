@@ -1,9 +1,23 @@
 """The process group: joining it (the side effects of a ``LaunchPlan``), the small collectives the training loop
-uses, the agreements that keep one rank's error or signal from hanging the others, and ``--sync-bn``.
+uses, the agreements that keep one rank's error or signal from hanging the others, ``--sync-bn``, and the way out of
+``train.py``, ``predict.py`` and ``evaluate.py`` (``run_main``: each error an exit status and one line, printed once
+per job).
 
 The control messages (barriers, broadcasts, the agreements) run on a second, gloo, CPU group, so that they never wait
 behind gradient traffic or force a GPU synchronisation; the sums of metrics and ``CpuSyncBatchNorm``'s statistics use
 the default group, on the training device.
+
+| what stopped the run | exit status | stderr |
+| --- | --- | --- |
+| finished | 0 | nothing |
+| a user error (``UserError``: a flag, a file, the data) | 2 | one ``Error:`` line naming the flag or file and the fix |
+| out of memory (CUDA, or the CPU allocator) | 2 | one ``Error:`` line naming the flags that lower memory use |
+| another rank of the job died or stopped answering | 1 | one ``Error:`` line saying where to look and how to resume |
+| SIGINT / SIGTERM | 130 / 143 | (``train.py`` saves and logs how to resume itself) |
+| a bug | 1 | Python's traceback |
+
+Out of memory counts as a user error: a smaller ``--batch-size`` (or the script's other memory flags) fixes it.
+Under a distributed launch a user error every rank has is printed once, by global rank 0 (``RunStage``).
 """
 
 from __future__ import annotations
@@ -13,12 +27,14 @@ import datetime
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,10 +42,11 @@ from torch import Tensor, nn
 from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 
 from utils import errors
-from utils.errors import ConfigError, UserError, first_line
+from utils.cli import print_error, setup_logging
+from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError, first_line
 from utils.hardware import available_cpus, pick_device, threads_per_process
 from utils.launch.environments import LaunchPlan, LaunchValueError
-from utils.launch.signals import InterruptFlag
+from utils.launch.signals import InterruptFlag, signal_exit_code, startup_done, stopped_during_startup
 
 if TYPE_CHECKING:
     from utils.training.config import LaunchSection, PerformanceSection
@@ -81,9 +98,8 @@ def setup(plan: LaunchPlan, performance: PerformanceSection, launch: LaunchSecti
                 host, port = plan.master_address.rsplit(":", 1)
                 # torchrun's agent serves this store; a client of it, with keys of this attempt only.
                 agent_store = dist.TCPStore(host, int(port), plan.world_size, is_master=False, timeout=timeout)
-                dist.init_process_group(store=dist.PrefixStore(plan.store_namespace, agent_store), **join)
-            else:
-                dist.init_process_group(init_method=plan.init_method, **join)
+                join["store"] = dist.PrefixStore(plan.store_namespace, agent_store)
+            dist.init_process_group(init_method=None if "store" in join else plan.init_method, **join)
     except dist.DistError as error:
         raise ConfigError(
             f"rank {plan.rank} could not join the other {plan.world_size - 1} process(es) at "
@@ -147,15 +163,6 @@ def barrier(ctx: DistributedContext) -> None:
         dist.barrier(group=ctx.control_group)
 
 
-def broadcast_from_main(ctx: DistributedContext, value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (small picklable objects: paths, scores)."""
-    if not ctx.is_distributed:
-        return value
-    box = [value if ctx.is_main else None]
-    dist.broadcast_object_list(box, src=0, group=ctx.control_group)
-    return box[0]
-
-
 def sum_across_ranks(ctx: DistributedContext, values: Tensor) -> Tensor:
     """Element-wise sum over ranks of a small tensor (on the training device, at log steps only)."""
     if ctx.is_distributed:
@@ -164,8 +171,14 @@ def sum_across_ranks(ctx: DistributedContext, values: Tensor) -> Tensor:
 
 
 def decide_on_main(ctx: DistributedContext, decide: Callable[[], _T]) -> _T:
-    """Run ``decide`` on global rank 0 only and return its result on every rank; its UserError is raised everywhere."""
-    return broadcast_from_main(ctx, agree_on_errors(ctx, lambda: decide() if ctx.is_main else None))
+    """Run ``decide`` on global rank 0 only and return its result (a small picklable object: paths, scores) on every
+    rank; its UserError is raised everywhere."""
+    decision = agree_on_errors(ctx, lambda: decide() if ctx.is_main else None)
+    if ctx.is_distributed:
+        box = [decision]
+        dist.broadcast_object_list(box, src=0, group=ctx.control_group)
+        decision = box[0]
+    return decision
 
 
 def agree_on_errors(ctx: DistributedContext, build: Callable[[], _T]) -> _T:
@@ -232,20 +245,19 @@ class StopAgreement:
         if not self._ctx.is_distributed:
             self.save_agreed = save_due
             return self._flag.signum
-        agreed = self._collect()
+        agreed = self.finish()
         local = torch.tensor([self._flag.signum, int(save_due)], dtype=torch.int32)
         work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._ctx.control_group, async_op=True)
         self._pending = (work, local)
         # Only the first boundary waits for its own answer (a signal during start-up stops at the first step); every
         # later one reads the answer started one boundary before, so the step never waits for the all-reduce.
         first, self._first = self._first, False
-        return self._collect() if first else agreed
+        return self.finish() if first else agreed
 
     def finish(self) -> int:
         """Complete the outstanding all-reduce (before any other collective on the control group) and return it."""
-        return self._collect() if self._ctx.is_distributed else self._flag.signum
-
-    def _collect(self) -> int:
+        if not self._ctx.is_distributed:
+            return self._flag.signum
         if self._pending is None:
             self.save_agreed = False
             return 0
@@ -304,3 +316,116 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
         if type(module) is nn.BatchNorm2d:
             module.__class__ = CpuSyncBatchNorm  # the same parameters and buffers: only the forward pass changes
     return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# the way out of the entry scripts
+
+LOST_CONTACT_EXIT_CODE = 1
+
+# How the CPU allocator words an allocation failure (a RuntimeError; numpy's is a MemoryError, CUDA's its own type).
+ALLOCATOR_MARKERS = ("can't allocate memory", "DefaultCPUAllocator")
+
+# How gloo words it when another process died (closed connection) or stopped answering (--dist-timeout); NCCL and
+# the rendezvous store raise torch.distributed.DistError instead. Compared in lower case.
+PEER_FAILURE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out waiting",
+    "timeout caused pair closure",
+    "socket timeout",
+)
+
+# How long a rank other than 0 waits before exiting after an error that rank 0 prints. torchrun stops the other
+# workers as soon as one exits, so rank 0 must exit first: it has then printed the message, and it is the failure
+# torchrun reports. After an agreed error a barrier guarantees the printing, and a few seconds let rank 0 leave first:
+# on a loaded machine rank 0's teardown and exit took over a second, and a rank leaving before it made gloo abort rank
+# 0 (SIGABRT, reported by torchrun as the root cause instead of the user error). Under torchrun the others are stopped
+# as soon as rank 0 has exited, so the wait is only an upper bound.
+# A bad flag is found before the processes meet, and rank 0 may still be importing torch: the others wait until
+# torchrun stops them (it does as soon as rank 0 has exited), or this long at most.
+QUIET_EXIT_DELAY_S = 5.0
+QUIET_EXIT_BEFORE_JOINING_S = 60.0
+
+
+@dataclass
+class RunStage:
+    """How far a run got, which decides who prints a user error: the launcher's rank until the process group exists
+    (``ctx``); ``joining`` while this process meets the others (an error there is its own)."""
+
+    rank: int = 0
+    ctx: DistributedContext | None = None
+    joining: bool = False
+
+
+def run_main(body: Callable[[], int], *, oom_fix: str, stage: RunStage | None = None) -> int:
+    """Run ``body`` (an entry script's work, returning its exit status) and turn what it raises into the status and
+    the one line of the table above. ``oom_fix`` names the flags that lower this script's memory use."""
+    stage = stage if stage is not None else RunStage()
+    try:
+        return body()
+    except UserError as error:
+        report_user_error(error, stage)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:  # a script that installs no handler of its own (train.py does)
+        print_error("stopped by SIGINT (Ctrl-C)")
+        return signal_exit_code(signal.SIGINT)
+    except (MemoryError, RuntimeError) as error:  # CUDA's OutOfMemoryError and DistError are RuntimeErrors
+        text = str(error)
+        cuda = isinstance(error, torch.cuda.OutOfMemoryError)
+        if cuda or isinstance(error, MemoryError) or any(marker in text for marker in ALLOCATOR_MARKERS):
+            print_error(f"{'CUDA' if cuda else 'the CPU'} ran out of memory; {oom_fix}")
+            return USER_ERROR_EXIT_CODE
+        lost = isinstance(error, torch.distributed.DistError)  # NCCL's and the store's; gloo's are worded
+        if lost or any(marker in text.lower() for marker in PEER_FAILURE_MARKERS):
+            print_error(
+                f"lost contact with another training process ({first_line(error)}); see the other processes' logs, "
+                "then continue with --resume auto (under torchrun, --max-restarts does that by itself)"
+            )
+            return LOST_CONTACT_EXIT_CODE
+        raise
+    except SystemExit as exit_request:  # --help, or argparse's own usage error (status 2)
+        return exit_request.code if isinstance(exit_request.code, int) else 0
+
+
+def run_single_process(body: Callable[[], int], *, oom_fix: str) -> int:
+    """``main`` of predict.py and evaluate.py: ``run_main`` in one process, which logs as rank 0, once the imports are
+    over (``startup_done``: Ctrl-C is a KeyboardInterrupt again, which ``run_main`` reports)."""
+    startup_done()
+    setup_logging(rank=0, world_size=1)
+    return run_main(body, oom_fix=oom_fix)
+
+
+def leave(status: int) -> NoReturn:
+    """End ``train.py`` with ``status`` once its ``main`` returned, without Python's finalisation: the run's files are
+    closed, the run folder unlocked and the process group torn down by then, and the interpreter's own teardown (module
+    clean-up with torch loaded) takes seconds of CPU on a loaded machine that would only hold up the end of a job."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing left to tell
+            stream.flush()
+    os._exit(status)
+
+
+def report_user_error(error: UserError, stage: RunStage) -> None:
+    """Print ``error`` once per job: a bad flag (found before joining) and an error the ranks agreed on reach every
+    rank, and rank 0 alone prints it; a failure to join, or one found by one rank alone (a corrupt image), is printed
+    where it happened, as is a launch value of this process's own (``LaunchValueError``: its rank, say). With a shared
+    error the other ranks leave after rank 0."""
+    ctx = stage.ctx
+    own = isinstance(error, LaunchValueError)
+    shared = (ctx is None and not stage.joining and not own) or getattr(error, "on_every_rank", False)
+    quiet = shared and stage.rank != 0
+    if not quiet:
+        print_error(error)
+    if shared and ctx is not None and ctx.is_distributed:
+        with contextlib.suppress(RuntimeError):  # DistError too: a rank is gone already, nothing left to wait for
+            barrier(ctx)  # rank 0 has printed
+    if quiet:
+        # torchrun stops the others with SIGTERM once rank 0 has exited; the stop handler installed at the start would
+        # take it as a request to save and sleep on, until torchrun's SIGKILL 30 s later.
+        # Its SIGTERM may have come already, while the start-up handler only remembered it: then leave at once.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if not stopped_during_startup():
+            time.sleep(QUIET_EXIT_DELAY_S if ctx is not None else QUIET_EXIT_BEFORE_JOINING_S)

@@ -2,14 +2,14 @@
 orphaned worker. Standard library only: the entry scripts import this before torch.
 
 * Start-up: until the script installs its own handling (``InterruptFlag`` in train.py; predict.py and evaluate.py
-  call ``startup_done`` so that Ctrl-C raises KeyboardInterrupt again, which ``utils.launch.runner`` reports), a
+  call ``startup_done`` so that Ctrl-C raises KeyboardInterrupt again, which ``process_group.run_main`` reports), a
   SIGINT would interrupt an import and print a long traceback through torch's modules: one line and exit 130 instead.
   train.py catches SIGTERM and the requeue signals from its first line too (``catch_signals_from_start``): SLURM's
   ``--signal`` can land while torch is imported, whose default action would end the job FAILED with nothing saved.
   Such a signal is remembered and the first ``InterruptFlag.install`` takes it (the run stops at its first step
   boundary: saved, requeued). Once training is over they are ignored (``InterruptFlag.restore``): the work is done,
   and a requeue would train nothing, so the job ends with the run's own status (COMPLETED 0:0 after "Training
-  complete"), and soon: train.py skips Python's finalisation (``utils.launch.runner.leave``).
+  complete"), and soon: train.py skips Python's finalisation (``utils.launch.process_group.leave``).
 * Graceful stop: the handler only records the signal (saving inside a handler can hang, Lightning #21406); the ranks
   agree on the step to stop at (``utils.launch.process_group.StopAgreement``), rank 0 writes ``INTERRUPTED.pth`` and
   every process exits with ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
@@ -53,20 +53,13 @@ def signal_exit_code(signum: int) -> int:
     return 128 + signum
 
 
-class _EarlySignals:
-    """The first signal ``catch_signals_from_start``'s handler saw, until ``InterruptFlag.install`` takes it."""
-
-    signum = 0
-
-
 def _remember(signum: int, frame: FrameType | None) -> None:
     if signum == signal.SIGINT:
         # Nothing has been created yet: leave at once (os._exit: no half-imported module's clean-up runs).
         sys.stderr.write("Error: stopped by SIGINT (Ctrl-C) while starting; nothing was written\n")
         sys.stderr.flush()
         os._exit(signal_exit_code(signal.SIGINT))
-    if not _EarlySignals.signum:
-        _EarlySignals.signum = signum
+    _STARTUP._handle(signum, frame)
 
 
 def catch_signals_from_start(remembered: tuple[int, ...] = REMEMBERED_SIGNALS) -> None:
@@ -87,7 +80,7 @@ def stop_quietly_while_starting() -> None:
 
 def stopped_during_startup() -> bool:
     """Whether SIGTERM reached ``catch_signals_from_start``'s handler and no ``InterruptFlag`` took it yet."""
-    return _EarlySignals.signum == signal.SIGTERM
+    return _STARTUP.signum == signal.SIGTERM
 
 
 def startup_done() -> None:
@@ -110,9 +103,9 @@ class InterruptFlag:
         handled = [signum for signum in (signal.SIGINT, signal.SIGTERM, requeue_signal) if signum is not None]
         for signum in handled:
             self._previous[signum] = signal.signal(signum, self._handle)
-        if _EarlySignals.signum in handled:
-            self._handle(_EarlySignals.signum, None)
-        _EarlySignals.signum = 0
+        if _STARTUP.signum in handled:
+            self._handle(_STARTUP.signum, None)
+        _STARTUP.signum = 0
         return self
 
     def restore(self) -> None:
@@ -127,6 +120,10 @@ class InterruptFlag:
         # Nothing else here: the main thread may be inside a collective, a checkpoint write or the logging lock.
         if not self.signum:
             self.signum = signum
+
+
+_STARTUP = InterruptFlag()
+"""The first signal ``catch_signals_from_start``'s handler saw, until ``InterruptFlag.install`` takes it."""
 
 
 def requeue_if_asked(plan: LaunchPlan, stopped_by: int) -> bool:

@@ -120,7 +120,7 @@ def _warn_mask_values(stored: list | None, current: list, path: str) -> None:
 
 def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str) -> None:
     """--encoder-weights: copy the torchvision state dict in ``path`` (``fc.*`` dropped) into ``encoder`` (a
-    ``unet.resnet_unet.ResNetEncoder``), refusing any mismatch.
+    ``ResNetUNet.encoder``), refusing any mismatch.
 
     The file is what torchvision itself downloads and caches (``~/.cache/torch/hub/checkpoints/resnet34-b627a593.pth``):
     a plain state dict with keys ``conv1.weight``, ``bn1.*``, ``layer1.*`` ... ``fc.*``. The classifier (``fc.*``) is
