@@ -8,13 +8,17 @@ importing torch there would cost seconds per worker. Only ``.pt`` files import t
 
 from __future__ import annotations
 
+import array
+import functools
+import hashlib
+import json
 import logging
 import multiprocessing
 import os
 import pickle
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 from PIL import Image, ImageOps
 
-from utils.errors import ConfigError, DatasetError, first_line
+from utils.errors import ConfigError, DatasetError
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +37,9 @@ ARRAY_EXTENSIONS = frozenset({".npy", ".pt"})
 IMAGE_EXTENSIONS = PIL_EXTENSIONS | ARRAY_EXTENSIONS
 _EXTENSION_LIST = " ".join(sorted(IMAGE_EXTENSIONS))
 
-# What PIL, numpy and torch.load raise on a bad file. Catching these, and no more, turns unusable files into messages
-# that name them while real bugs keep their tracebacks.
-UNREADABLE_FILE_ERRORS = (
-    OSError,
-    ValueError,
-    SyntaxError,
-    EOFError,
-    RuntimeError,
-    pickle.UnpicklingError,
-    Image.DecompressionBombError,
-)
+# What PIL, numpy and torch.load raise on a bad file (``_load_pt`` words torch's refusals of a pickle itself). Catching
+# these, and no more, turns unusable files into messages that name them while real bugs keep their tracebacks.
+UNREADABLE_FILE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, RuntimeError, Image.DecompressionBombError)
 
 CARVANA_MASK_SUFFIX = "_mask"
 # How many problem files a message names before it just counts them.
@@ -66,7 +62,6 @@ VIZ_SUFFIX = "_VIZ"
 PREDICTION_SUFFIXES = (OUTPUT_SUFFIX, VIZ_SUFFIX)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_warned_prediction_files: set[tuple[str, int]] = set()
 # PIL's decompression-bomb limit is one module attribute (Image.MAX_IMAGE_PIXELS): ``open_pil`` sets it aside while it
 # opens a file and checks the size itself. The lock keeps two threads (predict's writer threads read true masks) from
 # restoring each other's saved value.
@@ -103,6 +98,19 @@ class FileInfo(NamedTuple):
         stat = os.stat(absolute)
         ext = os.path.splitext(absolute)[1].lower()
         return cls(absolute, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
+
+
+def cache_key(records: Sequence[FileInfo], *settings: object) -> str:
+    """The name of a cache entry made from ``records`` with ``settings`` (a format version, a scale, ...): a sha256
+    of the files' paths and stat fields, so a changed, moved or replaced file never finds its old entry.
+
+    The paths joined with NUL (which no path contains) and the stat numbers as one int64 array: nothing formatted per
+    file, so the key of a 100,000-pair dataset costs tens of milliseconds.
+    """
+    digest = hashlib.sha256(json.dumps(settings).encode())
+    digest.update("\0".join([info.path for info in records]).encode("utf-8", "surrogateescape"))
+    digest.update(array.array("q", [number for info in records for number in info[2:]]).tobytes())
+    return digest.hexdigest()
 
 
 class MaskPair(NamedTuple):
@@ -178,23 +186,20 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     prefix = os.path.join(os.path.abspath(folder), "")
     with os.scandir(folder) as entries:
         for entry in entries:
+            # split_name, inlined: this loop runs once per directory entry at every start.
             name = entry.name
-            if name.startswith("."):
+            stem, dot, ext = name.rpartition(".")
+            ext = "." + ext.lower()
+            if not dot or not stem or ext not in IMAGE_EXTENSIONS or name.startswith("."):
+                logger.debug("ignoring %s: not a supported %s file", entry.path, role)
                 continue
             try:
                 if not entry.is_file():
-                    if entry.is_symlink() and not os.path.exists(entry.path) and split_name(name) is not None:
+                    if entry.is_symlink() and not os.path.exists(entry.path):
                         broken_links.append(f"{name} -> {os.readlink(entry.path)} (no such file)")
                     continue
             except OSError as error:  # a link loop (ELOOP), or a link into a folder that cannot be read
-                if split_name(name) is not None:
-                    broken_links.append(f"{name} ({error.strerror or error})")
-                continue
-            # split_name, inlined: this loop runs once per directory entry at every start.
-            stem, dot, ext = name.rpartition(".")
-            ext = "." + ext.lower()
-            if not dot or not stem or ext not in IMAGE_EXTENSIONS:
-                logger.debug("ignoring %s: not a supported %s file", entry.path, role)
+                broken_links.append(f"{name} ({error.strerror or error})")
                 continue
             if stem.endswith(PREDICTION_SUFFIXES):
                 skipped_predictions.append(name)
@@ -207,16 +212,8 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
             files[stem] = _new_tuple(
                 FileInfo, (prefix + name, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
             )
-    if skipped_predictions and (prefix, len(skipped_predictions)) not in _warned_prediction_files:
-        _warned_prediction_files.add((prefix, len(skipped_predictions)))  # one warning, however often it is indexed
-        logger.warning(
-            "ignoring %d file(s) in %s named like predict.py's outputs (*%s, *%s), e.g. %s",
-            len(skipped_predictions),
-            folder,
-            OUTPUT_SUFFIX,
-            VIZ_SUFFIX,
-            sorted(skipped_predictions)[0],
-        )
+    if skipped_predictions:
+        _warn_skipped_predictions(str(folder), len(skipped_predictions), min(skipped_predictions))
     if broken_links:
         raise DatasetError(
             f"{len(broken_links)} link(s) in {role} folder {folder} lead to no file: "
@@ -231,10 +228,23 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     return files
 
 
+@functools.cache  # one warning per folder and count, however often it is indexed
+def _warn_skipped_predictions(folder: str, count: int, example: str) -> None:
+    logger.warning(
+        "ignoring %d file(s) in %s named like predict.py's outputs (*%s, *%s), e.g. %s",
+        count,
+        folder,
+        OUTPUT_SUFFIX,
+        VIZ_SUFFIX,
+        example,
+    )
+
+
 def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> Pairing:
     """Index both folders and pair each image with the mask named ``<id><mask_suffix>`` (``None`` detects the
-    suffix): the one pairing rule of the dataset and of the dataset check. A folder without images or masks, or one
-    folder for both, is an error at once; the rest comes back as ``Finding``s."""
+    suffix: ``"_mask"`` if more images have a mask named ``<id>_mask`` than ``<id>``, else ``""``): the one pairing
+    rule of the dataset and of the dataset check. A folder without images or masks, or one folder for both, is an
+    error at once; the rest comes back as ``Finding``s."""
     images = index_folder(images_dir, "image")
     if not images:
         raise DatasetError(
@@ -251,8 +261,12 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
     masks = index_folder(mask_dir, "mask")
     if not masks:
         raise DatasetError(f"no masks in {mask_dir} (looked for {_EXTENSION_LIST}); put one mask per image there")
+
+    def paired(suffix: str) -> int:
+        return sum(1 for name in images if name + suffix in masks)
+
     if mask_suffix is None:
-        mask_suffix = suffix_from_names(images.keys(), masks.keys())
+        mask_suffix = CARVANA_MASK_SUFFIX if paired(CARVANA_MASK_SUFFIX) > paired("") else ""
     pairs, missing = [], []
     for name in sorted(images):
         mask = masks.get(name + mask_suffix)
@@ -266,7 +280,11 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
             f"{len(missing)} of {len(images)} images in {images_dir} have no mask named <id>{mask_suffix}.<ext> in "
             f"{mask_dir}"
         )
-        fix = "add their masks or remove those images" + _suffix_hint(images.keys(), masks.keys(), mask_suffix)
+        fix = "add their masks or remove those images"
+        other = "" if mask_suffix == CARVANA_MASK_SUFFIX else CARVANA_MASK_SUFFIX
+        if paired(other) > len(pairs):  # the other naming would pair more images
+            use = "CarvanaDataset or mask_suffix='_mask'" if other else "BasicDataset with mask_suffix=''"
+            fix += f" (the masks look named <id>{other}.<ext>: use {use})"
         problems.append(Finding("pairing", what, tuple(missing), fix))
     used = {name + mask_suffix for name in images}
     orphans = sorted(info.name for stem, info in masks.items() if stem not in used)
@@ -280,34 +298,12 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
     return Pairing(images, pairs, mask_suffix, problems, warnings)
 
 
-def _suffix_hint(image_ids: Iterable[str], mask_stems: Iterable[str], mask_suffix: str) -> str:
-    """Suggest the other mask naming when it would match more images than the one in use."""
-    other = "" if mask_suffix == CARVANA_MASK_SUFFIX else CARVANA_MASK_SUFFIX
-    if count_named(image_ids, mask_stems, other) > count_named(image_ids, mask_stems, mask_suffix):
-        if other:
-            return f" (the masks look named <id>{other}.<ext>: use CarvanaDataset or mask_suffix='{other}')"
-        return " (the masks look named <id>.<ext>: use BasicDataset with mask_suffix='')"
-    return ""
-
-
 def detect_mask_suffix(images_dir: str | Path, mask_dir: str | Path) -> str:
     """Return ``"_mask"`` if the masks are named ``<id>_mask.<ext>`` after the images, else ``""``.
 
-    Decided by file names only: whichever naming matches more images wins, ``""`` on a tie.
+    Decided by file names only (``pair_folders``): whichever naming matches more images wins, ``""`` on a tie.
     """
-    return suffix_from_names(index_folder(images_dir, "image").keys(), index_folder(mask_dir, "mask").keys())
-
-
-def suffix_from_names(image_ids: Iterable[str], mask_stems: Iterable[str]) -> str:
-    """``"_mask"`` if more images have a mask named ``<id>_mask`` than ``<id>``, else ``""`` (also on a tie)."""
-    with_suffix = count_named(image_ids, mask_stems, CARVANA_MASK_SUFFIX)
-    return CARVANA_MASK_SUFFIX if with_suffix > count_named(image_ids, mask_stems, "") else ""
-
-
-def count_named(image_ids: Iterable[str], mask_stems: Iterable[str], suffix: str) -> int:
-    """How many of the images have a mask named ``<id><suffix>``."""
-    stems = set(mask_stems)
-    return sum(1 for name in image_ids if name + suffix in stems)
+    return pair_folders(Path(images_dir), Path(mask_dir), None).mask_suffix
 
 
 def format_examples(items: Sequence[object], limit: int = MAX_NAMED_FILES, separator: str = ", ") -> str:
@@ -428,10 +424,9 @@ def image_header(path: str | Path) -> tuple[int, int, int]:
 
 
 def mode_channels(mode: str) -> int:
-    """Channels a photo of PIL ``mode`` loads with: 1 for grey modes (alpha dropped), 3 for every other mode."""
-    if mode in ("1", "L", "LA", "I", "F") or mode.startswith("I;16"):
-        return 1
-    return 3
+    """Channels a photo of PIL ``mode`` loads with: 1 for grey modes (1, L, LA, I, I;16, F: alpha dropped), 3 for every
+    other mode."""
+    return 1 if Image.getmodebase(mode) == "L" else 3
 
 
 def array_to_image(array: np.ndarray, path: str | Path) -> Image.Image:
@@ -440,9 +435,24 @@ def array_to_image(array: np.ndarray, path: str | Path) -> Image.Image:
     if array.dtype == np.bool_:
         array = array.astype(np.uint8) * 255
     elif np.issubdtype(array.dtype, np.floating):
-        array = _float_to_uint8(array, path)
+        if not np.isfinite(array).all():
+            raise DatasetError(f"{path} contains NaN or infinite values; save finite values in [0, 1]")
+        low, high = float(array.min()), float(array.max())
+        if low < 0.0 or high > 1.0:
+            raise DatasetError(
+                f"{path} holds floats in [{low:g}, {high:g}]; save float images scaled to [0, 1] (or as uint8 0..255)"
+            )
+        array = np.rint(array.astype(np.float64) * 255.0).astype(np.uint8)
     elif array.dtype != np.uint8:
-        array = _wide_int_to_int32(array, path)
+        # Integer mask values (e.g. 16-bit label maps) are kept exactly, as a 32-bit PIL image.
+        if not np.issubdtype(array.dtype, np.integer) or array.ndim != 2:
+            raise DatasetError(
+                f"{path} holds a {array.ndim}-D {array.dtype} array; multi-channel arrays must be uint8, bool or float"
+            )
+        int32 = np.iinfo(np.int32)
+        if array.min() < int32.min or array.max() > int32.max:
+            raise DatasetError(f"{path} holds integers outside the 32-bit range; store mask values as small integers")
+        array = array.astype(np.int32)
     return Image.fromarray(np.ascontiguousarray(array))
 
 
@@ -452,20 +462,14 @@ def _load_pt(path: Path) -> np.ndarray:
     try:
         # weights_only=True refuses pickled objects other than tensors and plain containers.
         loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        # torch's own message suggests weights_only=False, which is exactly what must not be done with data files.
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        # Not torch's message: it suggests weights_only=False, exactly what must not be done with data files.
         from utils.checkpoint.pickle_scan import code_refusal, pickled_code
 
         code = pickled_code(path)
-        if code:
-            raise DatasetError(f"{path}: {code_refusal(code)}; save one tensor per file with torch.save") from err
+        reason = code_refusal(code) if code else "it is corrupt or holds objects other than tensors"
         raise DatasetError(
-            f"{path} cannot be loaded safely: it is corrupt or holds objects other than tensors; save one tensor "
-            "per file with torch.save"
-        ) from err
-    except (RuntimeError, EOFError) as err:
-        raise DatasetError(
-            f"{path} is not a readable torch file ({first_line(err)}); save it again with torch.save"
+            f"{path} cannot be loaded safely: {reason}; save one tensor per file with torch.save"
         ) from err
     if not isinstance(loaded, torch.Tensor):
         raise DatasetError(f"{path} holds a {type(loaded).__name__}, not a tensor; save one image tensor per file")
@@ -476,37 +480,14 @@ def _load_pt(path: Path) -> np.ndarray:
 
 def _to_hwc(array: np.ndarray, path: str | Path) -> np.ndarray:
     """Return the array as HxW or HxWxC (C in 3, 4), moving a leading channel axis to the end (channels last wins
-    when both ends could be channels)."""
+    when both ends could be channels); an empty array holds no image."""
     shape = array.shape
     if len(shape) == 3 and shape[2] not in _CHANNEL_COUNTS and shape[0] in _CHANNEL_COUNTS:
         array = np.moveaxis(array, 0, -1)
-    elif len(shape) != 2 and not (len(shape) == 3 and shape[2] in _CHANNEL_COUNTS):
+    if array.size == 0 or array.ndim != 2 and not (array.ndim == 3 and array.shape[2] in _CHANNEL_COUNTS):
         raise DatasetError(
             f"{path} holds an array of shape {tuple(shape)}; save images as HxW or HxWxC arrays with C in 1, 3 or 4"
         )
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[:, :, 0]
     return array
-
-
-def _float_to_uint8(array: np.ndarray, path: str | Path) -> np.ndarray:
-    if array.size and not np.isfinite(array).all():
-        raise DatasetError(f"{path} contains NaN or infinite values; save finite values in [0, 1]")
-    low, high = (float(array.min()), float(array.max())) if array.size else (0.0, 0.0)
-    if low < 0.0 or high > 1.0:
-        raise DatasetError(
-            f"{path} holds floats in [{low:g}, {high:g}]; save float images scaled to [0, 1] (or as uint8 0..255)"
-        )
-    return np.rint(array.astype(np.float64) * 255.0).astype(np.uint8)
-
-
-def _wide_int_to_int32(array: np.ndarray, path: str | Path) -> np.ndarray:
-    """Keep integer mask values (e.g. 16-bit label maps) exactly, as a 32-bit PIL image."""
-    if not np.issubdtype(array.dtype, np.integer) or array.ndim != 2:
-        raise DatasetError(
-            f"{path} holds a {array.ndim}-D {array.dtype} array; multi-channel arrays must be uint8, bool or float"
-        )
-    int32 = np.iinfo(np.int32)
-    if array.size and (array.min() < int32.min or array.max() > int32.max):
-        raise DatasetError(f"{path} holds integers outside the 32-bit range; store mask values as small integers")
-    return array.astype(np.int32)

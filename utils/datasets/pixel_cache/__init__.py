@@ -26,7 +26,6 @@ Fill it up front, in parallel::
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.datasets.image_files import FileInfo
+from utils.datasets.image_files import FileInfo, cache_key
 from utils.errors import ConfigError
 from utils.output_files import OutputError, replacing
 
@@ -43,7 +42,6 @@ logger = logging.getLogger(__name__)
 # Part of every entry's name: bump it whenever decoding, resizing or the stored layout changes.
 PIXEL_CACHE_VERSION = 2  # 2: EXIF orientation applied
 IMAGE, MASK = "image", "mask"
-_FULL_MARKER = ".writes-failed-{pid}"
 
 
 class PixelCache:
@@ -55,10 +53,10 @@ class PixelCache:
 
     def __init__(self, directory: str | Path, *, scale: float, channels: int) -> None:
         self.directory = os.path.abspath(directory)
-        self.scale = scale
-        self.channels = channels
-        # The process that built the dataset: its loader workers (forked copies) share one failure marker.
-        self._owner_pid = os.getpid()
+        self.settings = (PIXEL_CACHE_VERSION, scale, channels)
+        # Made by the process that built the dataset, whose loader workers (forked copies) share it: the first of them
+        # whose write fails creates it and warns, and the others stop writing without a warning of their own.
+        self._failure_marker = os.path.join(self.directory, f".writes-failed-{os.getpid()}")
         self._writing = True
 
     def check_outside(self, *folders: str | Path) -> None:
@@ -72,11 +70,7 @@ class PixelCache:
                 )
 
     def entry_path(self, info: FileInfo, kind: str) -> str:
-        key = "\0".join(
-            [str(PIXEL_CACHE_VERSION), kind, info.path, str(info.size), str(info.mtime_ns)]
-            + [str(info.inode), str(info.ctime_ns), repr(self.scale), str(self.channels)]
-        )
-        return os.path.join(self.directory, hashlib.sha256(key.encode()).hexdigest() + ".npy")
+        return os.path.join(self.directory, f"{cache_key([info], kind, *self.settings)}.npy")
 
     def read(self, info: FileInfo, kind: str) -> np.ndarray | None:
         try:
@@ -87,10 +81,8 @@ class PixelCache:
             return None
 
     def write(self, info: FileInfo, kind: str, array: np.ndarray) -> None:
-        if not self._writing:
-            return
-        if os.path.exists(self._marker()):
-            self._writing = False  # a sibling worker already failed and warned
+        if not self._writing or os.path.exists(self._failure_marker):
+            self._writing = False
             return
         try:
             # Not durable: a killed process cannot leave a half entry (the rename is atomic), and an entry damaged by
@@ -99,25 +91,19 @@ class PixelCache:
                 np.save(temporary, np.ascontiguousarray(array), allow_pickle=False)  # its name ends in .npy
         except OutputError as err:
             self._writing = False
-            self._warn_once(err.__cause__)
-
-    def _marker(self) -> str:
-        return os.path.join(self.directory, _FULL_MARKER.format(pid=self._owner_pid))
-
-    def _warn_once(self, err: OSError) -> None:
-        try:
-            # O_EXCL: of the loader workers that fail, only the first creates the marker and warns.
-            os.close(os.open(self._marker(), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        except OSError:
-            pass  # cannot even create an empty file: warn anyway
-        logger.warning(
-            "Cannot write the pixel cache %s (%s); loading continues without caching new items (free space or "
-            "choose another --pixel-cache folder to cache them)",
-            self.directory,
-            err.strerror or err,
-        )
+            try:
+                # O_EXCL: of the loader workers that fail, only the first creates the marker and warns.
+                os.close(os.open(self._failure_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
+            except OSError:
+                pass  # cannot even create an empty file: warn anyway
+            logger.warning(
+                "Cannot write the pixel cache %s (%s); loading continues without caching new items (free space or "
+                "choose another --pixel-cache folder to cache them)",
+                self.directory,
+                err.__cause__.strerror or err.__cause__,
+            )
 
 
 def cached(cache: PixelCache | None, info: FileInfo, kind: str, decode: Callable[[], np.ndarray]) -> np.ndarray:
