@@ -213,7 +213,10 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
                 FileInfo, (prefix + name, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
             )
     if skipped_predictions:
-        _warn_skipped_predictions(str(folder), len(skipped_predictions), min(skipped_predictions))
+        _warn_once(
+            f"ignoring {len(skipped_predictions)} file(s) in {folder} named like predict.py's outputs "
+            f"(*{OUTPUT_SUFFIX}, *{VIZ_SUFFIX}), e.g. {min(skipped_predictions)}"
+        )
     if broken_links:
         raise DatasetError(
             f"{len(broken_links)} link(s) in {role} folder {folder} lead to no file: "
@@ -228,16 +231,10 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     return files
 
 
-@functools.cache  # one warning per folder and count, however often it is indexed
-def _warn_skipped_predictions(folder: str, count: int, example: str) -> None:
-    logger.warning(
-        "ignoring %d file(s) in %s named like predict.py's outputs (*%s, *%s), e.g. %s",
-        count,
-        folder,
-        OUTPUT_SUFFIX,
-        VIZ_SUFFIX,
-        example,
-    )
+@functools.cache
+def _warn_once(message: str) -> None:
+    """Log ``message`` once, however often the same folder is indexed (train and validation, every start)."""
+    logger.warning("%s", message)
 
 
 def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> Pairing:
@@ -312,39 +309,24 @@ def format_examples(items: Sequence[object], limit: int = MAX_NAMED_FILES, separ
     return shown if len(items) <= limit else f"{shown}{separator}... ({len(items) - limit} more)"
 
 
-def pool_context() -> multiprocessing.context.BaseContext:
-    """fork on Linux, spawn elsewhere: how the data part's process pools (the mask scan, the check, ``build-cache``)
-    start their workers.
-
-    fork starts workers in milliseconds and lets them inherit the caller's objects (DataLoader forks on Linux too).
-    spawn/forkserver would re-import the caller's __main__ (e.g. train.py and torch) in every worker.
-    """
-    return multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-
-
-def pool_map(
-    function: Callable[[_T], _R],
-    items: Sequence[_T],
-    workers: int | None,
-    announce: str | None = None,
-    *,
-    initializer: Callable[[], object] | None = None,
-    min_items: int = MIN_FILES_FOR_POOL,
-) -> list[_R]:
+def pool_map(function: Callable[[_T], _R], items: Sequence[_T], workers: int | None, announce: str = "") -> list[_R]:
     """``[function(item) for item in items]``, in ``workers`` processes (default: the CPUs this process may run on,
-    at most 8) when there are ``min_items`` or more; ``announce`` (a log format taking the item and process counts)
-    says so. ``initializer`` runs first in each worker."""
+    at most 8) when there are ``MIN_FILES_FOR_POOL`` items or more; ``announce`` (a log format taking the item and
+    process counts) says so. The mask scan and the dataset check read their files through it."""
     count = workers
     if count is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         count = min(max(1, cpus), MAX_DEFAULT_WORKERS)
-    if count <= 1 or len(items) < min_items:
+    if count <= 1 or len(items) < MIN_FILES_FOR_POOL:
         return [function(item) for item in items]
     if announce:
         logger.info(announce, len(items), count)
     # Large chunks keep inter-process traffic low; several per worker keep the load balanced.
     chunksize = max(1, len(items) // (count * 8))
-    with ProcessPoolExecutor(max_workers=count, mp_context=pool_context(), initializer=initializer) as pool:
+    # fork on Linux: workers start in milliseconds and inherit the caller's objects (DataLoader forks on Linux too);
+    # spawn elsewhere. spawn/forkserver would re-import the caller's __main__ (e.g. train.py and torch) in every worker.
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ProcessPoolExecutor(max_workers=count, mp_context=context) as pool:
         return list(pool.map(function, items, chunksize=chunksize))
 
 

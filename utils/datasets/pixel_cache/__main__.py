@@ -5,73 +5,81 @@ Apart from the cache (``utils.datasets.pixel_cache``) because it builds a datase
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
+from dataclasses import dataclass
 
-import torch
+from torch.utils.data import DataLoader, Dataset
 
 from utils.cli import print_error, setup_logging
 from utils.datasets import pixel_cache
 from utils.datasets.dataset import BasicDataset
-from utils.datasets.image_files import pool_context, pool_map
-from utils.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
+from utils.errors import USER_ERROR_EXIT_CODE, UserError
+from utils.flags import FlagParser, Range, flag, parse_flags
 from utils.hardware import available_cpus
 
 logger = logging.getLogger(__name__)
 
 
-def build_cache(dataset, workers: int) -> tuple[int, float]:
-    """Fill ``dataset``'s pixel cache (a ``BasicDataset`` made with ``pixel_cache_dir``); returns (items, seconds)."""
+@dataclass
+class BuildCacheFlags:
+    """The flags of ``build-cache`` (``utils.flags``: each docstring is the flag's help)."""
+
+    imgs: str = flag(None, "--imgs", required=True)
+    """folder of images"""
+    masks: str = flag(None, "--masks", required=True)
+    """folder of masks"""
+    scale: float = flag(0.5, "--scale")
+    """the training --scale (default 0.5)"""
+    cache: str = flag(None, "--cache", required=True)
+    """the --pixel-cache folder"""
+    channels: int | None = flag(None, "--channels")
+    """model input channels (default: from the images)"""
+    workers: int | None = flag(None, "--workers", range=Range(1))
+    """processes (default: the CPUs available)"""
+
+
+class _Filling(Dataset):
+    """Item ``i`` stores the dataset's item ``i`` in its pixel cache, and carries nothing back."""
+
+    def __init__(self, dataset: BasicDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> None:
+        self.dataset.fill_pixel_cache(index)
+
+
+def build_cache(dataset: BasicDataset, workers: int) -> float:
+    """Fill ``dataset``'s pixel cache (a ``BasicDataset`` made with ``pixel_cache_dir``) with ``workers`` processes;
+    returns the seconds it took. The DataLoader's workers inherit the dataset (or receive it once each, where they
+    are not forked) and run one torch thread each."""
     started = time.perf_counter()
-    global _BUILD_DATASET
-    _BUILD_DATASET = dataset  # inherited by the forked workers, not pickled per task
-    if pool_context().get_start_method() != "fork":
-        # Without fork the workers could not inherit the dataset (and pickling it per task would cost more than the
-        # decoding it saves): fill serially.
-        workers = 1
-    pool_map(_fill_one, range(len(dataset)), workers, initializer=_one_thread, min_items=2)
-    return len(dataset), time.perf_counter() - started
-
-
-_BUILD_DATASET = None
-
-
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
-def _fill_one(index: int) -> None:
-    _BUILD_DATASET.fill_pixel_cache(index)
+    for _ in DataLoader(_Filling(dataset), batch_size=None, num_workers=workers if workers > 1 else 0):
+        pass
+    return time.perf_counter() - started
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m utils.datasets.pixel_cache", description=pixel_cache.__doc__.split("\n")[0]
+    parser = FlagParser(prog="python -m utils.datasets.pixel_cache", description=pixel_cache.__doc__.split("\n")[0])
+    parser.add_argument(
+        "command", choices=["build-cache"], help="decode and resize every image and mask into the cache"
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build-cache", help="decode and resize every image and mask into the cache")
-    build.add_argument("--imgs", required=True, help="folder of images")
-    build.add_argument("--masks", required=True, help="folder of masks")
-    build.add_argument("--scale", type=float, default=0.5, help="the training --scale (default 0.5)")
-    build.add_argument("--cache", required=True, help="the --pixel-cache folder")
-    build.add_argument("--channels", type=int, default=None, help="model input channels (default: from the images)")
-    build.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs available)")
-    args = parser.parse_args(argv)
     setup_logging(0, 1)
     try:
+        flags = parse_flags(parser, BuildCacheFlags, argv)
         dataset = BasicDataset(
-            args.imgs, args.masks, args.scale, None, channels=args.channels, pixel_cache_dir=args.cache
+            flags.imgs, flags.masks, flags.scale, None, channels=flags.channels, pixel_cache_dir=flags.cache
         )
-        workers = args.workers if args.workers is not None else available_cpus()
-        if workers < 1:
-            raise ConfigError(f"--workers must be at least 1, got {workers}")
-        count, seconds = build_cache(dataset, workers)
+        workers = flags.workers or available_cpus()
+        seconds = build_cache(dataset, workers)
     except UserError as err:
         print_error(err)
         return USER_ERROR_EXIT_CODE
-    logger.info("Cached %d items in %s in %.1f s with %d process(es)", count, args.cache, seconds, workers)
+    logger.info("Cached %d items in %s in %.1f s with %d process(es)", len(dataset), flags.cache, seconds, workers)
     return 0
 
 
