@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from utils.cli import print_error, setup_logging
 from utils.datasets import pixel_cache
@@ -40,25 +40,14 @@ class BuildCacheFlags:
     """processes (default: the CPUs available)"""
 
 
-class _Filling(Dataset):
-    """Item ``i`` stores the dataset's item ``i`` in its pixel cache, and carries nothing back."""
-
-    def __init__(self, dataset: BasicDataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> None:
-        self.dataset.fill_pixel_cache(index)
-
-
 def build_cache(dataset: BasicDataset, workers: int) -> float:
     """Fill ``dataset``'s pixel cache (a ``BasicDataset`` made with ``pixel_cache_dir``) with ``workers`` processes;
-    returns the seconds it took. The DataLoader's workers inherit the dataset (or receive it once each, where they
-    are not forked) and run one torch thread each."""
+    returns the seconds it took."""
     started = time.perf_counter()
-    for _ in DataLoader(_Filling(dataset), batch_size=None, num_workers=workers if workers > 1 else 0):
+    # A DataLoader over the indices whose collate_fn (run in the workers, one index at a time) fills the cache: its
+    # workers inherit the dataset (or receive it once each, where they are not forked) and run one torch thread each.
+    loader = DataLoader(range(len(dataset)), batch_size=None, num_workers=workers, collate_fn=dataset.fill_pixel_cache)
+    for _ in loader:
         pass
     return time.perf_counter() - started
 
