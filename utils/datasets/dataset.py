@@ -15,7 +15,6 @@ import copy
 import functools
 import gc
 import logging
-import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -142,13 +141,9 @@ class BasicDataset(Dataset):
         logger.info("Unique mask values: %s", self.mask_values)
         if self.ignore_values:
             total = sum(self.class_pixel_counts()) + self.void_pixels
-            logger.info(
-                "%d of %d mask pixels (%.2f%%) are void (mask value(s) %s): left out of the loss and the metrics",
-                self.void_pixels,
-                total,
-                100 * self.void_pixels / max(total, 1),
-                ", ".join(map(str, self.ignore_values)),
-            )
+            void = f"{self.void_pixels} of {total} mask pixels ({100 * self.void_pixels / max(total, 1):.2f}%)"
+            values = ", ".join(map(str, self.ignore_values))
+            logger.info("%s are void (mask value(s) %s): left out of the loss and the metrics", void, values)
 
     def class_pixel_counts(self, indices: Iterable[int] | None = None) -> list[int]:
         """Pixels of each class (void excluded) over the items ``indices`` (all by default), from the mask scan."""
@@ -181,9 +176,7 @@ class BasicDataset(Dataset):
         self._epoch = epoch
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        index = operator.index(index)
-        if index < 0:
-            index += len(self.ids)
+        index = range(len(self.ids))[index]  # a negative index counts from the end, as its own augmentation's
         image_info, mask_info, pixels, raw_mask = self._pixels(index)
         if pixels.shape[1:] != raw_mask.shape[:2]:
             raise DatasetError(
@@ -219,9 +212,7 @@ class BasicDataset(Dataset):
 
         Images become float32 CxHxW in [0, 1] (grey images 1xHxW), masks int64 HxW class indices.
         """
-        if is_mask:
-            return mask_classes(pil_img, scale, mask_values)
-        return image_tensor(pil_img, scale).numpy()
+        return mask_classes(pil_img, scale, mask_values) if is_mask else image_tensor(pil_img, scale).numpy()
 
 
 class CarvanaDataset(BasicDataset):

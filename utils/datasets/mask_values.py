@@ -159,11 +159,9 @@ def mask_array(img: Image.Image, path: str | Path = "<mask>") -> np.ndarray:
         return np.asarray(img)[:, :, 0]
     if mode == "1":
         return np.asarray(img).astype(np.uint8)
-    if mode == "LA":
-        return np.asarray(img.convert("L"))
     if mode == "F":
         raise DatasetError(f"mask {path} holds floating-point values; save masks as integer class indices (PNG/GIF)")
-    return np.asarray(img.convert("RGB"))
+    return np.asarray(img.convert("L" if mode == "LA" else "RGB"))
 
 
 def value_counts(mask: np.ndarray) -> tuple[list[int], list[int]]:

@@ -61,8 +61,7 @@ class PixelCache:
 
     def check_outside(self, *folders: str | Path) -> None:
         """Refuse a cache folder inside a data folder: its files would mix with (or be indexed as) the data."""
-        for folder in folders:
-            folder = os.path.abspath(folder)
+        for folder in map(os.path.abspath, folders):
             if os.path.commonpath([folder, self.directory]) == folder:
                 raise ConfigError(
                     f"the pixel cache {self.directory} is inside the data folder {folder}; choose a folder outside "
