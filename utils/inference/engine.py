@@ -28,9 +28,8 @@ from tqdm import tqdm
 
 from unet import UNet
 from utils.checkpoint import model as model_spec
-from utils.datasets.dataset import cached_image, image_tensor, resized_image, unit_float
+from utils.datasets.dataset import PixelCache, cached_image, image_tensor, resized_image, unit_float
 from utils.datasets.image_files import FileInfo, image_header, load_image, mode_channels
-from utils.datasets.pixel_cache import PixelCache
 from utils.errors import CheckpointError
 from utils.evaluation import predict_classes
 from utils.hardware import SharedMemoryGuard, guarded_loader, pick_device, warn_if_emulated

@@ -1,6 +1,9 @@
-"""``python -m utils.datasets.pixel_cache build-cache``: fill a pixel cache up front, in parallel.
+"""Fill the pixel cache (``utils.datasets.dataset.PixelCache``) up front, in parallel.
 
-Apart from the cache (``utils.datasets.pixel_cache``) because it builds a dataset, and the dataset uses the cache.
+    python -m utils.datasets.pixel_cache build-cache --imgs data/imgs --masks data/masks --scale 0.5 --cache DIR
+
+Each image and mask is decoded and resized once into the folder that train.py's and predict.py's ``--pixel-cache``
+then read, memory-mapped, instead of decoding.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from dataclasses import dataclass
 from torch.utils.data import DataLoader
 
 from utils.cli import print_error, setup_logging
-from utils.datasets import pixel_cache
 from utils.datasets.dataset import BasicDataset
 from utils.errors import USER_ERROR_EXIT_CODE, UserError
 from utils.flags import FlagParser, Range, flag, parse_flags
@@ -53,7 +55,7 @@ def build_cache(dataset: BasicDataset, workers: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = FlagParser(prog="python -m utils.datasets.pixel_cache", description=pixel_cache.__doc__.split("\n")[0])
+    parser = FlagParser(prog="python -m utils.datasets.pixel_cache", description=__doc__.split("\n")[0])
     parser.add_argument(
         "command", choices=["build-cache"], help="decode and resize every image and mask into the cache"
     )
