@@ -468,8 +468,8 @@ def test_corrupt_cache_file_is_ignored_and_rewritten(tmp_path: Path, cache_dir: 
     assert build(images_dir, masks_dir, cache_dir).mask_values == [0, 5]
     assert "Ignoring unreadable mask-value cache" in caplog.text
     rewritten = json.loads(cache_file.read_text())
-    # One row per pair: image size, channels, mask size, colour, the mask's values and their pixels.
-    assert rewritten["rows"] == [[[WIDTH, HEIGHT], 3, [WIDTH, HEIGHT], False, [0, 5], [768, 768]]]
+    # One row per pair: image size, channels, colour, the mask's values and their pixels.
+    assert rewritten["rows"] == [[[WIDTH, HEIGHT], 3, False, [0, 5], [768, 768]]]
     assert not [p for p in cache_dir.iterdir() if p.suffix == ".tmp"]
 
 

@@ -55,7 +55,7 @@ UNUSABLE_FILE_ERRORS = (*UNREADABLE_FILE_ERRORS, DatasetError)
 
 
 class PairScan(NamedTuple):
-    """What a worker read of one pair (the cache file holds it less the name and the error); ``error`` is set
+    """What a worker read of one pair (the cache file holds the usable ones, less their names); a problem is set
     instead of raising, so every bad file is reported."""
 
     name: str
@@ -63,13 +63,15 @@ class PairScan(NamedTuple):
     """The image's ``(width, height)``, as loaded (EXIF orientation applied)."""
     image_channels: int = 3
     """As a photo: 1 grey, 3 colour."""
-    mask_size: tuple[int, int] = (0, 0)
     colour: bool = False
     values: tuple[int, ...] = ()
     """The mask's distinct values (colours packed as ``0xRRGGBB``)."""
     counts: tuple[int, ...] = ()
     """Pixels of each of ``values`` (full-size masks, before scaling)."""
-    error: str | None = None
+    unreadable: str | None = None
+    """The file that cannot be read, and why."""
+    mismatch: str | None = None
+    """The mask's size and its image's, when they differ."""
 
 
 @dataclass(frozen=True)
@@ -258,9 +260,12 @@ def _scan_pair(pair: MaskPair) -> PairScan:
     try:
         width, height, channels = image_header(pair.image.path)
     except UNUSABLE_FILE_ERRORS as err:
-        return PairScan(pair.name, error=f"{pair.image.path} ({first_line(err)})")
+        return PairScan(pair.name, unreadable=f"{pair.image.path} ({first_line(err)})")
     try:
         with load_image(pair.mask.path) as img:
+            if img.size != (width, height):
+                mismatch = f"mask {pair.mask.name} is {img.width}x{img.height} but image {pair.image.name} is"
+                return PairScan(pair.name, mismatch=f"{mismatch} {width}x{height}")
             if img.mode in ("L", "P"):
                 # PIL's C histogram costs next to nothing beyond decoding; going through numpy doubles the time.
                 histogram = img.histogram()
@@ -269,36 +274,30 @@ def _scan_pair(pair: MaskPair) -> PairScan:
             else:
                 mask = mask_array(img, pair.mask.path)
                 (values, counts), colour = value_counts(mask), mask.ndim == 3
-            return PairScan(pair.name, (width, height), channels, img.size, colour, tuple(values), tuple(counts))
+            return PairScan(pair.name, (width, height), channels, colour, tuple(values), tuple(counts))
     except UNUSABLE_FILE_ERRORS as err:
-        return PairScan(pair.name, error=f"{pair.mask.path} ({first_line(err)})")
+        return PairScan(pair.name, unreadable=f"{pair.mask.path} ({first_line(err)})")
 
 
 def _summarise(rows: Sequence[PairScan], pairs: Sequence[MaskPair]) -> MaskScan:
     """Merge per-pair rows (scanned, or read from the cache): the values of the usable pairs, and every problem
     found."""
-    by_name = {pair.name: pair for pair in pairs}
-    unreadable = [r.error for r in rows if r.error is not None]
-    readable = [r for r in rows if r.error is None]
-    usable = [r for r in readable if r.mask_size == r.image_size]
-    colour = [r for r in readable if r.colour]
+    unreadable = [r.unreadable for r in rows if r.unreadable is not None]
+    mismatched = [r.mismatch for r in rows if r.mismatch is not None]
+    usable = [r for r in rows if r.unreadable is None and r.mismatch is None]
+    colour = [r for r in usable if r.colour]
     problems = []
     if unreadable:
         what = f"{len(unreadable)} file(s) cannot be read as images"
         problems.append(Finding("unreadable files", what, tuple(unreadable), "replace or delete them"))
-    if len(usable) < len(readable):
-        mismatched = [
-            f"mask {by_name[r.name].mask.name} is {_wh(r.mask_size)} but image {by_name[r.name].image.name} "
-            f"is {_wh(r.image_size)}"
-            for r in readable
-            if r.mask_size != r.image_size
-        ]
+    if mismatched:
         what = f"{len(mismatched)} mask(s) differ in size from their image"
         fix = "each mask must have exactly its image's width and height"
         problems.append(Finding("size mismatches", what, tuple(mismatched), fix))
-    if colour and len(colour) < len(readable):
-        colour_names = [by_name[r.name].mask.name for r in colour]
-        single = [by_name[r.name].mask.name for r in readable if not r.colour]
+    if colour and len(colour) < len(usable):
+        mask_names = {pair.name: pair.mask.name for pair in pairs}
+        colour_names = [mask_names[r.name] for r in colour]
+        single = [mask_names[r.name] for r in usable if not r.colour]
         what = (
             f"the masks mix colour files ({len(colour)}, e.g. {format_examples(colour_names)}) and single-channel "
             f"files ({len(single)}, e.g. {format_examples(single)})"
@@ -308,10 +307,6 @@ def _summarise(rows: Sequence[PairScan], pairs: Sequence[MaskPair]) -> MaskScan:
     distinct = sorted(set().union(*(r.values for r in usable)))
     values = [_unpack_rgb(v) for v in distinct] if colour else distinct
     return MaskScan(values, {r.name: r for r in usable}, tuple(problems))
-
-
-def _wh(size: tuple[int, int]) -> str:
-    return f"{size[0]}x{size[1]}"
 
 
 def _pack_rgb(mask: np.ndarray) -> np.ndarray:
@@ -335,7 +330,7 @@ def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> list[PairScan] |
         content = json.loads(cache_file.read_text(encoding="utf-8"))
         if _digest(content["rows"]) != content["sha256"]:
             raise ValueError("its rows do not match their sha256: the file changed after it was written")
-        # The key fixed the pairs and their order: each row is a pair's, less its name (and error: none is cached).
+        # The key fixed the pairs and their order: each row is a pair's, less its name (and its problems: none).
         return [PairScan(pair.name, *row) for pair, row in zip(pairs, content["rows"], strict=True)]
     except FileNotFoundError:
         return None
@@ -346,7 +341,7 @@ def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> list[PairScan] |
 
 def _write_cache(cache_file: Path, scans: list[PairScan]) -> None:
     """Write the cache all or nothing (``output_files.write_text``): readers see the old file or the whole new one."""
-    rows = [scan[1:-1] for scan in scans]
+    rows = [scan[1:-2] for scan in scans]  # less the name and the two problems
     try:
         write_text(cache_file, json.dumps({"sha256": _digest(rows), "rows": rows}, separators=(",", ":")))
     except (OSError, UserError) as err:
