@@ -194,21 +194,19 @@ def values_to_classes(
     if not mask_values:
         raise DatasetError("mask_values is empty; it must list the mask value of every class")
     colour = mask.ndim == 3
-    if colour and not all(isinstance(v, (list, tuple)) and len(v) == 3 for v in mask_values):
+    if colour and not all(isinstance(v, list | tuple) and len(v) == 3 for v in mask_values):
         raise DatasetError(f"a colour mask needs [r, g, b] mask values, got [{format_examples(mask_values, 10)}]")
     if not colour and not all(isinstance(v, int | np.integer) for v in mask_values):
         raise DatasetError(f"a single-channel mask needs integer mask values, got [{format_examples(mask_values, 10)}]")
-    # Void values join the keys with the class IGNORE_INDEX; a value both listed and ignored is a class.
-    ignored = [] if colour else [v for v in ignore_values if v not in mask_values]
-    keys = _pack_rgb(np.asarray(mask_values, dtype=np.uint8)) if colour else np.asarray(mask_values, dtype=np.int64)
-    keys = np.concatenate([keys, np.asarray(ignored, dtype=np.int64)])
-    labels = np.concatenate([np.arange(len(mask_values)), np.full(len(ignored), IGNORE_INDEX)]).astype(np.int64)
-    order = np.argsort(keys, kind="stable")  # a value listed twice: its first class wins
-    sorted_keys, sorted_labels = keys[order], labels[order]
+    # Void values become IGNORE_INDEX unless listed as a class; a value listed twice keeps its first class.
+    label_of = dict.fromkeys([] if colour else ignore_values, IGNORE_INDEX)
+    label_of.update((_packed(value), k) for k, value in reversed(list(enumerate(mask_values))))
+    keys = np.array(sorted(label_of), dtype=np.int64)
+    labels = np.array([label_of[key] for key in keys.tolist()], dtype=np.int64)
 
     def classes_of(values: np.ndarray) -> np.ndarray:
-        position = np.minimum(np.searchsorted(sorted_keys, values), len(keys) - 1)
-        return np.where(sorted_keys[position] == values, sorted_labels[position], _UNKNOWN)
+        position = np.minimum(np.searchsorted(keys, values), len(keys) - 1)
+        return np.where(keys[position] == values, labels[position], _UNKNOWN)
 
     pixels = _pack_rgb(mask) if colour else mask
     # 8-bit masks through a table of all 256 values made by the same rule: one gather per pixel, twice as fast.
@@ -321,7 +319,7 @@ def _unpack_rgb(packed: int) -> list[int]:
 
 def _packed(value: int | list[int]) -> int:
     """A mask value as ``PairScan.values`` holds it: colours packed as ``_pack_rgb`` packs them."""
-    return value if isinstance(value, int) else (value[0] << 16) | (value[1] << 8) | value[2]
+    return (value[0] << 16) | (value[1] << 8) | value[2] if isinstance(value, list | tuple) else int(value)
 
 
 def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> list[PairScan] | None:
