@@ -20,7 +20,6 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
@@ -121,8 +120,7 @@ class MaskPair(NamedTuple):
     mask: FileInfo
 
 
-@dataclass(frozen=True)
-class Finding:
+class Finding(NamedTuple):
     """One kind of problem (or warning) in a dataset: what and how many, the first few files, and what to do."""
 
     kind: str
@@ -155,9 +153,6 @@ def split_name(name: str) -> tuple[str, str] | None:
     stem, dot, ext = name.rpartition(".")
     ext = "." + ext.lower()
     return (stem, ext) if dot and stem and ext in IMAGE_EXTENSIONS else None
-
-
-_new_tuple = tuple.__new__
 
 
 def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
@@ -205,7 +200,7 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
                 duplicates.setdefault(stem, [files[stem].name]).append(name)
                 continue
             # tuple.__new__: a named tuple's own constructor is Python code, a measurable cost per entry.
-            files[stem] = _new_tuple(
+            files[stem] = tuple.__new__(
                 FileInfo, (prefix + name, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
             )
     if skipped_predictions:

@@ -17,7 +17,6 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -74,8 +73,7 @@ class PairScan(NamedTuple):
     """The mask's size and its image's, when they differ."""
 
 
-@dataclass(frozen=True)
-class MaskScan:
+class MaskScan(NamedTuple):
     """What the dataset needs from its files: the masks' sorted distinct values and what was read of each pair."""
 
     mask_values: MaskValues
