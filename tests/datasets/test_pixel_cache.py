@@ -96,8 +96,12 @@ def test_entries_are_uint8_and_memory_mapped(photos, tmp_path) -> None:
     cached = dataset(photos, tmp_path, tmp_path / "pixels")
     cached[0]
     image_info, mask_info = cached._files[cached.ids[0]]
-    image = cached.pixel_cache.read(image_info, dataset_module.IMAGE)
-    mask = cached.pixel_cache.read(mask_info, dataset_module.MASK)
+
+    def refuse() -> np.ndarray:
+        raise AssertionError("decoded although the entry is cached")
+
+    image = dataset_module.cached(cached.pixel_cache, image_info, dataset_module.IMAGE, refuse)
+    mask = dataset_module.cached(cached.pixel_cache, mask_info, dataset_module.MASK, refuse)
     assert isinstance(image, np.memmap) and isinstance(mask, np.memmap)
     assert image.dtype == mask.dtype == np.uint8
     assert image.shape == (HEIGHT // 2, WIDTH // 2, 3) and mask.shape == (HEIGHT // 2, WIDTH // 2)

@@ -250,8 +250,8 @@ class PixelCache:
     off for that process and, through a marker file, for its sibling loader workers, with one warning; loading
     carries on uncached. ``python -m utils.datasets.pixel_cache build-cache`` fills it up front, in parallel.
 
-    ``read`` returns a read-only memory-mapped array or ``None``; ``write`` stores one, or warns once and stops
-    writing if it cannot.
+    ``cached`` reads an entry (memory-mapped) or decodes and writes it; ``write`` warns once and stops writing if it
+    cannot.
     """
 
     def __init__(self, directory: str | Path, *, scale: float, channels: int) -> None:
@@ -273,14 +273,6 @@ class PixelCache:
 
     def entry_path(self, info: FileInfo, kind: str) -> str:
         return os.path.join(self.directory, f"{cache_key([info], kind, *self.settings)}.npy")
-
-    def read(self, info: FileInfo, kind: str) -> np.ndarray | None:
-        try:
-            return np.load(self.entry_path(info, kind), mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError, EOFError):
-            # No entry yet (FileNotFoundError), or a damaged one: written atomically, so that comes from outside (e.g.
-            # a power cut before the data reached the disk). Decode the source again; the write replaces the entry.
-            return None
 
     def write(self, info: FileInfo, kind: str, array: np.ndarray) -> None:
         if not self._writing or os.path.exists(self._failure_marker):
@@ -311,9 +303,11 @@ class PixelCache:
 def cached(cache: PixelCache | None, info: FileInfo, kind: str, decode: Callable[[], np.ndarray]) -> np.ndarray:
     """``info``'s entry in ``cache`` (read-only, memory-mapped), else ``decode()``'s array, stored in ``cache`` for the
     next read: a mask always, an image only as uint8 (16-bit and float pixels are not cached)."""
-    stored = cache.read(info, kind) if cache is not None else None
-    if stored is not None:
-        return stored
+    if cache is not None:
+        # No entry yet (FileNotFoundError), or a damaged one: written atomically, so that comes from outside (e.g. a
+        # power cut before the data reached the disk). Decode the source again; the write replaces the entry.
+        with contextlib.suppress(OSError, ValueError, EOFError):
+            return np.load(cache.entry_path(info, kind), mmap_mode="r", allow_pickle=False)
     array = decode()
     if cache is not None and (kind == MASK or array.dtype == np.uint8):
         cache.write(info, kind, array)
