@@ -19,7 +19,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,7 +53,6 @@ from utils.output_files import OutputError, replacing
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 # Part of every pixel-cache entry's name: bump it whenever decoding, resizing or the stored layout changes.
 PIXEL_CACHE_VERSION = 2  # 2: EXIF orientation applied
 IMAGE, MASK = "image", "mask"
@@ -325,7 +324,7 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _decode(path: str, convert: Callable[..., _T], *settings: object) -> _T:
+def _decode(path: str, convert: Callable[..., Any], *settings: object) -> Any:
     """Open ``path`` and ``convert(image, *settings)``, turning decoding failures into a ``DatasetError`` that names
     the file (our own ``DatasetError``s, not among ``UNREADABLE_FILE_ERRORS``, pass as they are)."""
     try:

@@ -300,10 +300,8 @@ def pool_map(function: Callable[[_T], _R], items: Sequence[_T], workers: int | N
     """``[function(item) for item in items]``, in ``workers`` processes (default: the CPUs this process may run on,
     at most 8) when there are ``MIN_FILES_FOR_POOL`` items or more; ``announce`` (a log format taking the item and
     process counts) says so. The mask scan and the dataset check read their files through it."""
-    count = workers
-    if count is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        count = min(max(1, cpus), MAX_DEFAULT_WORKERS)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    count = workers if workers is not None else min(cpus, MAX_DEFAULT_WORKERS)
     if count <= 1 or len(items) < MIN_FILES_FOR_POOL:
         return [function(item) for item in items]
     if announce:

@@ -241,8 +241,7 @@ def scan_masks(
         logger.info("Mask values of %d masks read from cache %s", len(pairs), cache_file)
         return _summarise(rows, pairs)
     started = time.perf_counter()
-    announce = "Scanning %d masks with %d processes (cached for the next start)"
-    rows = pool_map(_scan_pair, pairs, workers, announce)
+    rows = pool_map(_scan_pair, pairs, workers, "Scanning %d masks with %d processes (cached for the next start)")
     scan = _summarise(rows, pairs)
     if not scan.problems:
         seconds = time.perf_counter() - started
