@@ -165,10 +165,9 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     no file (a dangling link, a link loop): that file is missing, so the link is named, once, with the fix.
     """
     folder = Path(folder)
-    if not folder.exists():
-        raise DatasetError(f"{role} folder {folder} does not exist; create it or point the dataset at the right folder")
     if not folder.is_dir():
-        raise DatasetError(f"{role} folder {folder} is not a folder; point the dataset at the folder holding the files")
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise DatasetError(f"{role} folder {folder} {what}; point the dataset at the folder holding the files")
     files: dict[str, FileInfo] = {}
     duplicates: dict[str, list[str]] = {}
     skipped_predictions: list[str] = []
@@ -328,13 +327,10 @@ def load_image(path: str | Path, *, any_size: bool = False) -> Image.Image:
     first axis is a channel count), of uint8, bool (→ 0/255) or float in [0, 1] (→ 0..255); single-channel integer
     arrays (masks) keep their values.
     """
-    path = Path(path)
-    ext = path.suffix.lower()
-    if ext == ".npy":
+    ext = os.path.splitext(path)[1].lower()
+    if ext in ARRAY_EXTENSIONS:
         # allow_pickle=False: an .npy file must hold plain numbers, never objects that could run code when loaded.
-        return array_to_image(np.load(path, allow_pickle=False), path)
-    if ext == ".pt":
-        return array_to_image(_load_pt(path), path)
+        return array_to_image(_load_pt(path) if ext == ".pt" else np.load(path, allow_pickle=False), path)
     image = open_pil(path, any_size=any_size)
     if exif_orientation(image) in _ROTATING_ORIENTATIONS:
         with image:
@@ -376,8 +372,7 @@ def exif_orientation(image: Image.Image) -> int:
 
 def image_header(path: str | Path) -> tuple[int, int, int]:
     """Return ``(width, height, channels)`` of an image file as a photo loads (1 grey, 3 colour), from its header."""
-    path = Path(path)
-    ext = path.suffix.lower()
+    ext = os.path.splitext(path)[1].lower()
     if ext in ARRAY_EXTENSIONS:
         # For .npy, mmap reads just the header; the pixels are never touched.
         loaded = np.load(path, mmap_mode="r", allow_pickle=False) if ext == ".npy" else _load_pt(path)
@@ -416,14 +411,13 @@ def array_to_image(array: np.ndarray, path: str | Path) -> Image.Image:
             raise DatasetError(
                 f"{path} holds a {array.ndim}-D {array.dtype} array; multi-channel arrays must be uint8, bool or float"
             )
-        int32 = np.iinfo(np.int32)
-        if array.min() < int32.min or array.max() > int32.max:
+        if array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max:
             raise DatasetError(f"{path} holds integers outside the 32-bit range; store mask values as small integers")
         array = array.astype(np.int32)
     return Image.fromarray(np.ascontiguousarray(array))
 
 
-def _load_pt(path: Path) -> np.ndarray:
+def _load_pt(path: str | Path) -> np.ndarray:
     import torch  # here, not at the top: scan workers reading image files should not pay for importing torch
 
     try:

@@ -232,8 +232,7 @@ def scan_masks(
     colour files come back in ``problems`` (the dataset raises them, the check prints each kind on its own line).
     ``workers``: processes (``image_files.pool_map``).
     """
-    if not pairs:
-        raise ValueError("scan_masks needs at least one image/mask pair")
+    assert pairs, "scan_masks needs at least one image/mask pair"  # its callers stop at a folder without any
     records = [info for pair in pairs for info in (pair.image, pair.mask)]
     cache_file = Path(cache_dir or default_cache_dir()) / f"{cache_key(records, CACHE_FORMAT_VERSION)}.json"
     rows = _read_cache(cache_file, pairs)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch.utils.data import DataLoader
@@ -43,11 +42,11 @@ class BuildCacheFlags:
     """processes (default: the CPUs available)"""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     return run_single_process(lambda: build_cache(argv), oom_fix="use fewer --workers")
 
 
-def build_cache(argv: Sequence[str] | None) -> int:
+def build_cache(argv: list[str] | None) -> int:
     parser = FlagParser(prog="python -m utils.datasets.pixel_cache", description=__doc__.split("\n")[0])
     parser.add_argument(
         "command", choices=["build-cache"], help="decode and resize every image and mask into the cache"
