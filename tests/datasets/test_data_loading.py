@@ -462,7 +462,7 @@ def test_corrupt_cache_file_is_ignored_and_rewritten(tmp_path: Path, cache_dir: 
     images_dir, masks_dir = write_dataset(tmp_path, {"a": index_mask(0, [0, 5])})
     build(images_dir, masks_dir, cache_dir)
     (cache_file,) = cache_dir.glob("*.json")
-    cache_file.write_text('{"format": 1, "mask_values": [0, 5], "image_sizes": {"a": [48')
+    cache_file.write_text('{"sha256": "0", "rows": [[[48')
     caplog.set_level(logging.WARNING)
 
     assert build(images_dir, masks_dir, cache_dir).mask_values == [0, 5]

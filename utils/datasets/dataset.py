@@ -5,7 +5,8 @@
 run once at construction, so bad data fails before training starts, with one message naming the files.
 
 The image preparation (``image_tensor``, ``resized_image``: conversion and resizing by ``scale``) is shared with
-inference, so a model sees at inference exactly the pixels it was trained on.
+inference, so a model sees at inference exactly the pixels it was trained on; so is the pixel cache (``PixelCache``)
+that keeps its results, which ``python -m utils.datasets.pixel_cache build-cache`` fills up front.
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ class PixelCache:
             return
         try:
             # Not durable: a killed process cannot leave a half entry (the rename is atomic), and an entry damaged by
-            # a power cut only costs a re-decode (see read). Syncing every entry would slow the first epoch.
+            # a power cut only costs a re-decode (see cached). Syncing every entry would slow the first epoch.
             with replacing(Path(self.entry_path(info, kind)), durable=False) as temporary:
                 np.save(temporary, np.ascontiguousarray(array), allow_pickle=False)  # its name ends in .npy
         except OutputError as err:
