@@ -543,7 +543,7 @@ def test_cache_with_changed_or_foreign_content_is_rescanned(tmp_path: Path, cach
         signed(rows[:1]),  # signed, but not one row per pair
     ]
     for bad in bad_contents:
-        cache_file.write_text(json.dumps(bad))
+        cache_file.write_text(json.dumps(bad, separators=(",", ":")))  # the layout written: the content decides
         caplog.clear()
         dataset = build(images_dir, masks_dir, cache_dir)
         assert "Ignoring unreadable mask-value cache" in caplog.text, bad

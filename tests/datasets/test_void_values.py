@@ -79,6 +79,6 @@ def test_the_cache_stores_per_image_counts(void_data: tuple[Path, int], tmp_path
     assert [again.has_foreground(i) for i in range(6)] == [first.has_foreground(i) for i in range(6)]
     # Rows changed after the file was written (here: without their counts) are not read: the masks are scanned again.
     content["rows"] = [row[:-1] for row in content["rows"]]
-    cache_file.write_text(json.dumps(content))
+    cache_file.write_text(json.dumps(content, separators=(",", ":")))
     rescanned = BasicDataset(root / "imgs", root / "masks", 1.0, None, ignore_values=[255], cache_dir=tmp_path)
     assert rescanned.class_pixel_counts() == first.class_pixel_counts()

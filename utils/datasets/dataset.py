@@ -20,7 +20,6 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -114,17 +113,16 @@ class BasicDataset(Dataset):
             pairing = pair_folders(self.images_dir, self.mask_dir, mask_suffix)
             self.mask_suffix = pairing.mask_suffix
             _raise_problems(pairing.problems, pairing.warnings)
-            images, pairs = pairing.images, pairing.pairs
-            scan = scan_masks(pairs, cache_dir=cache_dir, workers=scan_workers)
+            scan = scan_masks(pairing.pairs, cache_dir=cache_dir, workers=scan_workers)
             _raise_problems(scan.problems, [], f"bad data in {self.mask_dir} / {self.images_dir}: ")
             self.ignore_values: list[int] = sorted(set(ignore_values))
             # Per image, pixels of each class; void pixels counted apart.
             self.mask_values, self._class_counts, self.void_pixels = scan.classes(self.ignore_values)
             problems, warnings = class_value_findings(
-                self.mask_values, pairs, self.mask_dir, n_classes, self.ignore_values
+                self.mask_values, pairing.pairs, self.mask_dir, n_classes, self.ignore_values
             )
             too_small = sorted(
-                f"{images[name].name} ({row.image_size[0]}x{row.image_size[1]})"
+                f"{pairing.images[name].name} ({row.image_size[0]}x{row.image_size[1]})"
                 for name, row in scan.pairs.items()
                 if min(row.image_size) * scale < 1  # scaled_size's rule (int(scale * side) == 0), for every image
             )
@@ -133,9 +131,9 @@ class BasicDataset(Dataset):
                 problems.append(Finding("sizes", what, tuple(too_small), "use a larger --scale or remove those images"))
             _raise_problems(problems, warnings)
 
-            self.ids: list[str] = sorted(images)
-            self.channels: int = _choose_channels(scan, channels, images, self.images_dir)
-            self._files = {pair.name: (pair.image, pair.mask) for pair in pairs}
+            self.ids: list[str] = sorted(pairing.images)
+            self.channels: int = _choose_channels(scan, channels, pairing.images, self.images_dir)
+            self._files = {pair.name: (pair.image, pair.mask) for pair in pairing.pairs}
             self._augmentation: JointAugmentation | None = None
             self._epoch = 0
             self.pixel_cache: PixelCache | None = None
@@ -325,7 +323,7 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _decode(path: str, convert: Callable[..., Any], *settings: object) -> Any:
+def _decode(path: str, convert: Callable[..., object], *settings: object) -> object:
     """Open ``path`` and ``convert(image, *settings)``, turning decoding failures into a ``DatasetError`` that names
     the file (our own ``DatasetError``s, not among ``UNREADABLE_FILE_ERRORS``, pass as they are)."""
     try:

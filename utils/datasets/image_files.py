@@ -255,10 +255,10 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
     if mask_suffix is None:
         mask_suffix = CARVANA_MASK_SUFFIX if paired(CARVANA_MASK_SUFFIX) > paired("") else ""
     names = sorted(images)
-    pairs = [MaskPair(name, images[name], masks[name + mask_suffix]) for name in names if name + mask_suffix in masks]
-    missing = [images[name].name for name in names if name + mask_suffix not in masks]
+    pairs = [MaskPair(name, images[name], mask) for name in names if (mask := masks.get(name + mask_suffix))]
     problems, warnings = [], []
-    if missing:
+    if len(pairs) < len(images):
+        missing = [images[name].name for name in names if name + mask_suffix not in masks]
         what = (
             f"{len(missing)} of {len(images)} images in {images_dir} have no mask named <id>{mask_suffix}.<ext> in "
             f"{mask_dir}"

@@ -45,6 +45,8 @@ CACHE_FORMAT_VERSION = 6  # 5: EXIF orientation applied; inode and ctime in the 
 IGNORE_INDEX = -100
 # What values_to_classes gives a pixel whose value is no mask value: neither a class nor IGNORE_INDEX.
 _UNKNOWN = -1
+# A cache file is {"sha256":"<hex>","rows":<JSON rows>}: the rows' text follows this.
+_ROWS_KEY = ',"rows":'
 
 MaskValues = list[int] | list[list[int]]
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
@@ -92,7 +94,7 @@ class MaskScan(NamedTuple):
             name: {class_of[v]: pixels for v, pixels in zip(r.values, r.counts, strict=True) if v in class_of}
             for name, r in self.pairs.items()
         }
-        void = sum(n for r in self.pairs.values() for v, n in zip(r.values, r.counts, strict=True) if v not in class_of)
+        void = sum(sum(r.counts) for r in self.pairs.values()) - sum(sum(c.values()) for c in per_image.values())
         return kept, per_image, void
 
 
@@ -321,8 +323,10 @@ def _packed(value: int | list[int]) -> int:
 def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> list[PairScan] | None:
     """The rows ``_write_cache`` stored, or None (the caller scans again) if there are none or they are unusable."""
     try:
-        content = json.loads(cache_file.read_text(encoding="utf-8"))
-        if _digest(content["rows"]) != content["sha256"]:
+        text = cache_file.read_text(encoding="utf-8")
+        content = json.loads(text)
+        # The sha256 of the rows' text as written, after the key that _write_cache puts last: no second encoding.
+        if _digest(text[text.find(_ROWS_KEY) + len(_ROWS_KEY) : -1]) != content["sha256"]:
             raise ValueError("its rows do not match their sha256: the file changed after it was written")
         # The key fixed the pairs and their order: each row is a pair's, less its name (and its problems: none).
         return [PairScan(pair.name, *row) for pair, row in zip(pairs, content["rows"], strict=True)]
@@ -335,9 +339,9 @@ def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> list[PairScan] |
 
 def _write_cache(cache_file: Path, scans: list[PairScan]) -> None:
     """Write the cache all or nothing (``output_files.write_text``): readers see the old file or the whole new one."""
-    rows = [scan[1:-2] for scan in scans]  # less the name and the two problems
+    rows = json.dumps([scan[1:-2] for scan in scans], separators=(",", ":"))  # less the name and the two problems
     try:
-        write_text(cache_file, json.dumps({"sha256": _digest(rows), "rows": rows}, separators=(",", ":")))
+        write_text(cache_file, f'{{"sha256":"{_digest(rows)}"{_ROWS_KEY}{rows}}}')
     except (OSError, UserError) as err:
         # The cache only saves time; a read-only home must not stop training.
         logger.warning(
@@ -345,7 +349,7 @@ def _write_cache(cache_file: Path, scans: list[PairScan]) -> None:
         )
 
 
-def _digest(rows: list) -> str:
-    """The sha256 of the rows as JSON: a cache file whose rows were changed or damaged after it was written is
+def _digest(rows: str) -> str:
+    """The sha256 of the rows' JSON text: a cache file whose rows were changed or damaged after it was written is
     scanned again, never used (its layout and values need no check of their own)."""
-    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(rows.encode()).hexdigest()
