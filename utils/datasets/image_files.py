@@ -103,8 +103,9 @@ def cache_key(records: Sequence[FileInfo], *settings: object) -> str:
     """The name of a cache entry made from ``records`` with ``settings`` (a format version, a scale, ...): a sha256
     of the files' paths and stat fields, so a changed, moved or replaced file never finds its old entry.
 
-    The paths joined with NUL (which no path contains) and the stat numbers as one int64 array: nothing formatted per
-    file, so the key of a 100,000-pair dataset costs tens of milliseconds.
+    The paths joined with NUL (which no path contains) and the stat numbers (``FileInfo``'s fields after ``path``
+    and ``ext``) as one int64 array: nothing formatted per file, so the key of a 100,000-pair dataset costs tens of
+    milliseconds.
     """
     digest = hashlib.sha256(json.dumps(settings).encode())
     digest.update("\0".join([info.path for info in records]).encode("utf-8", "surrogateescape"))
