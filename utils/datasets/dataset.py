@@ -179,7 +179,7 @@ class BasicDataset(Dataset):
         self._epoch = epoch
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        index = range(len(self.ids))[index]  # a negative index counts from the end, as its own augmentation's
+        index = range(len(self.ids))[index]  # from the end when negative: the augmentation is seeded by this index
         image_info, mask_info, pixels, raw_mask = self._pixels(index)
         if pixels.shape[1:] != raw_mask.shape[:2]:
             raise DatasetError(
