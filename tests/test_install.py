@@ -61,7 +61,6 @@ def test_install_has_the_packages_and_the_three_commands_only(installed: Path) -
         "utils/training",
         "utils/inference",
         "utils/datasets",
-        "utils/datasets/pixel_cache",
     ):
         assert (installed / package / "__init__.py").is_file(), package
     for script in COMMANDS.values():

@@ -293,7 +293,7 @@ def _decoder_times(images_dir: Path, masks_dir: Path, count: int) -> dict[str, f
 def _pixel_cache_figures(label: str, dataset: Any, folder: Path, count: int) -> dict[str, float]:
     """Per-item milliseconds of ``dataset`` through its pixel cache: filling it, then reading it, with and without
     augmentation, against the same items decoded with augmentation (what a first epoch's worker does)."""
-    from utils.datasets.pixel_cache import PixelCache
+    from utils.datasets.dataset import PixelCache
 
     cached = copy.copy(dataset)
     cached.pixel_cache = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -461,13 +462,14 @@ def test_corrupt_cache_file_is_ignored_and_rewritten(tmp_path: Path, cache_dir: 
     images_dir, masks_dir = write_dataset(tmp_path, {"a": index_mask(0, [0, 5])})
     build(images_dir, masks_dir, cache_dir)
     (cache_file,) = cache_dir.glob("*.json")
-    cache_file.write_text('{"format": 1, "mask_values": [0, 5], "image_sizes": {"a": [48')
+    cache_file.write_text('{"sha256": "0", "rows": [[[48')
     caplog.set_level(logging.WARNING)
 
     assert build(images_dir, masks_dir, cache_dir).mask_values == [0, 5]
     assert "Ignoring unreadable mask-value cache" in caplog.text
     rewritten = json.loads(cache_file.read_text())
-    assert (rewritten["widths"], rewritten["heights"], rewritten["channels"]) == ([WIDTH], [HEIGHT], [3])
+    # One row per pair: image size, channels, colour, the mask's values and their pixels.
+    assert rewritten["rows"] == [[[WIDTH, HEIGHT], 3, False, [0, 5], [768, 768]]]
     assert not [p for p in cache_dir.iterdir() if p.suffix == ".tmp"]
 
 
@@ -518,17 +520,33 @@ def test_items_are_identical_without_augmentation_whatever_the_epoch(tmp_path: P
         dataset.set_epoch(-1)
 
 
-def test_cache_with_wrong_types_or_lengths_is_rescanned(tmp_path: Path, cache_dir: Path, caplog) -> None:
+def test_cache_with_changed_or_foreign_content_is_rescanned(tmp_path: Path, cache_dir: Path, caplog) -> None:
     images_dir, masks_dir = write_dataset(tmp_path, {"a": index_mask(0, [0, 5]), "b": index_mask(1, [0, 5])})
     build(images_dir, masks_dir, cache_dir)
     (cache_file,) = cache_dir.glob("*.json")
     good = json.loads(cache_file.read_text())
+    rows = good["rows"]
+
+    def signed(rows: list) -> dict:
+        return {"sha256": hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest(), "rows": rows}
+
+    assert signed(rows) == good
     caplog.set_level(logging.WARNING)
-    for field, bad in [("widths", [WIDTH]), ("heights", [HEIGHT, "32"]), ("channels", [3, 2]), ("widths", [0, 1])]:
-        cache_file.write_text(json.dumps({**good, field: bad}))
+    bad_contents = [
+        {**good, "rows": rows[:1]},  # a row lost
+        {**good, "rows": [[[WIDTH, "32"], *rows[0][1:]], rows[1]]},  # a type changed
+        {**good, "rows": [[rows[0][0], 2, *rows[0][2:]], rows[1]]},  # a value changed
+        {**good, "rows": [[[0, HEIGHT], *rows[0][1:]], rows[1]]},
+        {**good, "sha256": "0" * 64},
+        {"rows": rows},
+        rows,
+        signed(rows[:1]),  # signed, but not one row per pair
+    ]
+    for bad in bad_contents:
+        cache_file.write_text(json.dumps(bad, separators=(",", ":")))  # the layout written: the content decides
         caplog.clear()
         dataset = build(images_dir, masks_dir, cache_dir)
-        assert "Ignoring malformed mask-value cache" in caplog.text, field
+        assert "Ignoring unreadable mask-value cache" in caplog.text, bad
         assert dataset.mask_values == [0, 5] and json.loads(cache_file.read_text()) == good
 
 

@@ -18,9 +18,8 @@ from torch.utils.data import DataLoader
 from tests.conftest import REPO_ROOT
 from tests.helpers import small_tmpfs
 from utils.datasets import dataset as dataset_module
-from utils.datasets import pixel_cache
 from utils.datasets.dataset import BasicDataset, image_tensor
-from utils.datasets.pixel_cache.__main__ import main as build_cache_main
+from utils.datasets.pixel_cache import main as build_cache_main
 from utils.errors import ConfigError
 
 WIDTH, HEIGHT = 96, 64
@@ -97,8 +96,12 @@ def test_entries_are_uint8_and_memory_mapped(photos, tmp_path) -> None:
     cached = dataset(photos, tmp_path, tmp_path / "pixels")
     cached[0]
     image_info, mask_info = cached._files[cached.ids[0]]
-    image = cached.pixel_cache.read(image_info, pixel_cache.IMAGE)
-    mask = cached.pixel_cache.read(mask_info, pixel_cache.MASK)
+
+    def refuse() -> np.ndarray:
+        raise AssertionError("decoded although the entry is cached")
+
+    image = dataset_module.cached(cached.pixel_cache, image_info, dataset_module.IMAGE, refuse)
+    mask = dataset_module.cached(cached.pixel_cache, mask_info, dataset_module.MASK, refuse)
     assert isinstance(image, np.memmap) and isinstance(mask, np.memmap)
     assert image.dtype == mask.dtype == np.uint8
     assert image.shape == (HEIGHT // 2, WIDTH // 2, 3) and mask.shape == (HEIGHT // 2, WIDTH // 2)
@@ -142,7 +145,7 @@ def test_failed_write_leaves_no_file_and_warns_once(photos, tmp_path, monkeypatc
         real_save(handle, array[: len(array) // 2], **kwargs)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(pixel_cache.np, "save", save_half_then_fail)
+    monkeypatch.setattr(dataset_module.np, "save", save_half_then_fail)
     cached = dataset(photos, tmp_path, tmp_path / "pixels")
     with caplog.at_level(logging.WARNING):
         items = [cached[index] for index in range(N_ITEMS)]
@@ -202,8 +205,9 @@ def test_build_cache_command_fills_every_entry_in_parallel(photos, tmp_path, mon
     assert_same_batches(batches(dataset(photos, tmp_path, folder).with_augmentation(1), 0), expected)
 
 
-def test_documented_build_cache_command_runs_and_the_library_imports_no_dataset(photos, tmp_path) -> None:
-    """``python -m utils.datasets.pixel_cache build-cache`` as README gives it; the cache itself needs no dataset."""
+def test_documented_build_cache_command_runs_and_the_dataset_imports_no_command(photos, tmp_path) -> None:
+    """``python -m utils.datasets.pixel_cache build-cache`` as README gives it; the dataset, which holds the cache,
+    does not import the command back (run as ``__main__``, it would then exist twice)."""
     folder = tmp_path / "pixels"
     argv = ["--imgs", str(photos[0]), "--masks", str(photos[1]), "--cache", str(folder), "--workers", "1"]
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
@@ -211,9 +215,9 @@ def test_documented_build_cache_command_runs_and_the_library_imports_no_dataset(
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert len(entries(folder)) == 2 * N_ITEMS
-    probe = "import sys, utils.datasets.pixel_cache; print(sorted(m for m in sys.modules if m.startswith('utils.')))"
+    probe = "import sys, utils.datasets.dataset; print(sorted(m for m in sys.modules if m.startswith('utils.')))"
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    assert "utils.datasets.pixel_cache" in loaded.stdout and "utils.datasets.dataset" not in loaded.stdout
+    assert "utils.datasets.dataset" in loaded.stdout and "utils.datasets.pixel_cache" not in loaded.stdout
 
 
 def test_build_cache_command_reports_a_bad_folder_in_one_line(tmp_path, capsys) -> None:

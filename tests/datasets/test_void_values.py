@@ -40,7 +40,7 @@ def test_value_counts_of_every_mask_kind() -> None:
     assert value_counts(grey.astype(np.int32)) == ([0, 7, 255], [2, 3, 1])
     colour = np.zeros((1, 3, 3), dtype=np.uint8)
     colour[0, 2] = [9, 8, 7]
-    assert value_counts(colour) == ([[0, 0, 0], [9, 8, 7]], [2, 1])
+    assert value_counts(colour) == ([0, 0x090807], [2, 1])  # colours packed as 0xRRGGBB
 
 
 def test_void_values_are_not_classes_and_are_counted(
@@ -71,13 +71,14 @@ def test_the_cache_stores_per_image_counts(void_data: tuple[Path, int], tmp_path
     first = BasicDataset(root / "imgs", root / "masks", 1.0, None, ignore_values=[255], cache_dir=tmp_path)
     (cache_file,) = tmp_path.glob("*.json")
     content = json.loads(cache_file.read_text())
-    assert content["format"] == CACHE_FORMAT_VERSION == 5
-    assert len(content["value_counts"]) == 6
+    assert CACHE_FORMAT_VERSION == 6 and len(content["rows"]) == 6
+    # Each pair's row ends with its mask's values (the void 255 among them) and their pixels, before scaling.
+    assert all(row[-2][-1] == 255 and sum(row[-1]) == 48 * 32 for row in content["rows"])
     again = BasicDataset(root / "imgs", root / "masks", 1.0, None, ignore_values=[255], cache_dir=tmp_path)
     assert again.class_pixel_counts() == first.class_pixel_counts()
     assert [again.has_foreground(i) for i in range(6)] == [first.has_foreground(i) for i in range(6)]
-    # A cache of the previous format (no counts) is not read: the masks are scanned again.
-    content["value_counts"] = "missing"
-    cache_file.write_text(json.dumps(content))
+    # Rows changed after the file was written (here: without their counts) are not read: the masks are scanned again.
+    content["rows"] = [row[:-1] for row in content["rows"]]
+    cache_file.write_text(json.dumps(content, separators=(",", ":")))
     rescanned = BasicDataset(root / "imgs", root / "masks", 1.0, None, ignore_values=[255], cache_dir=tmp_path)
     assert rescanned.class_pixel_counts() == first.class_pixel_counts()

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from tests.datasets.test_pixel_cache import HEIGHT, WIDTH, write_photos
-from utils.datasets.dataset import BasicDataset
+from utils.datasets.dataset import IMAGE, BasicDataset
 from utils.datasets.image_files import FileInfo
-from utils.datasets.pixel_cache import IMAGE
 from utils.errors import ConfigError
 from utils.inference.config import PredictConfig, parse_inference_config
 from utils.inference.engine import PredictionInputs

@@ -8,22 +8,25 @@ importing torch there would cost seconds per worker. Only ``.pt`` files import t
 
 from __future__ import annotations
 
+import array
+import functools
+import hashlib
+import json
 import logging
 import multiprocessing
 import os
 import pickle
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from utils.errors import ConfigError, DatasetError, first_line
+from utils.errors import ConfigError, DatasetError
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +36,9 @@ ARRAY_EXTENSIONS = frozenset({".npy", ".pt"})
 IMAGE_EXTENSIONS = PIL_EXTENSIONS | ARRAY_EXTENSIONS
 _EXTENSION_LIST = " ".join(sorted(IMAGE_EXTENSIONS))
 
-# What PIL, numpy and torch.load raise on a bad file. Catching these, and no more, turns unusable files into messages
-# that name them while real bugs keep their tracebacks.
-UNREADABLE_FILE_ERRORS = (
-    OSError,
-    ValueError,
-    SyntaxError,
-    EOFError,
-    RuntimeError,
-    pickle.UnpicklingError,
-    Image.DecompressionBombError,
-)
+# What PIL, numpy and torch.load raise on a bad file (``_load_pt`` words torch's refusals of a pickle itself). Catching
+# these, and no more, turns unusable files into messages that name them while real bugs keep their tracebacks.
+UNREADABLE_FILE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, RuntimeError, Image.DecompressionBombError)
 
 CARVANA_MASK_SUFFIX = "_mask"
 # How many problem files a message names before it just counts them.
@@ -66,7 +61,6 @@ VIZ_SUFFIX = "_VIZ"
 PREDICTION_SUFFIXES = (OUTPUT_SUFFIX, VIZ_SUFFIX)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_warned_prediction_files: set[tuple[str, int]] = set()
 # PIL's decompression-bomb limit is one module attribute (Image.MAX_IMAGE_PIXELS): ``open_pil`` sets it aside while it
 # opens a file and checks the size itself. The lock keeps two threads (predict's writer threads read true masks) from
 # restoring each other's saved value.
@@ -105,6 +99,20 @@ class FileInfo(NamedTuple):
         return cls(absolute, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
 
 
+def cache_key(records: Sequence[FileInfo], *settings: object) -> str:
+    """The name of a cache entry made from ``records`` with ``settings`` (a format version, a scale, ...): a sha256
+    of the files' paths and stat fields, so a changed, moved or replaced file never finds its old entry.
+
+    The paths joined with NUL (which no path contains) and the stat numbers (``FileInfo``'s fields after ``path``
+    and ``ext``) as one int64 array: nothing formatted per file, so the key of a 100,000-pair dataset costs tens of
+    milliseconds.
+    """
+    digest = hashlib.sha256(json.dumps(settings).encode())
+    digest.update("\0".join([info.path for info in records]).encode("utf-8", "surrogateescape"))
+    digest.update(array.array("q", [number for info in records for number in info[2:]]).tobytes())
+    return digest.hexdigest()
+
+
 class MaskPair(NamedTuple):
     """An image and its mask; ``name`` is the image id (a named tuple: one is made per pair at every start)."""
 
@@ -113,8 +121,7 @@ class MaskPair(NamedTuple):
     mask: FileInfo
 
 
-@dataclass(frozen=True)
-class Finding:
+class Finding(NamedTuple):
     """One kind of problem (or warning) in a dataset: what and how many, the first few files, and what to do."""
 
     kind: str
@@ -145,15 +152,8 @@ def split_name(name: str) -> tuple[str, str] | None:
     """Return ``(stem, lower-case extension)`` for a supported file name, or ``None`` if the name is not one."""
     # rpartition, not os.path.splitext: the same split for the names that get here, at a third of the cost.
     stem, dot, ext = name.rpartition(".")
-    if not dot or not stem:
-        return None
     ext = "." + ext.lower()
-    if ext not in IMAGE_EXTENSIONS:
-        return None
-    return stem, ext
-
-
-_new_tuple = tuple.__new__
+    return (stem, ext) if dot and stem and ext in IMAGE_EXTENSIONS else None
 
 
 def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
@@ -166,10 +166,9 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     no file (a dangling link, a link loop): that file is missing, so the link is named, once, with the fix.
     """
     folder = Path(folder)
-    if not folder.exists():
-        raise DatasetError(f"{role} folder {folder} does not exist; create it or point the dataset at the right folder")
     if not folder.is_dir():
-        raise DatasetError(f"{role} folder {folder} is not a folder; point the dataset at the folder holding the files")
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise DatasetError(f"{role} folder {folder} {what}; point the dataset at the folder holding the files")
     files: dict[str, FileInfo] = {}
     duplicates: dict[str, list[str]] = {}
     skipped_predictions: list[str] = []
@@ -178,23 +177,20 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     prefix = os.path.join(os.path.abspath(folder), "")
     with os.scandir(folder) as entries:
         for entry in entries:
+            # split_name, inlined: this loop runs once per directory entry at every start.
             name = entry.name
-            if name.startswith("."):
+            stem, dot, ext = name.rpartition(".")
+            ext = "." + ext.lower()
+            if not dot or not stem or ext not in IMAGE_EXTENSIONS or name.startswith("."):
+                logger.debug("ignoring %s: not a supported %s file", entry.path, role)
                 continue
             try:
                 if not entry.is_file():
-                    if entry.is_symlink() and not os.path.exists(entry.path) and split_name(name) is not None:
+                    if entry.is_symlink() and not os.path.exists(entry.path):
                         broken_links.append(f"{name} -> {os.readlink(entry.path)} (no such file)")
                     continue
             except OSError as error:  # a link loop (ELOOP), or a link into a folder that cannot be read
-                if split_name(name) is not None:
-                    broken_links.append(f"{name} ({error.strerror or error})")
-                continue
-            # split_name, inlined: this loop runs once per directory entry at every start.
-            stem, dot, ext = name.rpartition(".")
-            ext = "." + ext.lower()
-            if not dot or not stem or ext not in IMAGE_EXTENSIONS:
-                logger.debug("ignoring %s: not a supported %s file", entry.path, role)
+                broken_links.append(f"{name} ({error.strerror or error})")
                 continue
             if stem.endswith(PREDICTION_SUFFIXES):
                 skipped_predictions.append(name)
@@ -204,18 +200,13 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
                 duplicates.setdefault(stem, [files[stem].name]).append(name)
                 continue
             # tuple.__new__: a named tuple's own constructor is Python code, a measurable cost per entry.
-            files[stem] = _new_tuple(
+            files[stem] = tuple.__new__(
                 FileInfo, (prefix + name, ext, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
             )
-    if skipped_predictions and (prefix, len(skipped_predictions)) not in _warned_prediction_files:
-        _warned_prediction_files.add((prefix, len(skipped_predictions)))  # one warning, however often it is indexed
-        logger.warning(
-            "ignoring %d file(s) in %s named like predict.py's outputs (*%s, *%s), e.g. %s",
-            len(skipped_predictions),
-            folder,
-            OUTPUT_SUFFIX,
-            VIZ_SUFFIX,
-            sorted(skipped_predictions)[0],
+    if skipped_predictions:
+        _warn_once(
+            f"ignoring {len(skipped_predictions)} file(s) in {folder} named like predict.py's outputs "
+            f"(*{OUTPUT_SUFFIX}, *{VIZ_SUFFIX}), e.g. {min(skipped_predictions)}"
         )
     if broken_links:
         raise DatasetError(
@@ -231,10 +222,17 @@ def index_folder(folder: str | Path, role: str) -> dict[str, FileInfo]:
     return files
 
 
+@functools.cache
+def _warn_once(message: str) -> None:
+    """Log ``message`` once, however often the same folder is indexed (train and validation, every start)."""
+    logger.warning("%s", message)
+
+
 def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> Pairing:
     """Index both folders and pair each image with the mask named ``<id><mask_suffix>`` (``None`` detects the
-    suffix): the one pairing rule of the dataset and of the dataset check. A folder without images or masks, or one
-    folder for both, is an error at once; the rest comes back as ``Finding``s."""
+    suffix: ``"_mask"`` if more images have a mask named ``<id>_mask`` than ``<id>``, else ``""``): the one pairing
+    rule of the dataset and of the dataset check. A folder without images or masks, or one folder for both, is an
+    error at once; the rest comes back as ``Finding``s."""
     images = index_folder(images_dir, "image")
     if not images:
         raise DatasetError(
@@ -251,22 +249,26 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
     masks = index_folder(mask_dir, "mask")
     if not masks:
         raise DatasetError(f"no masks in {mask_dir} (looked for {_EXTENSION_LIST}); put one mask per image there")
+
+    def paired(suffix: str) -> int:
+        return sum(1 for name in images if name + suffix in masks)
+
     if mask_suffix is None:
-        mask_suffix = suffix_from_names(images.keys(), masks.keys())
-    pairs, missing = [], []
-    for name in sorted(images):
-        mask = masks.get(name + mask_suffix)
-        if mask is None:
-            missing.append(images[name].name)
-        else:
-            pairs.append(MaskPair(name, images[name], mask))
+        mask_suffix = CARVANA_MASK_SUFFIX if paired(CARVANA_MASK_SUFFIX) > paired("") else ""
+    names = sorted(images)
+    pairs = [MaskPair(name, images[name], mask) for name in names if (mask := masks.get(name + mask_suffix))]
     problems, warnings = [], []
-    if missing:
+    if len(pairs) < len(images):
+        missing = [images[name].name for name in names if name + mask_suffix not in masks]
         what = (
             f"{len(missing)} of {len(images)} images in {images_dir} have no mask named <id>{mask_suffix}.<ext> in "
             f"{mask_dir}"
         )
-        fix = "add their masks or remove those images" + _suffix_hint(images.keys(), masks.keys(), mask_suffix)
+        fix = "add their masks or remove those images"
+        other = "" if mask_suffix == CARVANA_MASK_SUFFIX else CARVANA_MASK_SUFFIX
+        if paired(other) > len(pairs):  # the other naming would pair more images
+            use = "CarvanaDataset or mask_suffix='_mask'" if other else "BasicDataset with mask_suffix=''"
+            fix += f" (the masks look named <id>{other}.<ext>: use {use})"
         problems.append(Finding("pairing", what, tuple(missing), fix))
     used = {name + mask_suffix for name in images}
     orphans = sorted(info.name for stem, info in masks.items() if stem not in used)
@@ -280,34 +282,12 @@ def pair_folders(images_dir: Path, mask_dir: Path, mask_suffix: str | None) -> P
     return Pairing(images, pairs, mask_suffix, problems, warnings)
 
 
-def _suffix_hint(image_ids: Iterable[str], mask_stems: Iterable[str], mask_suffix: str) -> str:
-    """Suggest the other mask naming when it would match more images than the one in use."""
-    other = "" if mask_suffix == CARVANA_MASK_SUFFIX else CARVANA_MASK_SUFFIX
-    if count_named(image_ids, mask_stems, other) > count_named(image_ids, mask_stems, mask_suffix):
-        if other:
-            return f" (the masks look named <id>{other}.<ext>: use CarvanaDataset or mask_suffix='{other}')"
-        return " (the masks look named <id>.<ext>: use BasicDataset with mask_suffix='')"
-    return ""
-
-
 def detect_mask_suffix(images_dir: str | Path, mask_dir: str | Path) -> str:
     """Return ``"_mask"`` if the masks are named ``<id>_mask.<ext>`` after the images, else ``""``.
 
-    Decided by file names only: whichever naming matches more images wins, ``""`` on a tie.
+    Decided by file names only (``pair_folders``): whichever naming matches more images wins, ``""`` on a tie.
     """
-    return suffix_from_names(index_folder(images_dir, "image").keys(), index_folder(mask_dir, "mask").keys())
-
-
-def suffix_from_names(image_ids: Iterable[str], mask_stems: Iterable[str]) -> str:
-    """``"_mask"`` if more images have a mask named ``<id>_mask`` than ``<id>``, else ``""`` (also on a tie)."""
-    with_suffix = count_named(image_ids, mask_stems, CARVANA_MASK_SUFFIX)
-    return CARVANA_MASK_SUFFIX if with_suffix > count_named(image_ids, mask_stems, "") else ""
-
-
-def count_named(image_ids: Iterable[str], mask_stems: Iterable[str], suffix: str) -> int:
-    """How many of the images have a mask named ``<id><suffix>``."""
-    stems = set(mask_stems)
-    return sum(1 for name in image_ids if name + suffix in stems)
+    return pair_folders(Path(images_dir), Path(mask_dir), None).mask_suffix
 
 
 def format_examples(items: Sequence[object], limit: int = MAX_NAMED_FILES, separator: str = ", ") -> str:
@@ -316,39 +296,22 @@ def format_examples(items: Sequence[object], limit: int = MAX_NAMED_FILES, separ
     return shown if len(items) <= limit else f"{shown}{separator}... ({len(items) - limit} more)"
 
 
-def pool_context() -> multiprocessing.context.BaseContext:
-    """fork on Linux, spawn elsewhere: how the data part's process pools (the mask scan, the check, ``build-cache``)
-    start their workers.
-
-    fork starts workers in milliseconds and lets them inherit the caller's objects (DataLoader forks on Linux too).
-    spawn/forkserver would re-import the caller's __main__ (e.g. train.py and torch) in every worker.
-    """
-    return multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-
-
-def pool_map(
-    function: Callable[[_T], _R],
-    items: Sequence[_T],
-    workers: int | None,
-    announce: str | None = None,
-    *,
-    initializer: Callable[[], object] | None = None,
-    min_items: int = MIN_FILES_FOR_POOL,
-) -> list[_R]:
+def pool_map(function: Callable[[_T], _R], items: Sequence[_T], workers: int | None, announce: str = "") -> list[_R]:
     """``[function(item) for item in items]``, in ``workers`` processes (default: the CPUs this process may run on,
-    at most 8) when there are ``min_items`` or more; ``announce`` (a log format taking the item and process counts)
-    says so. ``initializer`` runs first in each worker."""
-    count = workers
-    if count is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        count = min(max(1, cpus), MAX_DEFAULT_WORKERS)
-    if count <= 1 or len(items) < min_items:
+    at most 8) when there are ``MIN_FILES_FOR_POOL`` items or more; ``announce`` (a log format taking the item and
+    process counts) says so. The mask scan and the dataset check read their files through it."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    count = workers if workers is not None else min(cpus, MAX_DEFAULT_WORKERS)
+    if count <= 1 or len(items) < MIN_FILES_FOR_POOL:
         return [function(item) for item in items]
     if announce:
         logger.info(announce, len(items), count)
     # Large chunks keep inter-process traffic low; several per worker keep the load balanced.
     chunksize = max(1, len(items) // (count * 8))
-    with ProcessPoolExecutor(max_workers=count, mp_context=pool_context(), initializer=initializer) as pool:
+    # fork on Linux: workers start in milliseconds and inherit the caller's objects (DataLoader forks on Linux too);
+    # spawn elsewhere. spawn/forkserver would re-import the caller's __main__ (e.g. train.py and torch) in every worker.
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ProcessPoolExecutor(max_workers=count, mp_context=context) as pool:
         return list(pool.map(function, items, chunksize=chunksize))
 
 
@@ -365,13 +328,10 @@ def load_image(path: str | Path, *, any_size: bool = False) -> Image.Image:
     first axis is a channel count), of uint8, bool (→ 0/255) or float in [0, 1] (→ 0..255); single-channel integer
     arrays (masks) keep their values.
     """
-    path = Path(path)
-    ext = path.suffix.lower()
-    if ext == ".npy":
+    ext = os.path.splitext(path)[1].lower()
+    if ext in ARRAY_EXTENSIONS:
         # allow_pickle=False: an .npy file must hold plain numbers, never objects that could run code when loaded.
-        return array_to_image(np.load(path, allow_pickle=False), path)
-    if ext == ".pt":
-        return array_to_image(_load_pt(path), path)
+        return array_to_image(_load_pt(path) if ext == ".pt" else np.load(path, allow_pickle=False), path)
     image = open_pil(path, any_size=any_size)
     if exif_orientation(image) in _ROTATING_ORIENTATIONS:
         with image:
@@ -413,8 +373,7 @@ def exif_orientation(image: Image.Image) -> int:
 
 def image_header(path: str | Path) -> tuple[int, int, int]:
     """Return ``(width, height, channels)`` of an image file as a photo loads (1 grey, 3 colour), from its header."""
-    path = Path(path)
-    ext = path.suffix.lower()
+    ext = os.path.splitext(path)[1].lower()
     if ext in ARRAY_EXTENSIONS:
         # For .npy, mmap reads just the header; the pixels are never touched.
         loaded = np.load(path, mmap_mode="r", allow_pickle=False) if ext == ".npy" else _load_pt(path)
@@ -428,10 +387,9 @@ def image_header(path: str | Path) -> tuple[int, int, int]:
 
 
 def mode_channels(mode: str) -> int:
-    """Channels a photo of PIL ``mode`` loads with: 1 for grey modes (alpha dropped), 3 for every other mode."""
-    if mode in ("1", "L", "LA", "I", "F") or mode.startswith("I;16"):
-        return 1
-    return 3
+    """Channels a photo of PIL ``mode`` loads with: 1 for grey modes (1, L, LA, I, I;16, F: alpha dropped), 3 for every
+    other mode."""
+    return 1 if Image.getmodebase(mode) == "L" else 3
 
 
 def array_to_image(array: np.ndarray, path: str | Path) -> Image.Image:
@@ -440,32 +398,39 @@ def array_to_image(array: np.ndarray, path: str | Path) -> Image.Image:
     if array.dtype == np.bool_:
         array = array.astype(np.uint8) * 255
     elif np.issubdtype(array.dtype, np.floating):
-        array = _float_to_uint8(array, path)
+        if not np.isfinite(array).all():
+            raise DatasetError(f"{path} contains NaN or infinite values; save finite values in [0, 1]")
+        low, high = float(array.min()), float(array.max())
+        if low < 0.0 or high > 1.0:
+            raise DatasetError(
+                f"{path} holds floats in [{low:g}, {high:g}]; save float images scaled to [0, 1] (or as uint8 0..255)"
+            )
+        array = np.rint(array.astype(np.float64) * 255.0).astype(np.uint8)
     elif array.dtype != np.uint8:
-        array = _wide_int_to_int32(array, path)
+        # Integer mask values (e.g. 16-bit label maps) are kept exactly, as a 32-bit PIL image.
+        if not np.issubdtype(array.dtype, np.integer) or array.ndim != 2:
+            raise DatasetError(
+                f"{path} holds a {array.ndim}-D {array.dtype} array; multi-channel arrays must be uint8, bool or float"
+            )
+        if array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max:
+            raise DatasetError(f"{path} holds integers outside the 32-bit range; store mask values as small integers")
+        array = array.astype(np.int32)
     return Image.fromarray(np.ascontiguousarray(array))
 
 
-def _load_pt(path: Path) -> np.ndarray:
+def _load_pt(path: str | Path) -> np.ndarray:
     import torch  # here, not at the top: scan workers reading image files should not pay for importing torch
 
     try:
         # weights_only=True refuses pickled objects other than tensors and plain containers.
         loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        # torch's own message suggests weights_only=False, which is exactly what must not be done with data files.
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        # Not torch's message: it suggests weights_only=False, exactly what must not be done with data files.
         from utils.checkpoint.files import refused_code
 
-        refusal = refused_code(err)
-        if refusal is not None:
-            raise DatasetError(f"{path}: {refusal}; save one tensor per file with torch.save") from err
+        reason = refused_code(err) or "it is corrupt or holds objects other than tensors"
         raise DatasetError(
-            f"{path} cannot be loaded safely: it is corrupt or holds objects other than tensors; save one tensor "
-            "per file with torch.save"
-        ) from err
-    except (RuntimeError, EOFError) as err:
-        raise DatasetError(
-            f"{path} is not a readable torch file ({first_line(err)}); save it again with torch.save"
+            f"{path} cannot be loaded safely: {reason}; save one tensor per file with torch.save"
         ) from err
     if not isinstance(loaded, torch.Tensor):
         raise DatasetError(f"{path} holds a {type(loaded).__name__}, not a tensor; save one image tensor per file")
@@ -476,37 +441,14 @@ def _load_pt(path: Path) -> np.ndarray:
 
 def _to_hwc(array: np.ndarray, path: str | Path) -> np.ndarray:
     """Return the array as HxW or HxWxC (C in 3, 4), moving a leading channel axis to the end (channels last wins
-    when both ends could be channels)."""
+    when both ends could be channels); an empty array holds no image."""
     shape = array.shape
     if len(shape) == 3 and shape[2] not in _CHANNEL_COUNTS and shape[0] in _CHANNEL_COUNTS:
         array = np.moveaxis(array, 0, -1)
-    elif len(shape) != 2 and not (len(shape) == 3 and shape[2] in _CHANNEL_COUNTS):
+    if array.size == 0 or array.ndim != 2 and not (array.ndim == 3 and array.shape[2] in _CHANNEL_COUNTS):
         raise DatasetError(
             f"{path} holds an array of shape {tuple(shape)}; save images as HxW or HxWxC arrays with C in 1, 3 or 4"
         )
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[:, :, 0]
     return array
-
-
-def _float_to_uint8(array: np.ndarray, path: str | Path) -> np.ndarray:
-    if array.size and not np.isfinite(array).all():
-        raise DatasetError(f"{path} contains NaN or infinite values; save finite values in [0, 1]")
-    low, high = (float(array.min()), float(array.max())) if array.size else (0.0, 0.0)
-    if low < 0.0 or high > 1.0:
-        raise DatasetError(
-            f"{path} holds floats in [{low:g}, {high:g}]; save float images scaled to [0, 1] (or as uint8 0..255)"
-        )
-    return np.rint(array.astype(np.float64) * 255.0).astype(np.uint8)
-
-
-def _wide_int_to_int32(array: np.ndarray, path: str | Path) -> np.ndarray:
-    """Keep integer mask values (e.g. 16-bit label maps) exactly, as a 32-bit PIL image."""
-    if not np.issubdtype(array.dtype, np.integer) or array.ndim != 2:
-        raise DatasetError(
-            f"{path} holds a {array.ndim}-D {array.dtype} array; multi-channel arrays must be uint8, bool or float"
-        )
-    int32 = np.iinfo(np.int32)
-    if array.size and (array.min() < int32.min or array.max() > int32.max):
-        raise DatasetError(f"{path} holds integers outside the 32-bit range; store mask values as small integers")
-    return array.astype(np.int32)

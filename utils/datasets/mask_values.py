@@ -2,24 +2,23 @@
 
 The problems found are ``Finding``s: the dataset raises them as one error, the dataset check prints one line each.
 
-The first scan decodes every mask, in a process pool. Its result is cached in a JSON file named by a hash of the
-files' absolute paths, sizes, modification and change times and inodes (``FileInfo``), outside the user's data
-folders, so later starts over unchanged files decode nothing. Like the rest of the data scan, this module must not
-import torch (see ``utils.datasets.image_files``).
+The first scan decodes every mask, in a process pool. What it read of each pair is cached in a JSON file named by a
+hash of the files' absolute paths, sizes, modification and change times and inodes (``image_files.cache_key``),
+outside the user's data folders, so later starts over unchanged files decode nothing; the file holds the sha256 of its
+rows, so a cache changed or damaged after it was written is scanned again, never used. Like the rest of the data
+scan, this module must not import torch (see ``utils.datasets.image_files``).
 """
 
 from __future__ import annotations
 
-import array
-import dataclasses
 import hashlib
 import json
 import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -28,6 +27,7 @@ from utils.datasets.image_files import (
     UNREADABLE_FILE_ERRORS,
     Finding,
     MaskPair,
+    cache_key,
     format_examples,
     image_header,
     load_image,
@@ -39,10 +39,14 @@ from utils.output_files import write_text
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it whenever decoding or the stored fields change, so older cache files stop matching.
-CACHE_FORMAT_VERSION = 5  # 5: EXIF orientation applied; inode and ctime in the key
+CACHE_FORMAT_VERSION = 6  # 5: EXIF orientation applied; inode and ctime in the key. 6: rows per pair, sha256
 # The class index of a void pixel (a mask value passed as --ignore-value): cross-entropy's default ignore_index, and
 # negative, so it can never be a class.
 IGNORE_INDEX = -100
+# What values_to_classes gives a pixel whose value is no mask value: neither a class nor IGNORE_INDEX.
+_UNKNOWN = -1
+# A cache file is {"sha256":"<hex>","rows":<JSON rows>}: the rows' text follows this.
+_ROWS_KEY = ',"rows":'
 
 MaskValues = list[int] | list[list[int]]
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
@@ -51,31 +55,47 @@ JPEG_EXTENSIONS = (".jpg", ".jpeg")
 UNUSABLE_FILE_ERRORS = (*UNREADABLE_FILE_ERRORS, DatasetError)
 
 
-@dataclass(frozen=True)
-class MaskScan:
-    """What the dataset needs from its files: the masks' sorted distinct values, each image's ``(width, height)``
-    and channel count as a photo (1 grey, 3 colour)."""
+class PairScan(NamedTuple):
+    """What a worker read of one pair (the cache file holds the usable ones, less their names); a problem is set
+    instead of raising, so every bad file is reported."""
+
+    name: str
+    image_size: tuple[int, int] = (0, 0)
+    """The image's ``(width, height)``, as loaded (EXIF orientation applied)."""
+    image_channels: int = 3
+    """As a photo: 1 grey, 3 colour."""
+    colour: bool = False
+    values: tuple[int, ...] = ()
+    """The mask's distinct values (colours packed as ``0xRRGGBB``)."""
+    counts: tuple[int, ...] = ()
+    """Pixels of each of ``values`` (full-size masks, before scaling)."""
+    unreadable: str | None = None
+    """The file that cannot be read, and why."""
+    mismatch: str | None = None
+    """The mask's size and its image's, when they differ."""
+
+
+class MaskScan(NamedTuple):
+    """What the dataset needs from its files: the masks' sorted distinct values and what was read of each pair."""
 
     mask_values: MaskValues
-    image_sizes: dict[str, tuple[int, int]]
-    image_channels: dict[str, int]
-    value_counts: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
-    """Per image, ``(k, pixels)`` for each value ``mask_values[k]`` it contains (full-size masks, before scaling)."""
+    pairs: dict[str, PairScan]
+    """The usable pairs, by image id."""
     problems: tuple[Finding, ...] = ()
-    """Unreadable files, size mismatches, mixed mask kinds; the values and sizes above are then those of the usable
+    """Unreadable files, size mismatches, mixed mask kinds; the values and pairs above are then those of the usable
     pairs (and nothing is cached)."""
 
     def classes(self, ignore_values: Sequence[int]) -> tuple[MaskValues, dict[str, dict[int, int]], int]:
         """The class values (``mask_values`` less the void ``ignore_values``; class k is the k-th), per image the
         pixels of each class it holds, and the void pixels of all the masks."""
-        kept = [k for k, value in enumerate(self.mask_values) if value not in ignore_values]
-        class_of = {k: position for position, k in enumerate(kept)}
+        kept = [value for value in self.mask_values if value not in ignore_values]
+        class_of = {_packed(value): k for k, value in enumerate(kept)}
         per_image = {
-            name: {class_of[k]: pixels for k, pixels in counts if k in class_of}
-            for name, counts in self.value_counts.items()
+            name: {class_of[v]: pixels for v, pixels in zip(r.values, r.counts, strict=True) if v in class_of}
+            for name, r in self.pairs.items()
         }
-        void = sum(pixels for counts in self.value_counts.values() for k, pixels in counts if k not in class_of)
-        return [self.mask_values[k] for k in kept], per_image, void
+        void = sum(sum(r.counts) for r in self.pairs.values()) - sum(sum(c.values()) for c in per_image.values())
+        return kept, per_image, void
 
 
 def class_totals(per_image: Iterable[dict[int, int]], n_classes: int) -> list[int]:
@@ -121,21 +141,6 @@ def class_value_findings(
     return problems, warnings
 
 
-@dataclass(frozen=True)
-class _PairResult:
-    """Outcome of scanning one pair in a worker; ``error`` is set instead of raising so every bad file is reported."""
-
-    name: str
-    image_size: tuple[int, int] = (0, 0)
-    image_channels: int = 3
-    mask_size: tuple[int, int] = (0, 0)
-    colour: bool = False
-    values: tuple = ()
-    counts: tuple[int, ...] = ()
-    """Pixels of each of ``values``."""
-    error: str | None = None
-
-
 def default_cache_dir() -> Path:
     """Return ``$XDG_CACHE_HOME/unet-ddp/mask-values``, or ``~/.cache/unet-ddp/mask-values`` without XDG."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -156,25 +161,21 @@ def mask_array(img: Image.Image, path: str | Path = "<mask>") -> np.ndarray:
         return np.asarray(img)[:, :, 0]
     if mode == "1":
         return np.asarray(img).astype(np.uint8)
-    if mode == "LA":
-        return np.asarray(img.convert("L"))
     if mode == "F":
         raise DatasetError(f"mask {path} holds floating-point values; save masks as integer class indices (PNG/GIF)")
-    return np.asarray(img.convert("RGB"))
+    return np.asarray(img.convert("L" if mode == "LA" else "RGB"))
 
 
-def value_counts(mask: np.ndarray) -> tuple[MaskValues, list[int]]:
-    """The sorted distinct values of a ``mask_array`` (ints, or ``[r, g, b]`` lists for colour masks) and the number
-    of pixels holding each."""
-    if mask.ndim == 3:
-        packed, counts = np.unique(_pack_rgb(mask), return_counts=True)
-        return [[int(v) >> 16, (int(v) >> 8) & 0xFF, int(v) & 0xFF] for v in packed], counts.tolist()
-    if mask.dtype in (np.uint8, np.uint16):
+def value_counts(mask: np.ndarray) -> tuple[list[int], list[int]]:
+    """The sorted distinct values of a ``mask_array`` (colours packed by ``_pack_rgb``) and the number of pixels
+    holding each."""
+    pixels = _pack_rgb(mask) if mask.ndim == 3 else mask
+    if pixels.dtype in (np.uint8, np.uint16):
         # A histogram is several times faster than np.unique's sort for 8/16-bit masks.
-        histogram = np.bincount(mask.ravel(), minlength=1)
+        histogram = np.bincount(pixels.ravel(), minlength=1)
         present = np.flatnonzero(histogram)
         return present.tolist(), histogram[present].tolist()
-    values, counts = np.unique(mask, return_counts=True)
+    values, counts = np.unique(pixels, return_counts=True)
     return values.tolist(), counts.tolist()
 
 
@@ -192,42 +193,29 @@ def values_to_classes(
     """
     if not mask_values:
         raise DatasetError("mask_values is empty; it must list the mask value of every class")
-    if mask.ndim == 3:
-        if not all(isinstance(v, (list, tuple)) and len(v) == 3 for v in mask_values):
-            raise DatasetError(f"a colour mask needs [r, g, b] mask values, got [{format_examples(mask_values, 10)}]")
-        keys = _pack_rgb(np.asarray(mask_values, dtype=np.uint8)[None])[0].astype(np.int64)
-        pixels = _pack_rgb(mask)
-    else:
-        if not all(isinstance(v, int | np.integer) for v in mask_values):
-            raise DatasetError(
-                f"a single-channel mask needs integer mask values, got [{format_examples(mask_values, 10)}]"
-            )
-        keys = np.asarray(mask_values, dtype=np.int64)
-        pixels = mask
-    # Void values join the keys with the class IGNORE_INDEX; a value both listed and ignored is a class.
-    ignored = [v for v in ignore_values if v not in mask_values] if mask.ndim != 3 else []
-    labels = np.concatenate([np.arange(len(keys), dtype=np.int64), np.full(len(ignored), IGNORE_INDEX, np.int64)])
-    keys = np.concatenate([keys, np.asarray(ignored, dtype=np.int64)])
-    if pixels.dtype == np.uint8:
-        # A 256-entry lookup table maps every pixel in one pass; iterate in reverse so the first k wins a tie.
-        table = np.full(256, len(keys), dtype=np.int64)
-        for k in range(len(keys) - 1, -1, -1):
-            if 0 <= keys[k] <= 255:
-                table[keys[k]] = k
-        position = table[pixels]
-        known = position < len(keys)
-        classes = np.append(labels, 0)[position]
-    else:
-        order = np.argsort(keys, kind="stable")
-        sorted_keys = keys[order]
-        position = np.minimum(np.searchsorted(sorted_keys, pixels), len(keys) - 1)
-        known = sorted_keys[position] == pixels
-        classes = np.where(known, labels[order[position]], 0).astype(np.int64)
-    if not known.all():
-        flat = mask.reshape(-1, 3) if mask.ndim == 3 else mask.reshape(-1)
-        unknown = np.unique(flat[~known.reshape(-1)], axis=0)
+    colour = mask.ndim == 3
+    if colour and not all(isinstance(v, list | tuple) and len(v) == 3 for v in mask_values):
+        raise DatasetError(f"a colour mask needs [r, g, b] mask values, got [{format_examples(mask_values, 10)}]")
+    if not colour and not all(isinstance(v, int | np.integer) for v in mask_values):
+        raise DatasetError(f"a single-channel mask needs integer mask values, got [{format_examples(mask_values, 10)}]")
+    # Void values become IGNORE_INDEX unless listed as a class; a value listed twice keeps its first class.
+    label_of = dict.fromkeys([] if colour else ignore_values, IGNORE_INDEX)
+    label_of.update((_packed(value), k) for k, value in reversed(list(enumerate(mask_values))))
+    keys = np.array(sorted(label_of), dtype=np.int64)
+    labels = np.array([label_of[key] for key in keys.tolist()], dtype=np.int64)
+
+    def classes_of(values: np.ndarray) -> np.ndarray:
+        position = np.minimum(np.searchsorted(keys, values), len(keys) - 1)
+        return np.where(keys[position] == values, labels[position], _UNKNOWN)
+
+    pixels = _pack_rgb(mask) if colour else mask
+    # 8-bit masks through a table of all 256 values made by the same rule: one gather per pixel, twice as fast.
+    classes = classes_of(np.arange(256))[pixels] if pixels.dtype == np.uint8 else classes_of(pixels)
+    unknown = classes == _UNKNOWN
+    if unknown.any():
+        values = [_unpack_rgb(v) if colour else v for v in np.unique(pixels[unknown]).tolist()]
         raise DatasetError(
-            f"{source or 'a mask'} holds mask value(s) [{format_examples(unknown.tolist(), 10)}] that are not among "
+            f"{source or 'a mask'} holds mask value(s) [{format_examples(values, 10)}] that are not among "
             f"the dataset's mask values [{format_examples(mask_values, 10)}]: the file changed after the masks were "
             "scanned; fix it (or restore it) and start again"
         )
@@ -246,72 +234,54 @@ def scan_masks(
     colour files come back in ``problems`` (the dataset raises them, the check prints each kind on its own line).
     ``workers``: processes (``image_files.pool_map``).
     """
-    if not pairs:
-        raise ValueError("scan_masks needs at least one image/mask pair")
-    cache_file = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"{_cache_key(pairs)}.json"
-    cached = _read_cache(cache_file, pairs)
-    if cached is not None:
+    assert pairs, "scan_masks needs at least one image/mask pair"  # its callers stop at a folder without any
+    records = [info for pair in pairs for info in (pair.image, pair.mask)]
+    cache_file = Path(cache_dir or default_cache_dir()) / f"{cache_key(records, CACHE_FORMAT_VERSION)}.json"
+    rows = _read_cache(cache_file, pairs)
+    if rows is not None:
         logger.info("Mask values of %d masks read from cache %s", len(pairs), cache_file)
-        return cached
+        return _summarise(rows, pairs)
     started = time.perf_counter()
-    announce = "Scanning %d masks with %d processes (cached for the next start)"
-    scan = _summarise(pool_map(_scan_pair, pairs, workers, announce), pairs)
-    if scan.problems:
-        return scan
-    logger.info(
-        "Scanned %d masks in %.1f s; %d distinct values",
-        len(pairs),
-        time.perf_counter() - started,
-        len(scan.mask_values),
-    )
-    _write_cache(cache_file, scan, pairs)
+    rows = pool_map(_scan_pair, pairs, workers, "Scanning %d masks with %d processes (cached for the next start)")
+    scan = _summarise(rows, pairs)
+    if not scan.problems:
+        seconds = time.perf_counter() - started
+        logger.info("Scanned %d masks in %.1f s; %d distinct values", len(pairs), seconds, len(scan.mask_values))
+        _write_cache(cache_file, rows)
     return scan
 
 
-def _scan_pair(pair: MaskPair) -> _PairResult:
+def _scan_pair(pair: MaskPair) -> PairScan:
     """Decode one mask, read its image's size from the header, and report any failure as text."""
     try:
         width, height, channels = image_header(pair.image.path)
     except UNUSABLE_FILE_ERRORS as err:
-        return _PairResult(pair.name, error=f"{pair.image.path} ({first_line(err)})")
+        return PairScan(pair.name, unreadable=f"{pair.image.path} ({first_line(err)})")
     try:
         with load_image(pair.mask.path) as img:
+            if img.size != (width, height):
+                mismatch = f"mask {pair.mask.name} is {img.width}x{img.height} but image {pair.image.name} is"
+                return PairScan(pair.name, mismatch=f"{mismatch} {width}x{height}")
             if img.mode in ("L", "P"):
                 # PIL's C histogram costs next to nothing beyond decoding; going through numpy doubles the time.
                 histogram = img.histogram()
-                values = [i for i, count in enumerate(histogram) if count]
-                counts, mask_wh, colour = [histogram[i] for i in values], img.size, False
+                values, colour = [i for i, count in enumerate(histogram) if count], False
+                counts = [histogram[i] for i in values]
             else:
                 mask = mask_array(img, pair.mask.path)
-                (values, counts), mask_wh, colour = value_counts(mask), (mask.shape[1], mask.shape[0]), mask.ndim == 3
+                (values, counts), colour = value_counts(mask), mask.ndim == 3
+            return PairScan(pair.name, (width, height), channels, colour, tuple(values), tuple(counts))
     except UNUSABLE_FILE_ERRORS as err:
-        return _PairResult(pair.name, error=f"{pair.mask.path} ({first_line(err)})")
-    return _PairResult(
-        name=pair.name,
-        image_size=(width, height),
-        image_channels=channels,
-        mask_size=mask_wh,
-        colour=colour,
-        values=tuple(tuple(v) for v in values) if colour else tuple(values),
-        counts=tuple(counts),
-    )
+        return PairScan(pair.name, unreadable=f"{pair.mask.path} ({first_line(err)})")
 
 
-def _summarise(results: list[_PairResult], pairs: Sequence[MaskPair]) -> MaskScan:
-    """Merge per-pair results: the values and sizes of the usable pairs, and every problem found."""
-    by_name = {pair.name: pair for pair in pairs}
-    unreadable = [r.error for r in results if r.error is not None]
-    readable = [r for r in results if r.error is None]
-    mismatched = [
-        f"mask {by_name[r.name].mask.name} is {_wh(r.mask_size)} but image {by_name[r.name].image.name} "
-        f"is {_wh(r.image_size)}"
-        for r in readable
-        if r.mask_size != r.image_size
-    ]
-    usable = [r for r in readable if r.mask_size == r.image_size]
-    colour = [by_name[r.name].mask.name for r in readable if r.colour]
-    single = [by_name[r.name].mask.name for r in readable if not r.colour]
-
+def _summarise(rows: Sequence[PairScan], pairs: Sequence[MaskPair]) -> MaskScan:
+    """Merge per-pair rows (scanned, or read from the cache): the values of the usable pairs, and every problem
+    found."""
+    unreadable = [r.unreadable for r in rows if r.unreadable is not None]
+    mismatched = [r.mismatch for r in rows if r.mismatch is not None]
+    usable = [r for r in rows if r.unreadable is None and r.mismatch is None]
+    colour = [r for r in usable if r.colour]
     problems = []
     if unreadable:
         what = f"{len(unreadable)} file(s) cannot be read as images"
@@ -320,114 +290,66 @@ def _summarise(results: list[_PairResult], pairs: Sequence[MaskPair]) -> MaskSca
         what = f"{len(mismatched)} mask(s) differ in size from their image"
         fix = "each mask must have exactly its image's width and height"
         problems.append(Finding("size mismatches", what, tuple(mismatched), fix))
-    if colour and single:
+    if colour and len(colour) < len(usable):
+        mask_names = {pair.name: pair.mask.name for pair in pairs}
+        colour_names = [mask_names[r.name] for r in colour]
+        single = [mask_names[r.name] for r in usable if not r.colour]
         what = (
-            f"the masks mix colour files ({len(colour)}, e.g. {format_examples(colour)}) and single-channel files "
-            f"({len(single)}, e.g. {format_examples(single)})"
+            f"the masks mix colour files ({len(colour)}, e.g. {format_examples(colour_names)}) and single-channel "
+            f"files ({len(single)}, e.g. {format_examples(single)})"
         )
         problems.append(Finding("masks", what, (), "save all masks one way (all RGB or all grey/palette)"))
         usable = []  # their values cannot be merged
-
     distinct = sorted(set().union(*(r.values for r in usable)))
-    values: MaskValues = [list(v) for v in distinct] if colour else distinct
-    index_of = {value: k for k, value in enumerate(distinct)}
-    return MaskScan(
-        mask_values=values,
-        image_sizes={r.name: r.image_size for r in usable},
-        image_channels={r.name: r.image_channels for r in usable},
-        value_counts={r.name: tuple((index_of[v], c) for v, c in zip(r.values, r.counts, strict=True)) for r in usable},
-        problems=tuple(problems),
-    )
-
-
-def _wh(size: tuple[int, int]) -> str:
-    return f"{size[0]}x{size[1]}"
+    values = [_unpack_rgb(v) for v in distinct] if colour else distinct
+    return MaskScan(values, {r.name: r for r in usable}, tuple(problems))
 
 
 def _pack_rgb(mask: np.ndarray) -> np.ndarray:
-    """Pack HxWx3 uint8 colours into one int32 per pixel, preserving their lexicographic order."""
+    """Pack HxWx3 uint8 colours into one int32 per pixel (0xRRGGBB), preserving their lexicographic order."""
     rgb = mask.astype(np.int32)
     return (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
 
 
-def _cache_key(pairs: Sequence[MaskPair]) -> str:
-    # FileInfo paths are already absolute. Strings joined with NUL (which no path contains) and the stat numbers as
-    # one int64 array: no per-pair formatting, so a 100,000-pair key costs tens of milliseconds.
-    digest = hashlib.sha256(f"{CACHE_FORMAT_VERSION}\0".encode())
-    for field in ("name", "image", "mask"):
-        strings = [p.name for p in pairs] if field == "name" else [getattr(p, field).path for p in pairs]
-        digest.update("\0".join(strings).encode("utf-8", "surrogateescape") + b"\1")
-    numbers = array.array(
-        "q",
-        [n for p in pairs for info in (p.image, p.mask) for n in (info.size, info.mtime_ns, info.inode, info.ctime_ns)],
-    )
-    digest.update(numbers.tobytes())
-    return digest.hexdigest()
+def _unpack_rgb(packed: int) -> list[int]:
+    return [packed >> 16, (packed >> 8) & 0xFF, packed & 0xFF]
 
 
-def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> MaskScan | None:
-    """Return the cached scan, or ``None`` if there is none or it is unusable (then the caller rescans)."""
+def _packed(value: int | list[int]) -> int:
+    """A mask value as ``PairScan.values`` holds it: colours packed as ``_pack_rgb`` packs them."""
+    return (value[0] << 16) | (value[1] << 8) | value[2] if isinstance(value, list | tuple) else int(value)
+
+
+def _read_cache(cache_file: Path, pairs: Sequence[MaskPair]) -> list[PairScan] | None:
+    """The rows ``_write_cache`` stored, or None (the caller scans again) if there are none or they are unusable."""
     try:
-        content = json.loads(cache_file.read_text(encoding="utf-8"))
+        text = cache_file.read_text(encoding="utf-8")
+        content = json.loads(text)
+        # The sha256 of the rows' text as written, after the key that _write_cache puts last: no second encoding.
+        if _digest(text[text.find(_ROWS_KEY) + len(_ROWS_KEY) : -1]) != content["sha256"]:
+            raise ValueError("its rows do not match their sha256: the file changed after it was written")
+        # The key fixed the pairs and their order: each row is a pair's, less its name (and its problems: none).
+        return [PairScan(pair.name, *row) for pair, row in zip(pairs, content["rows"], strict=True)]
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TypeError, KeyError) as err:  # TypeError, KeyError: not the layout written here
         logger.warning("Ignoring unreadable mask-value cache %s (%s); scanning the masks again", cache_file, err)
         return None
-    scan = _parse_cache(content, [pair.name for pair in pairs])
-    if scan is None:
-        logger.warning("Ignoring malformed mask-value cache %s; scanning the masks again", cache_file)
-    return scan
 
 
-def _parse_cache(content: object, names: list[str]) -> MaskScan | None:
-    """The scan stored by ``_write_cache``: per-image lists in the pairs' order (the key fixes names and order);
-    ``value_counts`` holds ``[k0, count0, k1, count1, ...]`` per image. None when anything is malformed."""
-    if not isinstance(content, dict) or content.get("format") != CACHE_FORMAT_VERSION:
-        return None
-    values = content.get("mask_values")
-    columns = [content.get(key) for key in ("widths", "heights", "channels", "value_counts")]
-    if not isinstance(values, list) or not values:
-        return None
-    if not all(isinstance(column, list) and len(column) == len(names) for column in columns):
-        return None
-    widths, heights, channels, flat_counts = columns
-    # Whole-list checks (C loops): this runs over every image at every start. type() is int: no bools, no floats.
-    if not set(map(type, flat_counts)) <= {list} or any(len(flat) % 2 for flat in flat_counts):
-        return None
-    if not all(set(map(type, column)) <= {int} for column in (widths, heights, channels, *flat_counts)):
-        return None
-    if names and (min(widths) <= 0 or min(heights) <= 0 or not set(channels) <= {1, 3}):
-        return None
-    colours = all(type(v) is list and len(v) == 3 and all(type(c) is int and 0 <= c <= 255 for c in v) for v in values)
-    if not (colours or all(type(v) is int for v in values)):
-        return None
-    counts = [tuple(zip(flat[::2], flat[1::2], strict=True)) for flat in flat_counts]
-    if any(not 0 <= k < len(values) or count <= 0 for pairs in counts for k, count in pairs):
-        return None
-    return MaskScan(
-        mask_values=values,
-        image_sizes=dict(zip(names, zip(widths, heights, strict=True), strict=True)),
-        image_channels=dict(zip(names, channels, strict=True)),
-        value_counts=dict(zip(names, counts, strict=True)),
-    )
-
-
-def _write_cache(cache_file: Path, scan: MaskScan, pairs: Sequence[MaskPair]) -> None:
+def _write_cache(cache_file: Path, scans: list[PairScan]) -> None:
     """Write the cache all or nothing (``output_files.write_text``): readers see the old file or the whole new one."""
-    content = {
-        "format": CACHE_FORMAT_VERSION,
-        "mask_values": scan.mask_values,
-        "widths": [scan.image_sizes[pair.name][0] for pair in pairs],
-        "heights": [scan.image_sizes[pair.name][1] for pair in pairs],
-        "channels": [scan.image_channels[pair.name] for pair in pairs],
-        "value_counts": [[n for pair_count in scan.value_counts[pair.name] for n in pair_count] for pair in pairs],
-    }
+    rows = json.dumps([scan[1:-2] for scan in scans], separators=(",", ":"))  # less the name and the two problems
     try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        write_text(cache_file, json.dumps(content, separators=(",", ":")))
+        write_text(cache_file, f'{{"sha256":"{_digest(rows)}"{_ROWS_KEY}{rows}}}')
     except (OSError, UserError) as err:
         # The cache only saves time; a read-only home must not stop training.
         logger.warning(
             "Could not write mask-value cache %s (%s); the next start will scan the masks again", cache_file, err
         )
+
+
+def _digest(rows: str) -> str:
+    """The sha256 of the rows' JSON text: a cache file whose rows were changed or damaged after it was written is
+    scanned again, never used (its layout and values need no check of their own)."""
+    return hashlib.sha256(rows.encode()).hexdigest()

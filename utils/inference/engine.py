@@ -32,9 +32,8 @@ from tqdm import tqdm
 
 from unet import UNet
 from utils.checkpoint import model as model_spec
-from utils.datasets.dataset import BasicDataset, cached_image, image_tensor, resized_image, unit_float
+from utils.datasets.dataset import BasicDataset, PixelCache, cached_image, image_tensor, resized_image, unit_float
 from utils.datasets.image_files import FileInfo, format_examples, image_header, load_image, mode_channels
-from utils.datasets.pixel_cache import PixelCache
 from utils.datasets.splits import read_split_file
 from utils.errors import ConfigError, DatasetError
 from utils.evaluation import predict_classes
