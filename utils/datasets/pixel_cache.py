@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from torch.utils.data import DataLoader
 
 from utils.datasets.dataset import BasicDataset
-from utils.flags import FlagParser, Range, flag, parse_flags
+from utils.flags import FlagParser, flag
 from utils.hardware import available_cpus
-from utils.launch.runner import run_single_process
+from utils.launch.process_group import run_single_process
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class BuildCacheFlags:
     """the --pixel-cache folder"""
     channels: int | None = flag(None, "--channels")
     """model input channels (default: from the images)"""
-    workers: int | None = flag(None, "--workers", range=Range(1))
+    workers: int | None = flag(None, "--workers", range="[1, inf)")
     """processes (default: the CPUs available)"""
 
 
@@ -47,11 +47,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_cache(argv: list[str] | None) -> int:
-    parser = FlagParser(prog="python -m utils.datasets.pixel_cache", description=__doc__.split("\n")[0])
+    parser = FlagParser(
+        BuildCacheFlags, prog="python -m utils.datasets.pixel_cache", description=__doc__.split("\n")[0]
+    )
     parser.add_argument(
         "command", choices=["build-cache"], help="decode and resize every image and mask into the cache"
     )
-    flags = parse_flags(parser, BuildCacheFlags, argv)
+    flags = parser.parse(argv)
     dataset = BasicDataset(
         flags.imgs, flags.masks, flags.scale, None, channels=flags.channels, pixel_cache_dir=flags.cache
     )
