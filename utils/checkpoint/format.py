@@ -357,24 +357,21 @@ def dataset_record(image_ids: Sequence[str]) -> dict[str, Any]:
     return {"fingerprint": digest, "images": len(image_ids)}
 
 
+# The fields of numpy's state (after its generator's name, "MT19937") and of Python's, as checkpoints name them.
+_NUMPY_RNG_FIELDS = ("keys", "pos", "has_gauss", "cached_gaussian")
+_PYTHON_RNG_FIELDS = ("version", "state", "gauss_next")
+
+
 def capture_rng_state() -> dict[str, Any]:
     """torch/CUDA/numpy/python RNG states as tensors and plain values (loadable with weights_only=True).
 
     Training draws no random numbers after initialisation (data order and augmentation are pure functions of the
     seed, epoch and index), so these are stored for completeness and for anything a user adds, not for exactness.
     """
-    numpy_state = np.random.get_state()
-    python_state = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
-            "pos": int(numpy_state[2]),
-            "has_gauss": int(numpy_state[3]),
-            "cached_gaussian": float(numpy_state[4]),
-        },
-        "python": {"version": python_state[0], "state": list(python_state[1]), "gauss_next": python_state[2]},
-    }
+    numpy_state = dict(zip(_NUMPY_RNG_FIELDS, np.random.get_state()[1:], strict=True))
+    numpy_state["keys"] = torch.from_numpy(numpy_state["keys"].astype(np.int64))  # weights_only reads no numpy arrays
+    python_state = dict(zip(_PYTHON_RNG_FIELDS, random.getstate(), strict=True))
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": python_state}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -382,19 +379,10 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    numpy_state = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            numpy_state["keys"].numpy().astype(np.uint32),
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
-        )
-    )
-    python_state = state["python"]
+    numpy_state = {**state["numpy"], "keys": state["numpy"]["keys"].numpy().astype(np.uint32)}
+    np.random.set_state(("MT19937", *(numpy_state[name] for name in _NUMPY_RNG_FIELDS)))
+    python_state = state["python"]  # files of older versions hold its state as a list
     random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        cuda_states = state["cuda"]
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
+    cuda_states = state.get("cuda")
+    if cuda_states is not None and torch.cuda.is_available() and len(cuda_states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda_states)
