@@ -139,7 +139,7 @@ def tensor_digests(payload: Mapping[str, Any]) -> dict[str, str]:
 
 def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
     """Refuse a file of a newer format version, one whose tensors changed since the save (digest), or one whose model
-    weights are NaN or inf: every read passes here (weights, --resume, run-folder scans)."""
+    weights are not usable (``_check_weight_values``): every read passes here (weights, --resume, run-folder scans)."""
     version = raw.get(KEY_FORMAT_VERSION, FORMAT_VERSION)  # foreign files (milesial's, the DDP script's) have none
     if not _is_int(version) or version > FORMAT_VERSION:  # a newer layout is never half-understood
         raise CheckpointError(
@@ -165,14 +165,36 @@ def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
                 f"checkpoint {path} is damaged: {len(changed)} tensor(s) differ from what was saved (e.g. "
                 f"{changed[0]}), its bytes changed on disk; use another checkpoint"
             )
-    weights = _model_weights(raw)
+    _check_weight_values(_model_weights(raw), path)
+
+
+def _check_weight_values(weights: Any, path: str | Path) -> None:
+    """The one check of a file's model weights (checkpoints and ``--encoder-weights`` alike): finite, dense, floating
+    point (integer weights give an all-background mask that looks like a result), BatchNorm variances non-negative (a
+    negative one is the square root of a negative number: NaN)."""
     items = weights.items() if isinstance(weights, Mapping) else ()
-    tensors = [(name, tensor) for name, tensor in items if isinstance(tensor, torch.Tensor)]
-    if not all_finite(tensor for _, tensor in tensors):
-        name = next(name for name, tensor in tensors if not all_finite([tensor]))
+    tensors = {name: tensor for name, tensor in items if isinstance(tensor, torch.Tensor)}
+    if not all_finite(tensors.values()):
+        name = next(name for name, tensor in tensors.items() if not all_finite([tensor]))
         raise CheckpointError(
             f"checkpoint {path} holds NaN or inf weights ({name}): the file is damaged; take an earlier checkpoint"
         )
+    for key, tensor in tensors.items():
+        if tensor.layout != torch.strided:
+            raise CheckpointError(
+                f"checkpoint {path} holds {key} as a {tensor.layout} tensor, not a dense one: model weights are "
+                f"dense; the file is damaged or was converted wrongly, use another checkpoint"
+            )
+        if not tensor.is_floating_point() and not key.endswith("num_batches_tracked"):  # BatchNorm's step counter
+            raise CheckpointError(
+                f"checkpoint {path} holds {key} as {tensor.dtype}, not floating point: such weights cannot have been "
+                f"trained; the file is damaged or was converted wrongly, use another checkpoint"
+            )
+        if key.endswith("running_var") and tensor.numel() and bool((tensor < 0).any()):
+            raise CheckpointError(
+                f"checkpoint {path} holds a negative BatchNorm variance in {key} (min {float(tensor.min()):g}), "
+                f"which no training produces; the file is damaged, use another checkpoint"
+            )
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
