@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
+from utils.checkpoint.files import save_checkpoint_atomic
 from utils.checkpoint.format import (
     KEY_ARGS,
     KEY_MODEL_ARGS,
@@ -235,8 +235,9 @@ class Checkpointer:
             self.folder.make_room_for_best(best_place, self.config.keep_best)
         with self._phase("checkpoint"):
             payload = self.payload()
-            _write_copies(payload, full)
-            _write_copies({key: payload[key] for key in WEIGHTS_ONLY_KEYS}, shared)
+            save_checkpoint_atomic(payload, *full)
+            if shared:
+                save_checkpoint_atomic({key: payload[key] for key in WEIGHTS_ONLY_KEYS}, *shared)
         logger.info(
             "Saved %s at step %d (%s and %s done)",
             ", ".join(path.name for path in [*full, *shared]),
@@ -262,10 +263,9 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
     restored before the average, whose reference step count is the optimizer's.
     """
     parts["model"].load_state_dict(state.weights.state_dict)
-    parts["optimizer"].load_state_dict(state.optimizer)
-    parts["scheduler"].load_state_dict(state.scheduler)
-    if parts["scaler"] is not None and state.scaler:
-        parts["scaler"].load_state_dict(state.scaler)
+    for name in ("optimizer", "scheduler", "scaler"):  # a scaler's state only where the run and the file have one
+        if parts[name] is not None and getattr(state, name):
+            parts[name].load_state_dict(getattr(state, name))
     ema = parts["ema"]
     if ema is None and state.ema is not None:
         logger.warning("the resumed checkpoint holds an average of the weights, but without --ema it is dropped")
@@ -303,12 +303,3 @@ def budget_line(
         f"{full_state / 1e6:.1f} MB, best.pth (weights only) about {weights / 1e6:.1f} MB; this run keeps at most "
         f"{full_files} full-state and {weights_files} weights-only files, about {total / 1e6:.1f} MB"
     )
-
-
-def _write_copies(payload: dict[str, Any], targets: Sequence[Path]) -> None:
-    """Serialise ``payload`` once, to the first target; the others get copies of its bytes, each a file of its own."""
-    if not targets:
-        return
-    save_checkpoint_atomic(payload, targets[0])
-    for target in targets[1:]:
-        copy_checkpoint_atomic(targets[0], target)
