@@ -276,8 +276,8 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
             )
         # A resume that switches --ema on starts the average from the resumed weights.
         ema.load_state_dict(state.ema if state.ema is not None else state.weights.state_dict)
-    if state.rng is not None:
-        restore_rng_state(state.rng)
+    if state.rng_state is not None:
+        restore_rng_state(state.rng_state)
 
 
 def budget_line(

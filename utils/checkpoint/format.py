@@ -40,13 +40,8 @@ KEY_FORMAT_VERSION = "format_version"
 KEY_MODEL = "model_state"
 KEY_MODEL_ARGS = "model_args"
 KEY_MASK_VALUES = "mask_values"
-KEY_OPTIMIZER = "optimizer"
-KEY_SCHEDULER = "scheduler"
-KEY_SCALER = "scaler"
-KEY_RNG = "rng_state"
 KEY_ARGS = "args"
 KEY_WORLD_SIZE = "world_size"
-KEY_DATASET = "dataset"
 KEY_TENSOR_DIGESTS = "tensor_sha256"
 KEY_INFERENCE = "inference"
 # --ema runs: ``model_state`` holds the averaged weights (what validation, best.pth and inference use) and this key the
@@ -55,7 +50,8 @@ KEY_INFERENCE = "inference"
 KEY_LIVE_MODEL = "live_model_state"
 # sha256 of the run's split.json (utils.datasets.splits.SplitRecord.digest): a resume on another split is refused.
 KEY_SPLIT_DIGEST = "split_sha256"
-# Where the run stands (epoch, global_step, step_in_epoch, best_dice, ...): TrainPosition's fields, under their names.
+# Where the run stands (epoch, global_step, step_in_epoch, best_dice, ...): TrainPosition's fields, under their names;
+# the optimizer's, scheduler's and scaler's states, the dataset's record and the RNG's: TrainingState's, likewise.
 
 # Prefixes added by wrappers, in any order: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
 _WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
@@ -253,6 +249,37 @@ def _model_weights(raw: Mapping[str, Any]) -> Any:
     return {key: value for key, value in raw.items() if key != KEY_MASK_VALUES}
 
 
+# The fields of numpy's state (after its generator's name, "MT19937") and of Python's, as checkpoints name them.
+_NUMPY_RNG_FIELDS = ("keys", "pos", "has_gauss", "cached_gaussian")
+_PYTHON_RNG_FIELDS = ("version", "state", "gauss_next")
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """torch/CUDA/numpy/python RNG states as tensors and plain values (loadable with weights_only=True).
+
+    Training draws no random numbers after initialisation (data order and augmentation are pure functions of the
+    seed, epoch and index), so these are stored for completeness and for anything a user adds, not for exactness.
+    """
+    numpy_state = dict(zip(_NUMPY_RNG_FIELDS, np.random.get_state()[1:], strict=True))
+    numpy_state["keys"] = torch.from_numpy(numpy_state["keys"].astype(np.int64))  # weights_only reads no numpy arrays
+    python_state = dict(zip(_PYTHON_RNG_FIELDS, random.getstate(), strict=True))
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": python_state}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy_state = {**state["numpy"], "keys": state["numpy"]["keys"].numpy().astype(np.uint32)}
+    np.random.set_state(("MT19937", *(numpy_state[name] for name in _NUMPY_RNG_FIELDS)))
+    python_state = state["python"]  # files of older versions hold its state as a list
+    random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
+    cuda_states = state.get("cuda")
+    if cuda_states is not None and torch.cuda.is_available() and len(cuda_states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda_states)
+
+
 # What best.pth and best-K.pth hold: the weights, what inference rebuilds the model and prepares images from, and where
 # the run stood; no optimizer state (two more copies of the weights' size with AdamW), so they cannot be resumed.
 WEIGHTS_ONLY_KEYS = (
@@ -266,7 +293,9 @@ WEIGHTS_ONLY_KEYS = (
     "best_dice",
     KEY_SPLIT_DIGEST,  # evaluate.py --split refuses another split than the weights were trained on
 )
-RESUME_KEYS = (KEY_MODEL, KEY_OPTIMIZER, KEY_SCHEDULER, "epoch", "global_step", "step_in_epoch")
+RESUME_KEYS = (KEY_MODEL, "optimizer", "scheduler", "epoch", "global_step", "step_in_epoch")
+# TrainingState's optional fields stored under their own names; one that is not a dict in a file counts as absent.
+_OPTIONAL_STATE = ("scaler", "dataset", "rng_state")
 
 
 @dataclass
@@ -311,19 +340,20 @@ class TrainingState:
     """
 
     weights: LoadedWeights
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    scaler: dict[str, Any] | None
     position: TrainPosition
     run_args: dict[str, Any]
     world_size: int
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any] | None = None
     dataset: dict[str, Any] | None = None
-    rng: dict[str, Any] | None = None
+    rng_state: dict[str, Any] | None = field(default_factory=capture_rng_state)
+    """The RNG's state (``capture_rng_state``): captured when the state is made, unless given."""
     ema: dict[str, torch.Tensor] | None = None
     """--ema: the averaged weights (a state dict like ``weights.state_dict``); None when the run keeps no average."""
 
     def to_payload(self) -> dict[str, Any]:
-        """The checkpoint dictionary (DESIGN.md, format version 1), RNG state captured now when not set."""
+        """The checkpoint dictionary (DESIGN.md, format version 1)."""
         weights = self.weights
         return {
             KEY_FORMAT_VERSION: FORMAT_VERSION,
@@ -332,16 +362,11 @@ class TrainingState:
             KEY_MODEL_ARGS: dict(weights.model_args),
             KEY_MASK_VALUES: list(weights.mask_values),
             KEY_INFERENCE: weights.inference.as_dict(),
-            KEY_OPTIMIZER: self.optimizer,
-            KEY_SCHEDULER: self.scheduler,
-            KEY_SCALER: self.scaler,
-            KEY_RNG: capture_rng_state() if self.rng is None else self.rng,
+            KEY_SPLIT_DIGEST: weights.split_digest,
             KEY_ARGS: dict(self.run_args),
             KEY_WORLD_SIZE: self.world_size,
-            KEY_DATASET: self.dataset,
-            KEY_SPLIT_DIGEST: weights.split_digest,
-            # The position's field names are its keys: TrainPosition.of reads them.
-            **asdict(self.position),
+            **{name: getattr(self, name) for name in ("optimizer", "scheduler", *_OPTIONAL_STATE)},
+            **asdict(self.position),  # TrainPosition.of reads them back
             **({} if self.ema is None else {KEY_LIVE_MODEL: weights.state_dict}),
         }
 
@@ -358,18 +383,15 @@ class TrainingState:
         if isinstance(payload.get(KEY_LIVE_MODEL), dict):  # an --ema run: model_state is the average
             weights, ema = dataclasses.replace(weights, state_dict=payload[KEY_LIVE_MODEL]), weights.state_dict
         run_args = payload.get(KEY_ARGS)
-        dataset = payload.get(KEY_DATASET)
         return cls(
             weights=weights,
-            optimizer=payload[KEY_OPTIMIZER],
-            scheduler=payload[KEY_SCHEDULER],
-            scaler=payload.get(KEY_SCALER) or None,
             position=TrainPosition.of(payload),
             run_args=dict(run_args) if isinstance(run_args, dict) else {},
             world_size=int(payload.get(KEY_WORLD_SIZE) or 1),
-            dataset=dataset if isinstance(dataset, dict) else None,
-            rng=payload.get(KEY_RNG),
+            optimizer=payload["optimizer"],
+            scheduler=payload["scheduler"],
             ema=ema,
+            **{name: payload[name] if isinstance(payload.get(name), dict) else None for name in _OPTIONAL_STATE},
         )
 
 
@@ -377,34 +399,3 @@ def dataset_record(image_ids: Sequence[str]) -> dict[str, Any]:
     """What a checkpoint records of its dataset: the number of images and a sha256 of their sorted ids."""
     digest = hashlib.sha256("\n".join(sorted(image_ids)).encode()).hexdigest()
     return {"fingerprint": digest, "images": len(image_ids)}
-
-
-# The fields of numpy's state (after its generator's name, "MT19937") and of Python's, as checkpoints name them.
-_NUMPY_RNG_FIELDS = ("keys", "pos", "has_gauss", "cached_gaussian")
-_PYTHON_RNG_FIELDS = ("version", "state", "gauss_next")
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """torch/CUDA/numpy/python RNG states as tensors and plain values (loadable with weights_only=True).
-
-    Training draws no random numbers after initialisation (data order and augmentation are pure functions of the
-    seed, epoch and index), so these are stored for completeness and for anything a user adds, not for exactness.
-    """
-    numpy_state = dict(zip(_NUMPY_RNG_FIELDS, np.random.get_state()[1:], strict=True))
-    numpy_state["keys"] = torch.from_numpy(numpy_state["keys"].astype(np.int64))  # weights_only reads no numpy arrays
-    python_state = dict(zip(_PYTHON_RNG_FIELDS, random.getstate(), strict=True))
-    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": python_state}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    numpy_state = {**state["numpy"], "keys": state["numpy"]["keys"].numpy().astype(np.uint32)}
-    np.random.set_state(("MT19937", *(numpy_state[name] for name in _NUMPY_RNG_FIELDS)))
-    python_state = state["python"]  # files of older versions hold its state as a list
-    random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
-    cuda_states = state.get("cuda")
-    if cuda_states is not None and torch.cuda.is_available() and len(cuda_states) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda_states)
