@@ -89,19 +89,6 @@ def is_due(every: int, count: int) -> bool:
     return every > 0 and count % every == 0
 
 
-def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, keep: int) -> int | None:
-    """Insert a validation Dice into the ``keep`` best (best first; a tie ranks below the older state).
-
-    Returns its 1-based place (the ``k`` of ``best-<k>.pth``) and updates ``ranking``; None when it is not among them.
-    """
-    place = sum(1 for entry in ranking if entry[0] >= dice)
-    if place >= keep:
-        return None
-    ranking.insert(place, [dice, global_step])
-    del ranking[keep:]
-    return place + 1
-
-
 class Checkpointer:
     """When and which checkpoint files a run writes (see the module docstring), from the checkpoint flags.
 
@@ -161,11 +148,8 @@ class Checkpointer:
             targets.append(self.folder.epoch_checkpoint(epoch_number))
         # best.pth and best-K.pth are for sharing and inference: the weights only (utils.checkpoint.run_folder).
         shared = [self.folder.best] if improved else []
-        place, previous = None, self.position.best_ranking
-        if dice is not None and self.config.keep_best:
-            ranking = [list(entry) for entry in previous]
-            place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.keep_best)
-            self.position.best_ranking = ranking
+        previous = self.position.best_ranking
+        place = self.position.rank(dice, self.config.keep_best) if dice is not None else None
         if place is not None:
             shared.append(self.folder.ranked_best(place))
         if not self._save(targets, shared, best_place=place):

@@ -317,6 +317,16 @@ class TrainPosition:
     validations_without_improvement: int = 0
     """--patience: validations since the last one that improved on the best Dice by more than --min-delta."""
 
+    def rank(self, dice: float, keep: int) -> int | None:
+        """Enter a validation ``dice`` of this step into the ``keep`` best (a tie ranks below the older state): its
+        1-based place (the ``k`` of ``best-<k>.pth``), None when it is not among them. ``best_ranking`` becomes a new
+        list, so a caller that keeps the old one can put it back."""
+        place = sum(1 for entry in self.best_ranking if entry[0] >= dice)
+        if place >= keep:
+            return None
+        self.best_ranking = [*self.best_ranking[:place], [dice, self.global_step], *self.best_ranking[place:]][:keep]
+        return place + 1
+
     @classmethod
     def of(cls, payload: Mapping[str, Any]) -> TrainPosition:
         """The position ``payload`` records, each field as the type of its default; a key an older file lacks (or
