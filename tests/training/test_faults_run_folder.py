@@ -185,7 +185,7 @@ def test_resume_from_a_copy_of_the_newest_state_continues_its_folder(
     copy = folder.epoch_checkpoint(1)
     assert copy.stat().st_mtime_ns >= written
     os.utime(copy, ns=(written + 10**9, written + 10**9))
-    assert folder.checkpoints()[0] == copy
+    assert folder.find_resume_checkpoint()[0] == copy
     assert folder.can_continue_from(load_resume_checkpoint(folder.last))
     capsys.readouterr()
     assert runner.main("unet", *SHORT, "-e", "1", "--resume", str(folder.last)) == 0

@@ -143,17 +143,16 @@ def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
             f"{FORMAT_VERSION}. Upgrade unet-ddp"
         )
     recorded = raw.get(KEY_TENSOR_DIGESTS)
-    if recorded is None and KEY_FORMAT_VERSION in raw:
+    if KEY_FORMAT_VERSION in raw and not isinstance(recorded, Mapping):
         # Every file of our format is written with its digests (save_checkpoint_atomic): one without them was edited
         # by other code, which may have changed the tensors too. A file of ours is verified, or not read as ours.
         raise CheckpointError(
             f"checkpoint {path} is in unet-ddp's format ({KEY_FORMAT_VERSION} {raw[KEY_FORMAT_VERSION]!r}) but its "
-            f"tensor digests ({KEY_TENSOR_DIGESTS}) were removed, so its weights cannot be verified; use another "
-            f"checkpoint, or if you trust it, save its weights alone with torch.save(state_dict, ...) and load that"
+            f"tensor digests ({KEY_TENSOR_DIGESTS}) were removed or are unreadable, so its weights cannot be verified; "
+            f"use another checkpoint, or if you trust it, save its weights alone with torch.save(state_dict, ...) and "
+            f"load that"
         )
-    if recorded is not None:
-        if not isinstance(recorded, Mapping):
-            raise CheckpointError(f"checkpoint {path} is damaged (its tensor digests are unreadable); use another")
+    if isinstance(recorded, Mapping):  # foreign files carry none
         actual = tensor_digests(raw)
         changed = sorted(name for name in set(recorded) | set(actual) if recorded.get(name) != actual.get(name))
         if changed:
@@ -212,9 +211,7 @@ def _tensors_of(value: Any, prefix: str = "") -> Any:
     if isinstance(value, torch.Tensor):
         yield prefix, value
     elif isinstance(value, Mapping):
-        for key in sorted(value, key=str):
-            if prefix == "" and key == KEY_TENSOR_DIGESTS:
-                continue
+        for key in sorted(value, key=str):  # the digests themselves are strings: never among the tensors
             yield from _tensors_of(value[key], f"{prefix}/{key}" if prefix else str(key))
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):

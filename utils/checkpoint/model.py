@@ -44,9 +44,8 @@ logger = logging.getLogger(__name__)
 # milesial/Pytorch-UNet's predict.py and evaluate default: used for files that do not record their training scale.
 DEFAULT_SCALE = 0.5
 
-# How a user sets each constructor argument; the image channels come from the data, not from a flag.
+# How a user sets each constructor argument (the image channels come from the data, not from a flag).
 ARG_FLAGS = {
-    "n_channels": "image channels",
     "n_classes": "--classes",
     "bilinear": "--bilinear",
     "base_channels": "--base-channels",

@@ -121,6 +121,7 @@ class RunFolder:
         A full disk or a folder without write permission is the same one-line error as a failed save. Leftovers are
         removed only under the lock: the temporary files of a write in progress look the same.
         """
+        self.check_creatable()
         fd = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -162,7 +163,7 @@ class RunFolder:
         return bool(self.checkpoint_files()) or self.metrics.exists()
 
     def check_creatable(self) -> None:
-        """A run folder that cannot exist (a file in its way) stops the run now rather than at its first save."""
+        """A run folder that cannot exist (a file in its way) stops the run at its lock, in one line that says so."""
         existing = next(folder for folder in (self.path, *self.path.parents) if folder.exists())
         if not existing.is_dir():
             raise ConfigError(
@@ -184,24 +185,18 @@ class RunFolder:
             return []
         return [path for path in self.path.iterdir() if path.is_file() and wanted(path.name)]
 
-    def checkpoints(self) -> list[Path]:
-        """Checkpoints of the run folder, furthest recorded position first (``recorded_position``).
+    def find_resume_checkpoint(self) -> tuple[Path, TrainingState] | None:
+        """The complete checkpoint of the furthest recorded position (``recorded_position``) and its state, None when
+        there is none.
 
-        Files whose position cannot be read (corrupt, truncated, code-bearing) come first: the full read of
-        ``find_resume_checkpoint`` then names what is wrong with each before skipping it, so a damaged newest state is
-        never passed over in silence. A tie goes to the most recently written.
+        Files whose position cannot be read (corrupt, truncated, code-bearing) are tried first: their full read names
+        what is wrong with each before skipping it with a warning, so a damaged newest state is never passed over in
+        silence; if there are only such files, that is an error rather than a fresh start that would overwrite them. A
+        tie goes to the most recently written.
         """
         ranked = [(recorded_position(path), path.stat().st_mtime_ns, path) for path in self.checkpoint_files()]
         ranked.sort(key=lambda entry: (entry[0] is None, entry[0] or (), entry[1]), reverse=True)
-        return [path for _, _, path in ranked]
-
-    def find_resume_checkpoint(self) -> tuple[Path, TrainingState] | None:
-        """The complete checkpoint of the furthest recorded position and its state, None when there is none.
-
-        Corrupt or incomplete files are skipped with a warning; if there are only such files, that is an error rather
-        than a fresh start that would overwrite them.
-        """
-        candidates = self.checkpoints()
+        candidates = [path for _, _, path in ranked]
         for path in candidates:
             try:
                 return path, load_resume_checkpoint(path)
@@ -305,7 +300,6 @@ class RunSeries:
         """
         number = self.newest_number()
         folder = self.folder(number)
-        folder.check_creatable()
         while not folder.take_if(lambda candidate: not candidate.holds_a_run()):
             number += 1
             folder = self.folder(number)
@@ -372,7 +366,6 @@ def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> Run
         folder = series.taken_last(candidates) if restart_count > 0 else None
         if folder is None:  # a first attempt (or one whose first attempt failed before it chose)
             return _resume_from_path(resume, series)
-    folder.check_creatable()
     folder.lock()
     found = folder.find_resume_checkpoint()
     if found is not None:
