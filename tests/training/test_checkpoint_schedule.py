@@ -11,27 +11,9 @@ import torch
 
 from tests.conftest import REPO_ROOT, TrainRunner, child_env, finish, load_checkpoint, torchrun_prefix
 from tests.helpers import read_metrics
-from utils.checkpoint import checkpointer
-from utils.checkpoint.checkpointer import SaveTimer
 from utils.checkpoint.format import TrainPosition
 
 FAKE_CLOCK = str(Path(__file__).with_name("fake_clock_train.py"))
-
-
-def test_save_timer_is_due_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    now = [0.0]
-    monkeypatch.setattr(checkpointer, "monotonic", lambda: now[0])
-    timer = SaveTimer(minutes=1)
-    now[0] = 59.0
-    assert not timer.due()
-    now[0] = 60.0
-    assert timer.due() and not timer.due()  # asked once, until the save happens
-    timer.saved()
-    now[0] = 119.0
-    assert not timer.due()
-    now[0] = 120.0
-    assert timer.due()
-    assert not SaveTimer(minutes=0).due()
 
 
 def test_the_position_ranks_the_k_best() -> None:
