@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import random
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,21 +99,16 @@ class InferenceRecord:
         usable_scale = isinstance(scale, int | float) and not isinstance(scale, bool) and 0 < scale <= 1
         return cls(
             scale=float(scale) if usable_scale else None,
-            ignore_values=_tuple_of(record.get("ignore_values"), _is_int),
-            channels=channels if _is_int(channels) and channels >= 1 else None,
-            class_names=_tuple_of(names, lambda name: isinstance(name, str)),
+            ignore_values=_tuple_of(record.get("ignore_values"), int),
+            channels=channels if type(channels) is int and channels >= 1 else None,  # a bool is no channel count
+            class_names=_tuple_of(names, str),
         )
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _tuple_of(values: Any, usable: Callable[[Any], bool]) -> tuple:
-    """``values`` as a tuple when they are a list or tuple of usable items, else empty."""
-    if not isinstance(values, list | tuple) or not all(usable(value) for value in values):
-        return ()
-    return tuple(values)
+def _tuple_of(values: Any, kind: type) -> tuple:
+    """``values`` as a tuple when they are a list or tuple of ``kind`` exactly (a bool is no int here), else empty."""
+    usable = isinstance(values, list | tuple) and all(type(value) is kind for value in values)
+    return tuple(values) if usable else ()
 
 
 @dataclass
@@ -137,7 +132,7 @@ def verify_checkpoint(raw: Mapping[str, Any], path: str | Path) -> None:
     """Refuse a file of a newer format version, one whose tensors changed since the save (digest), or one whose model
     weights are not usable (``_check_weight_values``): every read passes here (weights, --resume, run-folder scans)."""
     version = raw.get(KEY_FORMAT_VERSION, FORMAT_VERSION)  # foreign files (milesial's, the DDP script's) have none
-    if not _is_int(version) or version > FORMAT_VERSION:  # a newer layout is never half-understood
+    if type(version) is not int or version > FORMAT_VERSION:  # a newer layout is never half-understood
         raise CheckpointError(
             f"checkpoint {path} has format version {version!r}; this version of unet-ddp reads up to "
             f"{FORMAT_VERSION}. Upgrade unet-ddp"

@@ -142,10 +142,8 @@ def check_expected(
                 "channels; use a checkpoint trained on such images"
             )
         flag = ARG_FLAGS[key]
-        if key in ("bilinear", "deep_supervision"):
-            fix = f"pass {flag}" if stored else f"drop {flag}"
-        else:
-            fix = f"pass {flag} {stored}"
+        switch = f"pass {flag}" if stored else f"drop {flag}"  # --bilinear, --deep-supervision take no value
+        fix = switch if isinstance(stored, bool) else f"pass {flag} {stored}"
         raise CheckpointError(
             f"{source} {path} was trained with {key}={stored!r} but {flag} asks for {value!r}; {fix} or use a "
             f"matching checkpoint"

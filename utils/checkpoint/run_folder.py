@@ -377,12 +377,12 @@ def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> Run
         logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
         return RunChoice(folder)
     logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, folder, resume)
-    return RunChoice(folder, resume, _read_resume_file(resume))
+    return RunChoice(folder, resume, load_resume_checkpoint(resume))
 
 
 def _resume_from_path(resume: str, series: RunSeries) -> RunChoice:
     """A first attempt's --resume PATH: the folder PATH lies in when PATH holds its newest state, else a new one."""
-    state = _read_resume_file(resume)
+    state = load_resume_checkpoint(resume)
     own = series.contains(Path(resume))
     if own is None:  # a file from outside the series: nothing of the series to continue
         return RunChoice(series.start_new(), resume, state)
@@ -391,10 +391,3 @@ def _resume_from_path(resume: str, series: RunSeries) -> RunChoice:
         return RunChoice(own, resume, state)
     reason = f"--resume {resume} is not the newest state of {own} (continuing there would overwrite newer checkpoints)"
     return RunChoice(series.start_new(reason), resume, state)
-
-
-def _read_resume_file(resume: str) -> TrainingState:
-    path = Path(resume)
-    if not path.is_file():
-        raise CheckpointError(f"--resume {resume}: no such file; pass a checkpoint path or --resume auto")
-    return load_resume_checkpoint(path)
