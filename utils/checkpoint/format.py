@@ -225,10 +225,9 @@ def weights_of(raw: dict[str, Any], path: str | Path) -> LoadedWeights:
     state_dict, model_args = _model_weights(raw), raw.get(KEY_MODEL_ARGS) if _is_ours(raw) else None
     if not isinstance(state_dict, Mapping) or not state_dict or not all(map(torch.is_tensor, state_dict.values())):
         raise CheckpointError(f"{path} is not a model checkpoint: it holds no tensors of model weights")
-    mask_values = raw.get(KEY_MASK_VALUES)
     split_digest = raw.get(KEY_SPLIT_DIGEST) if _is_ours(raw) and isinstance(raw.get(KEY_SPLIT_DIGEST), str) else None
     unwrapped = {_WRAPPER_PREFIXES.sub("", key): tensor for key, tensor in state_dict.items()}
-    return LoadedWeights(unwrapped, model_args, mask_values, InferenceRecord.of(raw), split_digest)
+    return LoadedWeights(unwrapped, model_args, raw.get(KEY_MASK_VALUES), InferenceRecord.of(raw), split_digest)
 
 
 def _model_weights(raw: Mapping[str, Any]) -> Any:

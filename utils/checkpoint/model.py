@@ -170,7 +170,6 @@ def load_model(
 # Grey mask values are written to PNG (16 bits at most) by predict: utils.inference.writer.
 MAX_GREY_MASK_VALUE = 2**32 - 1
 """The widest grey value a mask file can hold (32-bit masks train); predict refuses more than PNG's 16 bits."""
-_COLOUR_CHANNELS = (2, 3, 4)
 
 
 def check_args_describe_weights(args: Any, state_dict: Mapping[str, torch.Tensor], path: Any) -> dict[str, Any]:
@@ -254,7 +253,7 @@ def _mask_value_key(value: Any, where: str) -> tuple[int, ...]:
         if not _is_integer(value, MAX_GREY_MASK_VALUE):
             raise CheckpointError(f"{where} hold {value!r}, not an integer in 0..{MAX_GREY_MASK_VALUE} (or a colour)")
         return (int(value),)
-    if len(value) not in _COLOUR_CHANNELS or not all(_is_integer(part, 255) for part in value):
+    if not 2 <= len(value) <= 4 or not all(_is_integer(part, 255) for part in value):
         raise CheckpointError(f"{where} hold {value!r}, not a colour of 2-4 integers in 0..255")
     return tuple(int(part) for part in value)
 
