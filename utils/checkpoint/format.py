@@ -169,22 +169,22 @@ def _check_weight_values(weights: Any, path: str | Path) -> None:
         raise CheckpointError(
             f"checkpoint {path} holds NaN or inf weights ({name}): the file is damaged; take an earlier checkpoint"
         )
-    for key, tensor in tensors.items():
-        if tensor.layout != torch.strided:
-            raise CheckpointError(
-                f"checkpoint {path} holds {key} as a {tensor.layout} tensor, not a dense one: model weights are "
-                f"dense; the file is damaged or was converted wrongly, use another checkpoint"
-            )
-        if not tensor.is_floating_point() and not key.endswith("num_batches_tracked"):  # BatchNorm's step counter
-            raise CheckpointError(
-                f"checkpoint {path} holds {key} as {tensor.dtype}, not floating point: such weights cannot have been "
-                f"trained; the file is damaged or was converted wrongly, use another checkpoint"
-            )
-        if key.endswith("running_var") and tensor.numel() and bool((tensor < 0).any()):
-            raise CheckpointError(
-                f"checkpoint {path} holds a negative BatchNorm variance in {key} (min {float(tensor.min()):g}), "
-                f"which no training produces; the file is damaged, use another checkpoint"
-            )
+    problem = next(filter(None, (_weight_problem(key, tensor) for key, tensor in tensors.items())), None)
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {path} holds {problem}; the file is damaged or was converted wrongly, use another checkpoint"
+        )
+
+
+def _weight_problem(key: str, tensor: torch.Tensor) -> str | None:
+    """Why the weight ``key`` cannot have come from training, None when it can."""
+    if tensor.layout != torch.strided:
+        return f"{key} as a {tensor.layout} tensor, not a dense one: model weights are dense"
+    if not tensor.is_floating_point() and not key.endswith("num_batches_tracked"):  # BatchNorm's step counter
+        return f"{key} as {tensor.dtype}, not floating point: such weights cannot have been trained"
+    if key.endswith("running_var") and tensor.numel() and bool((tensor < 0).any()):
+        return f"a negative BatchNorm variance in {key} (min {float(tensor.min()):g}), which no training produces"
+    return None
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
