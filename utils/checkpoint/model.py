@@ -225,37 +225,37 @@ def weights_mismatch(model: Mapping[str, torch.Tensor], weights: Mapping[str, to
 
 def check_mask_values_of(mask_values: Any, n_classes: int, path: Any) -> None:
     """``mask_values``: one unique integer (or colour) per predicted class; None (not recorded) passes."""
-    if mask_values is None:
-        return
-    n_predicted = 2 if n_classes == 1 else n_classes
-    shown = shortened(list(mask_values) if isinstance(mask_values, tuple) else mask_values)
-    where = f"checkpoint {path}: mask_values {shown}"
-    if not isinstance(mask_values, list | tuple):
-        raise CheckpointError(f"{where} are not a list; the file is damaged, use another checkpoint")
-    if len(mask_values) != n_predicted:
+    problem = _mask_values_problem(mask_values, 2 if n_classes == 1 else n_classes)
+    if problem is not None:
+        shown = shortened(list(mask_values) if isinstance(mask_values, tuple) else mask_values)
         raise CheckpointError(
-            f"{where} name {len(mask_values)} values but the model predicts {n_predicted} classes (one value per "
-            f"class); the file is damaged or was edited, use another checkpoint"
-        )
-    keys = [_mask_value_key(value, where) for value in mask_values]
-    if len({len(key) for key in keys}) > 1:
-        raise CheckpointError(f"{where} mix grey values and colours, or colours of different lengths")
-    if len(set(keys)) != len(keys):
-        raise CheckpointError(
-            f"{where} repeat a value, so two classes would be written the same; the file is damaged, use another "
+            f"checkpoint {path}: mask_values {shown} {problem}; the file is damaged or was edited, use another "
             f"checkpoint"
         )
 
 
-def _mask_value_key(value: Any, where: str) -> tuple[int, ...]:
-    """The channels of a grey value (one) or a colour (2-4), checked: integers in the range a mask file can hold."""
-    if not isinstance(value, list | tuple):
-        if not _is_integer(value, MAX_GREY_MASK_VALUE):
-            raise CheckpointError(f"{where} hold {value!r}, not an integer in 0..{MAX_GREY_MASK_VALUE} (or a colour)")
-        return (int(value),)
-    if not 2 <= len(value) <= 4 or not all(_is_integer(part, 255) for part in value):
-        raise CheckpointError(f"{where} hold {value!r}, not a colour of 2-4 integers in 0..255")
-    return tuple(int(part) for part in value)
+def _mask_values_problem(mask_values: Any, n_predicted: int) -> str | None:
+    """What keeps ``mask_values`` from mapping each of ``n_predicted`` classes to its own value a mask file can hold:
+    a grey value (an integer) or a colour (2-4 integers in 0..255), not mixed; None when nothing does."""
+    if mask_values is None:
+        return None
+    if not isinstance(mask_values, list | tuple):
+        return "are not a list"
+    if len(mask_values) != n_predicted:
+        return f"name {len(mask_values)} values but the model predicts {n_predicted} classes (one value per class)"
+    for value in mask_values:
+        colour = isinstance(value, list | tuple)
+        if not colour and not _is_integer(value, MAX_GREY_MASK_VALUE):
+            return f"hold {value!r}, not an integer in 0..{MAX_GREY_MASK_VALUE} (or a colour)"
+        if colour and not (2 <= len(value) <= 4 and all(_is_integer(part, 255) for part in value)):
+            return f"hold {value!r}, not a colour of 2-4 integers in 0..255"
+    # Equal numbers are equal keys (1, 1.0 and True alike), as they are one value in a mask file.
+    keys = [tuple(value) if isinstance(value, list | tuple) else (value,) for value in mask_values]
+    if len({len(key) for key in keys}) > 1:
+        return "mix grey values and colours, or colours of different lengths"
+    if len(set(keys)) != len(keys):
+        return "repeat a value, so two classes would be written the same"
+    return None
 
 
 def _is_integer(value: Any, high: int) -> bool:
