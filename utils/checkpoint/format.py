@@ -3,8 +3,9 @@ users bring.
 
 Our files record a sha256 of every tensor (``KEY_TENSOR_DIGESTS``, computed once at save) and every read checks it,
 so bytes changed on disk are an error naming the file, not wrong weights (a file of our format whose digests were
-removed is refused too); every read also refuses NaN or inf model weights (the only check possible for foreign files,
-which carry no digests) and checks the format version. Foreign files: milesial/Pytorch-UNet's bare ``state_dict``,
+removed is refused too); every read also refuses model weights no training produces (NaN or inf, sparse, integer, a
+negative BatchNorm variance: the only check possible for foreign files, which carry no digests) and checks the format
+version. Foreign files: milesial/Pytorch-UNet's bare ``state_dict``,
 ``module.``/``_orig_mod.`` prefixes of wrapped models, and the DDP script's ``model_state_dict``.
 
 What inference needs to prepare images (the training scale, the void mask values, the image channels) is its own
@@ -12,8 +13,8 @@ record (``KEY_INFERENCE``, ``InferenceRecord``), written at save time, so renami
 how predict resizes; files written before the record existed are read from their ``args`` in one place
 (``InferenceRecord.of``).
 
-``TrainingState`` is the one typed write (``to_payload``) and read (``of``) of a resumable checkpoint; where the run
-stands is its ``TrainPosition``, whose field names are their keys. Reading and writing files is
+``TrainingState`` is the one typed write (``to_payload``) and read (``of``) of a resumable checkpoint, its state dicts
+under their field names; where the run stands is its ``TrainPosition``, whose field names are their keys too. Reading and writing files is
 ``utils.checkpoint.files``; the model a file describes ``utils.checkpoint.model``.
 """
 
