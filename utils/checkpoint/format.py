@@ -14,8 +14,8 @@ how predict resizes; files written before the record existed are read from their
 (``InferenceRecord.of``).
 
 ``TrainingState`` is the one typed write (``to_payload``) and read (``of``) of a resumable checkpoint, its state dicts
-under their field names; where the run stands is its ``TrainPosition``, whose field names are their keys too. Reading and writing files is
-``utils.checkpoint.files``; the model a file describes ``utils.checkpoint.model``.
+under their field names; where the run stands is its ``TrainPosition``, whose field names are their keys too. Reading
+and writing files is ``utils.checkpoint.files``; the model a file describes ``utils.checkpoint.model``.
 """
 
 from __future__ import annotations
