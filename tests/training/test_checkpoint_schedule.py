@@ -11,36 +11,27 @@ import torch
 
 from tests.conftest import REPO_ROOT, TrainRunner, child_env, finish, load_checkpoint, torchrun_prefix
 from tests.helpers import read_metrics
-from utils.checkpoint import checkpointer
-from utils.checkpoint.checkpointer import SaveTimer, enter_ranking
+from utils.checkpoint.format import TrainPosition
 
 FAKE_CLOCK = str(Path(__file__).with_name("fake_clock_train.py"))
 
 
-def test_save_timer_is_due_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    now = [0.0]
-    monkeypatch.setattr(checkpointer, "monotonic", lambda: now[0])
-    timer = SaveTimer(minutes=1)
-    now[0] = 59.0
-    assert not timer.due()
-    now[0] = 60.0
-    assert timer.due() and not timer.due()  # asked once, until the save happens
-    timer.saved()
-    now[0] = 119.0
-    assert not timer.due()
-    now[0] = 120.0
-    assert timer.due()
-    assert not SaveTimer(minutes=0).due()
+def test_the_position_ranks_the_k_best() -> None:
+    position = TrainPosition()
 
+    def rank(dice: float, global_step: int, keep: int = 2) -> int | None:
+        position.global_step = global_step
+        return position.rank(dice, keep)
 
-def test_enter_ranking_keeps_the_k_best() -> None:
-    ranking: list[list[float]] = []
-    assert enter_ranking(ranking, 0.5, 1, keep=2) == 1
-    assert enter_ranking(ranking, 0.7, 2, keep=2) == 1
-    assert enter_ranking(ranking, 0.6, 3, keep=2) == 2
-    assert ranking == [[0.7, 2], [0.6, 3]]
-    assert enter_ranking(ranking, 0.6, 4, keep=2) is None  # a tie ranks below the older state
-    assert enter_ranking(ranking, 0.65, 5, keep=2) == 2 and ranking == [[0.7, 2], [0.65, 5]]
+    assert rank(0.5, 1) == 1
+    assert rank(0.7, 2) == 1
+    assert rank(0.6, 3) == 2
+    assert position.best_ranking == [[0.7, 2], [0.6, 3]]
+    kept = position.best_ranking
+    assert rank(0.6, 4) is None  # a tie ranks below the older state
+    assert rank(0.65, 5) == 2 and position.best_ranking == [[0.7, 2], [0.65, 5]]
+    assert kept == [[0.7, 2], [0.6, 3]]  # a new list: the old ranking is intact to put back
+    assert rank(0.9, 6, keep=0) is None and position.best_ranking == [[0.7, 2], [0.65, 5]]  # --keep-best 0
 
 
 @pytest.mark.slow

@@ -82,13 +82,14 @@ def test_two_runs_on_one_folder_one_runs_the_other_stops_and_nothing_live_is_tou
 
 def test_the_lock_names_its_holder_and_is_released_with_the_process(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path / "run")
-    assert folder.try_lock() is None
+    assert folder.lock()
     other = RunFolder(tmp_path / "run")
-    assert other.try_lock() == os.getpid()
-    with pytest.raises(Exception, match=rf"run folder {folder.path} is in use by another training process \(PID "):
+    assert not other.lock(in_use_is_an_error=False)
+    in_use = rf"run folder {folder.path} is in use by another training process \(PID {os.getpid()}\); wait"
+    with pytest.raises(ConfigError, match=in_use):
         other.lock()
     folder.unlock()
-    assert other.try_lock() is None
+    assert other.lock(in_use_is_an_error=False)
     other.unlock()
 
 
@@ -146,7 +147,7 @@ def test_resume_from_an_older_state_begins_the_next_folder_and_leaves_the_old_on
 
     # While a live run holds the folder, its newest state is not ours to continue; an older one still branches off.
     live, series = RunFolder(run_dir), RunSeries(runner.checkpoint_dir, "unet")
-    assert live.try_lock() is None
+    assert live.lock()
     try:
         with pytest.raises(ConfigError, match=rf"run folder {run_dir} is in use by another training process"):
             chosen_run(run_dir / "last.pth", series, 0)
@@ -184,7 +185,7 @@ def test_resume_from_a_copy_of_the_newest_state_continues_its_folder(
     copy = folder.epoch_checkpoint(1)
     assert copy.stat().st_mtime_ns >= written
     os.utime(copy, ns=(written + 10**9, written + 10**9))
-    assert folder.checkpoints()[0] == copy
+    assert folder.find_resume_checkpoint()[0] == copy
     assert folder.can_continue_from(load_resume_checkpoint(folder.last))
     capsys.readouterr()
     assert runner.main("unet", *SHORT, "-e", "1", "--resume", str(folder.last)) == 0

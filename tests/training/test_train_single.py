@@ -137,7 +137,10 @@ def _bad_weights(tmp_path: Path, which: str) -> Path:
         (["--load", "BAD:text"], "notes.pth is corrupt"),
         (["--ddp_mode"], "torchrun --nproc_per_node=NUM_GPUS train.py"),
         (["--precision", "fp16"], "--precision fp16 needs a CUDA device"),
-        (["--resume", "missing.pth"], "--resume missing.pth: no such file"),
+        (
+            ["--resume", "missing.pth"],
+            "checkpoint missing.pth does not exist; check the path given to --load/--model/--resume",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(

@@ -317,6 +317,24 @@ def test_a_signal_stops_at_the_end_of_the_step_it_arrived_in(tmp_path: Path) -> 
     assert (position.epoch, position.global_step, position.step_in_epoch) == (0, 1, 3)
 
 
+def test_the_timed_save_is_asked_once_per_interval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]  # the clock when the checkpointer starts: the first interval starts there
+    monkeypatch.setattr(checkpointer, "monotonic", lambda: now[0])
+    saver = make_run(tmp_path, n_train=2, flags=("--save-every-minutes", "1")).trainer.checkpointer
+    now[0] = 59.0
+    assert not saver.timed_save_due()
+    now[0] = 60.0
+    assert saver.timed_save_due() and not saver.timed_save_due()  # asked once, until the save happens
+    saver.save_timed()  # last.pth: the next interval starts now
+    now[0] = 119.0
+    assert not saver.timed_save_due()
+    now[0] = 120.0
+    assert saver.timed_save_due()
+    never = make_run(tmp_path / "never", n_train=2, flags=("--save-every-minutes", "0")).trainer.checkpointer
+    now[0] = 10**6
+    assert not never.timed_save_due()
+
+
 def test_an_agreed_timed_save_writes_last_at_that_step_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The save timer (rank 0) asks at the boundary of step 2; the agreement answers there with one process, and
     # last.pth is written at that step once (not again at the same step), then at the epoch's end as usual.

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from utils.checkpoint.files import copy_checkpoint_atomic, save_checkpoint_atomic
+from utils.checkpoint.files import save_checkpoint_atomic
 from utils.checkpoint.format import (
     KEY_ARGS,
     KEY_MODEL_ARGS,
@@ -57,49 +57,10 @@ def monotonic() -> float:
     return time.monotonic()
 
 
-class SaveTimer:
-    """--save-every-minutes (Lightning's ``train_time_interval``): says once per interval that a save is due, then
-    waits for ``saved()`` before counting the next interval.
-
-    Only global rank 0 reads its clock; the loop sends its answer to the other ranks on the stop agreement's
-    all-reduce (``utils.launch.process_group.StopAgreement``), so every rank saves at the same step.
-    """
-
-    def __init__(self, minutes: float) -> None:
-        self.interval_s = minutes * 60.0
-        self._last_save = monotonic()
-        self._requested = False
-
-    def due(self) -> bool:
-        """True when the interval has passed since the last save and no save was asked for since (0 minutes: never)."""
-        if not self.interval_s or self._requested:
-            return False
-        self._requested = monotonic() - self._last_save >= self.interval_s
-        return self._requested
-
-    def saved(self) -> None:
-        """A save happened (by time or any other reason): the next interval starts now."""
-        self._last_save = monotonic()
-        self._requested = False
-
-
 def is_due(every: int, count: int) -> bool:
     """Whether step or epoch number ``count`` is one of every ``every`` (``--save-every-steps``, ``--save_every``;
     0: never)."""
     return every > 0 and count % every == 0
-
-
-def enter_ranking(ranking: list[list[float]], dice: float, global_step: int, *, keep: int) -> int | None:
-    """Insert a validation Dice into the ``keep`` best (best first; a tie ranks below the older state).
-
-    Returns its 1-based place (the ``k`` of ``best-<k>.pth``) and updates ``ranking``; None when it is not among them.
-    """
-    place = sum(1 for entry in ranking if entry[0] >= dice)
-    if place >= keep:
-        return None
-    ranking.insert(place, [dice, global_step])
-    del ranking[keep:]
-    return place + 1
 
 
 class Checkpointer:
@@ -119,15 +80,18 @@ class Checkpointer:
         skipped_steps: Callable[[], int],
         phase: Callable[[str], AbstractContextManager[None]],
     ) -> None:
-        self.config = config = parts.config.checkpoint
+        self.config = parts.config.checkpoint
         self.ctx = ctx
         self.folder = parts.run_folder
         self.parts = parts
         self.position = parts.position
         self._skipped_steps = skipped_steps
         self._phase = phase
-        # Read on global rank 0 only; the other ranks learn its decision through the stop agreement.
-        self.timer = SaveTimer(config.save_every_minutes)
+        # --save-every-minutes (Lightning's train_time_interval): rank 0's clock says a save is due once an interval
+        # passed since the last save; the other ranks learn it on the stop agreement's all-reduce
+        # (utils.launch.process_group.StopAgreement), so every rank saves at the same step.
+        self._interval_start = monotonic()
+        self._timed_save_asked = False
         self._last_saved_at: tuple[int, int] | None = None  # (global_step, epoch) of the state in last.pth
         # What every file records of the run besides its state, fixed when the run starts: the weights' record (how
         # images were prepared, --scale, --ignore-value, channels, and --class-names: read from the flags once, by the
@@ -146,13 +110,22 @@ class Checkpointer:
             self._save([self.folder.last])
 
     def timed_save_due(self) -> bool:
-        """Whether this process asks for a --save-every-minutes save (rank 0's clock; the others never ask)."""
-        return self.ctx.is_main and self.timer.due()
+        """Whether this process asks for a --save-every-minutes save: global rank 0 (the others never ask), once the
+        interval passed since the last save, then not again until a save starts the next interval (0 minutes: never)."""
+        interval_s = self.config.save_every_minutes * 60
+        if not self.ctx.is_main or not interval_s or self._timed_save_asked:
+            return False
+        self._timed_save_asked = monotonic() - self._interval_start >= interval_s
+        return self._timed_save_asked
 
     def save_timed(self) -> None:
         """The save every rank agreed on at this boundary (``timed_save_due`` of some rank), unless already done."""
         if not self._save_last():
-            self.timer.saved()  # a skipped step postponed it: count the next interval from now
+            self._start_interval()  # a skipped step postponed it: count the next interval from now
+
+    def _start_interval(self) -> None:
+        self._interval_start = monotonic()
+        self._timed_save_asked = False
 
     def save_epoch(self, epoch_number: int, dice: float | None, *, improved: bool) -> None:
         """At the end of epoch ``epoch_number`` (``dice``: its validation score, None when it did not validate)."""
@@ -161,11 +134,8 @@ class Checkpointer:
             targets.append(self.folder.epoch_checkpoint(epoch_number))
         # best.pth and best-K.pth are for sharing and inference: the weights only (utils.checkpoint.run_folder).
         shared = [self.folder.best] if improved else []
-        place, previous = None, self.position.best_ranking
-        if dice is not None and self.config.keep_best:
-            ranking = [list(entry) for entry in previous]
-            place = enter_ranking(ranking, dice, self.position.global_step, keep=self.config.keep_best)
-            self.position.best_ranking = ranking
+        previous = self.position.best_ranking
+        place = self.position.rank(dice, self.config.keep_best) if dice is not None else None
         if place is not None:
             shared.append(self.folder.ranked_best(place))
         if not self._save(targets, shared, best_place=place):
@@ -191,14 +161,13 @@ class Checkpointer:
         """Write the current state to ``full`` and its weights alone to ``shared`` (global rank 0) if it is healthy;
         False when it is not saved."""
         targets = [*full, *shared]
-        if self._skipped_steps():
-            if self.ctx.is_main:
-                logger.warning(
-                    "Not saving %s at step %d: the latest optimizer step had NaN or inf gradients and was skipped; "
-                    "the previous checkpoint stays",
-                    ", ".join(path.name for path in targets),
-                    self.position.global_step,
-                )
+        if self._skipped_steps():  # logged once: ranks other than 0 log errors only
+            logger.warning(
+                "Not saving %s at step %d: the latest optimizer step had NaN or inf gradients and was skipped; the "
+                "previous checkpoint stays",
+                ", ".join(path.name for path in targets),
+                self.position.global_step,
+            )
             return False
         if not all_finite(list(self.parts.raw_model.state_dict().values())):
             # DDP keeps weights and buffers identical on every rank: all of them stop here with this message.
@@ -212,7 +181,7 @@ class Checkpointer:
         agree_on_errors(self.ctx, lambda: self._write(full, shared, best_place) if self.ctx.is_main else None)
         if self.folder.last in targets:
             self._last_saved_at = (self.position.global_step, self.position.epoch)
-            self.timer.saved()
+            self._start_interval()
         return True
 
     def payload(self) -> dict[str, Any]:
@@ -235,8 +204,9 @@ class Checkpointer:
             self.folder.make_room_for_best(best_place, self.config.keep_best)
         with self._phase("checkpoint"):
             payload = self.payload()
-            _write_copies(payload, full)
-            _write_copies({key: payload[key] for key in WEIGHTS_ONLY_KEYS}, shared)
+            save_checkpoint_atomic(payload, *full)
+            if shared:
+                save_checkpoint_atomic({key: payload[key] for key in WEIGHTS_ONLY_KEYS}, *shared)
         logger.info(
             "Saved %s at step %d (%s and %s done)",
             ", ".join(path.name for path in [*full, *shared]),
@@ -248,10 +218,10 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------ size
 
     def log_budget(self) -> None:
-        """One line before training: how much disk the files of this run take at most, so a full disk is foreseen."""
-        if self.ctx.is_main:
-            epochs = range(self.position.epoch + 1, self.parts.config.epoch_range()[1] + 1)  # the epochs it trains
-            logger.info(budget_line(self.parts.raw_model, self.parts.step.optimizer, self.config, epochs))
+        """One line before training (rank 0's: the others log errors only): how much disk the files of this run take
+        at most, so a full disk is foreseen."""
+        epochs = range(self.position.epoch + 1, self.parts.config.epoch_range()[1] + 1)  # the epochs it trains
+        logger.info(budget_line(self.parts.raw_model, self.parts.step.optimizer, self.config, epochs))
 
 
 def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
@@ -262,10 +232,9 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
     restored before the average, whose reference step count is the optimizer's.
     """
     parts["model"].load_state_dict(state.weights.state_dict)
-    parts["optimizer"].load_state_dict(state.optimizer)
-    parts["scheduler"].load_state_dict(state.scheduler)
-    if parts["scaler"] is not None and state.scaler:
-        parts["scaler"].load_state_dict(state.scaler)
+    for name in ("optimizer", "scheduler", "scaler"):  # a scaler's state only where the run and the file have one
+        if parts[name] is not None and getattr(state, name):
+            parts[name].load_state_dict(getattr(state, name))
     ema = parts["ema"]
     if ema is None and state.ema is not None:
         logger.warning("the resumed checkpoint holds an average of the weights, but without --ema it is dropped")
@@ -276,8 +245,8 @@ def restore(state: TrainingState, parts: Mapping[str, Any]) -> None:
             )
         # A resume that switches --ema on starts the average from the resumed weights.
         ema.load_state_dict(state.ema if state.ema is not None else state.weights.state_dict)
-    if state.rng is not None:
-        restore_rng_state(state.rng)
+    if state.rng_state is not None:
+        restore_rng_state(state.rng_state)
 
 
 def budget_line(
@@ -303,12 +272,3 @@ def budget_line(
         f"{full_state / 1e6:.1f} MB, best.pth (weights only) about {weights / 1e6:.1f} MB; this run keeps at most "
         f"{full_files} full-state and {weights_files} weights-only files, about {total / 1e6:.1f} MB"
     )
-
-
-def _write_copies(payload: dict[str, Any], targets: Sequence[Path]) -> None:
-    """Serialise ``payload`` once, to the first target; the others get copies of its bytes, each a file of its own."""
-    if not targets:
-        return
-    save_checkpoint_atomic(payload, targets[0])
-    for target in targets[1:]:
-        copy_checkpoint_atomic(targets[0], target)

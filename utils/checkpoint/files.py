@@ -37,16 +37,18 @@ from utils.errors import CheckpointError
 from utils.output_files import OutputError, replacing
 
 
-def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path) -> None:
-    """Write ``payload`` to ``path`` so that ``path`` is either the old file or the complete new one.
+def save_checkpoint_atomic(payload: Mapping[str, Any], path: str | Path, *copies: str | Path) -> None:
+    """Write ``payload`` to ``path`` so that ``path`` is either the old file or the complete new one; each of
+    ``copies`` then gets its bytes (``copy_checkpoint_atomic``): a state saved under several names is serialised once.
 
     Raises CheckpointError (naming the folder and the fix) when the disk is full or the folder is not writable; the
     previous file under ``path`` is then untouched.
     """
-    payload = dict(payload)
     if KEY_FORMAT_VERSION in payload:
-        payload[KEY_TENSOR_DIGESTS] = tensor_digests(payload)
+        payload = {**payload, KEY_TENSOR_DIGESTS: tensor_digests(payload)}
     _write_atomic(Path(path), lambda temporary: _save_to(payload, temporary))
+    for copy in copies:
+        copy_checkpoint_atomic(path, copy)
 
 
 def copy_checkpoint_atomic(source: str | Path, target: str | Path) -> None:

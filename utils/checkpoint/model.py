@@ -13,11 +13,10 @@ Files without that record keep milesial/Pytorch-UNet's default, 0.5.
 
 A file's ``model_args`` say which model to build; its weights say which model they belong to. Trusting the first
 alone lets a damaged or crafted file make the process allocate a model of tens of GB (``base_channels=1024``) before
-the weights are found not to fit. So before building (``spec_of``):
+the weights are found not to fit. So before building (``spec_of``), after the weights' values passed the read's check
+(finite, dense, floating point, BatchNorm variances non-negative: ``utils.checkpoint.format``):
 
 * the arguments are compared with the weights' shapes on the meta device (no memory is allocated);
-* the weights are floating point (integer weights give an all-background mask that looks like a result), and every
-  BatchNorm ``running_var`` is non-negative (a negative variance is the square root of a negative number: NaN);
 * the mask values are one per class, unique, and integers (grey values) or colours of 2-4 channels of 0..255, so
   each predicted class maps to one value of the output image.
 
@@ -45,9 +44,8 @@ logger = logging.getLogger(__name__)
 # milesial/Pytorch-UNet's predict.py and evaluate default: used for files that do not record their training scale.
 DEFAULT_SCALE = 0.5
 
-# How a user sets each constructor argument; the image channels come from the data, not from a flag.
+# How a user sets each constructor argument (the image channels come from the data, not from a flag).
 ARG_FLAGS = {
-    "n_channels": "image channels",
     "n_classes": "--classes",
     "bilinear": "--bilinear",
     "base_channels": "--base-channels",
@@ -101,9 +99,8 @@ def infer_model_args(state_dict: Mapping[str, torch.Tensor], path: str | Path) -
 def spec_of(loaded: LoadedWeights, path: str | Path) -> ModelSpec:
     """The model ``loaded`` (read from ``path``) describes."""
     raw_args = loaded.model_args if loaded.model_args is not None else infer_model_args(loaded.state_dict, path)
-    # Before anything is built from it; the arguments against the weights first, as the others read the class count.
+    # Before anything is built from it; the arguments first, as the mask values check reads the class count.
     args = check_args_describe_weights(raw_args, loaded.state_dict, path)
-    check_weight_values(loaded.state_dict, path)
     check_mask_values_of(loaded.mask_values, int(args["n_classes"]), path)
     return ModelSpec(
         **args, mask_values=loaded.mask_values, inference=loaded.inference, split_digest=loaded.split_digest
@@ -145,10 +142,8 @@ def check_expected(
                 "channels; use a checkpoint trained on such images"
             )
         flag = ARG_FLAGS[key]
-        if key in ("bilinear", "deep_supervision"):
-            fix = f"pass {flag}" if stored else f"drop {flag}"
-        else:
-            fix = f"pass {flag} {stored}"
+        switch = f"pass {flag}" if stored else f"drop {flag}"  # --bilinear, --deep-supervision take no value
+        fix = switch if isinstance(stored, bool) else f"pass {flag} {stored}"
         raise CheckpointError(
             f"{source} {path} was trained with {key}={stored!r} but {flag} asks for {value!r}; {fix} or use a "
             f"matching checkpoint"
@@ -175,7 +170,6 @@ def load_model(
 # Grey mask values are written to PNG (16 bits at most) by predict: utils.inference.writer.
 MAX_GREY_MASK_VALUE = 2**32 - 1
 """The widest grey value a mask file can hold (32-bit masks train); predict refuses more than PNG's 16 bits."""
-_COLOUR_CHANNELS = (2, 3, 4)
 
 
 def check_args_describe_weights(args: Any, state_dict: Mapping[str, torch.Tensor], path: Any) -> dict[str, Any]:
@@ -203,101 +197,65 @@ def check_args_describe_weights(args: Any, state_dict: Mapping[str, torch.Tensor
     except (ValueError, TypeError, RuntimeError) as error:  # sizes below 1, an unknown encoder, sizes past torch's
         message = f"{path}: model_args {dict(args)} describe no model ({first_line(error)}); the file is damaged"
         raise CheckpointError(message) from None
-    missing, unexpected, mismatched = key_differences(expected, state_dict)
-    if mismatched:
-        key = mismatched[0]
-        detail = (
-            f"{key} has shape {tuple(state_dict[key].shape)} in the weights but {tuple(expected[key].shape)} in the "
-            f"model its model_args describe"
+    mismatch = weights_mismatch(expected, state_dict)
+    if mismatch is not None:
+        raise CheckpointError(
+            f"checkpoint {path} contradicts itself: its model_args {dict(args)} do not describe its weights "
+            f"({mismatch}); the file is damaged or was edited, use another checkpoint"
         )
-    elif missing:
-        lacking = count(len(missing), "tensor")
-        detail = f"the model its model_args describe has {lacking} the weights lack (e.g. {missing[0]})"
-    elif unexpected:
-        detail = f"the weights hold {count(len(unexpected), 'tensor')} that model lacks (e.g. {unexpected[0]})"
-    else:
-        return dict(args)
-    raise CheckpointError(
-        f"checkpoint {path} contradicts itself: its model_args {dict(args)} do not describe its weights ({detail}); "
-        f"the file is damaged or was edited, use another checkpoint"
-    )
+    return dict(args)
 
 
-def key_differences(
-    own: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor]
-) -> tuple[list[str], list[str], list[str]]:
-    """Keys of ``own`` that ``given`` lacks, keys of ``given`` that ``own`` lacks, and keys whose shapes differ."""
-    missing = [key for key in own if key not in given]
-    unexpected = [key for key in given if key not in own]
-    return missing, unexpected, [key for key in own if key in given and own[key].shape != given[key].shape]
-
-
-def check_weight_values(
-    state_dict: Mapping[str, torch.Tensor],
-    path: Any,
-    *,
-    source: str = "checkpoint",
-    fix: str = "use another checkpoint",
-) -> None:
-    """Dense floating-point weights, and non-negative BatchNorm variances: the one check of a weights file's values.
-
-    Every weights file passes it: checkpoints (``spec_of``) and ``--encoder-weights``; NaN and inf are refused by every
-    read before (``utils.checkpoint.format.verify_checkpoint``). ``source`` names the file's flag, ``fix`` what to do.
-    """
-    where = f"{source} {path}"
-    for key, tensor in state_dict.items():
-        if tensor.layout != torch.strided:
-            raise CheckpointError(
-                f"{where} holds {key} as a {tensor.layout} tensor, not a dense one: model weights are dense; the file "
-                f"is damaged or was converted wrongly, {fix}"
-            )
-        if key.endswith("num_batches_tracked"):
-            continue  # BatchNorm's step counter is an integer by design
-        if not tensor.is_floating_point():
-            raise CheckpointError(
-                f"{where} holds {key} as {tensor.dtype}, not floating point: such weights cannot have been "
-                f"trained; the file is damaged or was converted wrongly, {fix}"
-            )
-        if key.endswith("running_var") and tensor.numel() and bool((tensor < 0).any()):
-            raise CheckpointError(
-                f"{where} holds a negative BatchNorm variance in {key} (min {float(tensor.min()):g}), which "
-                f"no training produces; the file is damaged, {fix}"
-            )
+def weights_mismatch(model: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> str | None:
+    """What keeps ``weights`` from loading into a model whose state dict is ``model``: the first tensor whose shape
+    differs, else the tensors one of them lacks; None when they fit. The one wording of a mismatch, for checkpoints
+    and ``--encoder-weights``."""
+    reshaped = [key for key in model if key in weights and model[key].shape != weights[key].shape]
+    missing = [key for key in model if key not in weights]
+    unexpected = [key for key in weights if key not in model]
+    if reshaped:
+        key = reshaped[0]
+        return f"{key} has shape {tuple(weights[key].shape)} in the weights but {tuple(model[key].shape)} in the model"
+    if missing:
+        return f"the model has {count(len(missing), 'tensor')} the weights lack (e.g. {missing[0]})"
+    if unexpected:
+        return f"the weights hold {count(len(unexpected), 'tensor')} the model lacks (e.g. {unexpected[0]})"
+    return None
 
 
 def check_mask_values_of(mask_values: Any, n_classes: int, path: Any) -> None:
     """``mask_values``: one unique integer (or colour) per predicted class; None (not recorded) passes."""
-    if mask_values is None:
-        return
-    n_predicted = 2 if n_classes == 1 else n_classes
-    shown = shortened(list(mask_values) if isinstance(mask_values, tuple) else mask_values)
-    where = f"checkpoint {path}: mask_values {shown}"
-    if not isinstance(mask_values, list | tuple):
-        raise CheckpointError(f"{where} are not a list; the file is damaged, use another checkpoint")
-    if len(mask_values) != n_predicted:
+    problem = _mask_values_problem(mask_values, 2 if n_classes == 1 else n_classes)
+    if problem is not None:
+        shown = shortened(list(mask_values) if isinstance(mask_values, tuple) else mask_values)
         raise CheckpointError(
-            f"{where} name {len(mask_values)} values but the model predicts {n_predicted} classes (one value per "
-            f"class); the file is damaged or was edited, use another checkpoint"
-        )
-    keys = [_mask_value_key(value, where) for value in mask_values]
-    if len({len(key) for key in keys}) > 1:
-        raise CheckpointError(f"{where} mix grey values and colours, or colours of different lengths")
-    if len(set(keys)) != len(keys):
-        raise CheckpointError(
-            f"{where} repeat a value, so two classes would be written the same; the file is damaged, use another "
+            f"checkpoint {path}: mask_values {shown} {problem}; the file is damaged or was edited, use another "
             f"checkpoint"
         )
 
 
-def _mask_value_key(value: Any, where: str) -> tuple[int, ...]:
-    """The channels of a grey value (one) or a colour (2-4), checked: integers in the range a mask file can hold."""
-    if not isinstance(value, list | tuple):
-        if not _is_integer(value, MAX_GREY_MASK_VALUE):
-            raise CheckpointError(f"{where} hold {value!r}, not an integer in 0..{MAX_GREY_MASK_VALUE} (or a colour)")
-        return (int(value),)
-    if len(value) not in _COLOUR_CHANNELS or not all(_is_integer(part, 255) for part in value):
-        raise CheckpointError(f"{where} hold {value!r}, not a colour of 2-4 integers in 0..255")
-    return tuple(int(part) for part in value)
+def _mask_values_problem(mask_values: Any, n_predicted: int) -> str | None:
+    """What keeps ``mask_values`` from mapping each of ``n_predicted`` classes to its own value a mask file can hold:
+    a grey value (an integer) or a colour (2-4 integers in 0..255), not mixed; None when nothing does."""
+    if mask_values is None:
+        return None
+    if not isinstance(mask_values, list | tuple):
+        return "are not a list"
+    if len(mask_values) != n_predicted:
+        return f"name {len(mask_values)} values but the model predicts {n_predicted} classes (one value per class)"
+    for value in mask_values:
+        colour = isinstance(value, list | tuple)
+        if not colour and not _is_integer(value, MAX_GREY_MASK_VALUE):
+            return f"hold {value!r}, not an integer in 0..{MAX_GREY_MASK_VALUE} (or a colour)"
+        if colour and not (2 <= len(value) <= 4 and all(_is_integer(part, 255) for part in value)):
+            return f"hold {value!r}, not a colour of 2-4 integers in 0..255"
+    # Equal numbers are equal keys (1, 1.0 and True alike), as they are one value in a mask file.
+    keys = [tuple(value) if isinstance(value, list | tuple) else (value,) for value in mask_values]
+    if len({len(key) for key in keys}) > 1:
+        return "mix grey values and colours, or colours of different lengths"
+    if len(set(keys)) != len(keys):
+        return "repeat a value, so two classes would be written the same"
+    return None
 
 
 def _is_integer(value: Any, high: int) -> bool:

@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 _EPOCH_PATTERN = re.compile(r"^checkpoint_epoch(\d+)\.pth$")
 # Names of files being written: ``.<final name>.<random>.tmp`` beside the final name (``utils.checkpoint.files``). A
-# crash can leave one behind (never under a final name); ``remove_partial_files`` clears them under the folder's lock.
+# crash can leave one behind (never under a final name); ``RunFolder.lock`` clears them under the folder's lock.
 PARTIAL_FILE_PATTERN = re.compile(r"^\..+\.pth\.[A-Za-z0-9_]+\.tmp$")
 
 
@@ -114,11 +114,14 @@ class RunFolder:
 
     # --------------------------------------------------------------------------------------------------- lock
 
-    def try_lock(self) -> int | None:
-        """Take the folder's lock (creating the folder); None when taken, else the PID of the process that holds it.
+    def lock(self, *, in_use_is_an_error: bool = True) -> bool:
+        """Take the folder's lock (creating the folder), then remove what writes killed mid-way left there: True. When
+        another process holds it: one line naming that process and the fix, or False without ``in_use_is_an_error``.
 
-        A full disk or a folder without write permission is the same one-line error as a failed save.
+        A full disk or a folder without write permission is the same one-line error as a failed save. Leftovers are
+        removed only under the lock: the temporary files of a write in progress look the same.
         """
+        self.check_creatable()
         fd = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -128,7 +131,13 @@ class RunFolder:
             except BlockingIOError:  # EWOULDBLOCK: another process holds it
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip()  # the PID its holder wrote
                 os.close(fd)
-                return int(holder) if holder.isdecimal() and int(holder) > 0 else -1
+                if not in_use_is_an_error:
+                    return False
+                pid = f" (PID {holder})" if holder.isdecimal() and int(holder) > 0 else ""
+                raise ConfigError(
+                    f"run folder {self.path} is in use by another training process{pid}; wait for that run to end or "
+                    f"stop it, or choose another --exp_name"
+                ) from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             os.fsync(fd)
@@ -137,17 +146,10 @@ class RunFolder:
                 os.close(fd)
             raise CheckpointError(write_failure_message(self.lock_file, error)) from error
         self._lock_fd = fd
-        return None
-
-    def lock(self) -> None:
-        """Take the lock or stop with one line naming the folder, the process that holds it and the fix."""
-        holder = self.try_lock()
-        if holder is not None:
-            who = f"another training process (PID {holder})" if holder > 0 else "another training process"
-            raise ConfigError(
-                f"run folder {self.path} is in use by {who}; wait for that run to end or stop it, or choose another "
-                f"--exp_name"
-            )
+        for leftover in self._files(PARTIAL_FILE_PATTERN.match):
+            leftover.unlink(missing_ok=True)
+            logger.info("Removed %s, left behind by a checkpoint write that was interrupted", leftover)
+        return True
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -161,7 +163,7 @@ class RunFolder:
         return bool(self.checkpoint_files()) or self.metrics.exists()
 
     def check_creatable(self) -> None:
-        """A run folder that cannot exist (a file in its way) stops the run now rather than at its first save."""
+        """A run folder that cannot exist (a file in its way) stops the run at its lock, in one line that says so."""
         existing = next(folder for folder in (self.path, *self.path.parents) if folder.exists())
         if not existing.is_dir():
             raise ConfigError(
@@ -183,24 +185,18 @@ class RunFolder:
             return []
         return [path for path in self.path.iterdir() if path.is_file() and wanted(path.name)]
 
-    def checkpoints(self) -> list[Path]:
-        """Checkpoints of the run folder, furthest recorded position first (``recorded_position``).
+    def find_resume_checkpoint(self) -> tuple[Path, TrainingState] | None:
+        """The complete checkpoint of the furthest recorded position (``recorded_position``) and its state, None when
+        there is none.
 
-        Files whose position cannot be read (corrupt, truncated, code-bearing) come first: the full read of
-        ``find_resume_checkpoint`` then names what is wrong with each before skipping it, so a damaged newest state is
-        never passed over in silence. A tie goes to the most recently written.
+        Files whose position cannot be read (corrupt, truncated, code-bearing) are tried first: their full read names
+        what is wrong with each before skipping it with a warning, so a damaged newest state is never passed over in
+        silence; if there are only such files, that is an error rather than a fresh start that would overwrite them. A
+        tie goes to the most recently written.
         """
         ranked = [(recorded_position(path), path.stat().st_mtime_ns, path) for path in self.checkpoint_files()]
         ranked.sort(key=lambda entry: (entry[0] is None, entry[0] or (), entry[1]), reverse=True)
-        return [path for _, _, path in ranked]
-
-    def find_resume_checkpoint(self) -> tuple[Path, TrainingState] | None:
-        """The complete checkpoint of the furthest recorded position and its state, None when there is none.
-
-        Corrupt or incomplete files are skipped with a warning; if there are only such files, that is an error rather
-        than a fresh start that would overwrite them.
-        """
-        candidates = self.checkpoints()
+        candidates = [path for _, _, path in ranked]
         for path in candidates:
             try:
                 return path, load_resume_checkpoint(path)
@@ -231,16 +227,12 @@ class RunFolder:
 
     def take_if(self, may_write: Callable[[RunFolder], bool], *, in_use_is_an_error: bool = False) -> bool:
         """Lock this folder when ``may_write(self)``, asked again under the lock (another run may have saved or ended
-        in between); else False, the folder untouched (its lock file too).
+        in between); else False (a first no leaves the folder untouched, its lock file too).
 
         A folder a live process holds is passed over (False), or with ``in_use_is_an_error`` refused in one line that
         names that process.
         """
-        if not may_write(self):
-            return False
-        if in_use_is_an_error:
-            self.lock()
-        elif self.try_lock() is not None:
+        if not may_write(self) or not self.lock(in_use_is_an_error=in_use_is_an_error):
             return False
         if may_write(self):
             return True
@@ -258,17 +250,6 @@ class RunFolder:
         for path in doomed:
             path.unlink(missing_ok=True)
         return doomed
-
-    def remove_partial_files(self) -> list[Path]:
-        """Delete the temporary files that writes killed mid-way left behind; returns their paths.
-
-        Only under the lock: the files of a write in progress look the same.
-        """
-        assert self._lock_fd is not None, "remove_partial_files needs the folder's lock"
-        removed = self._files(PARTIAL_FILE_PATTERN.match)
-        for candidate in removed:
-            candidate.unlink(missing_ok=True)
-        return removed
 
 
 class RunSeries:
@@ -305,7 +286,7 @@ class RunSeries:
         A torchrun restart finds the folder its first attempt took this way: that attempt's rank 0 took the lock
         moments before it failed, after any earlier run took the lock of any folder of the series.
         """
-        taken = {}  # when a process last took each folder's lock (try_lock writes its PID then)
+        taken = {}  # when a process last took each folder's lock (``lock`` writes its PID then)
         for folder in candidates:
             with contextlib.suppress(OSError):  # no lock file: never taken
                 taken[folder] = folder.lock_file.stat().st_mtime_ns
@@ -319,7 +300,6 @@ class RunSeries:
         """
         number = self.newest_number()
         folder = self.folder(number)
-        folder.check_creatable()
         while not folder.take_if(lambda candidate: not candidate.holds_a_run()):
             number += 1
             folder = self.folder(number)
@@ -377,7 +357,7 @@ def agree_on_run(ctx: DistributedContext, resume: str | None, series: RunSeries)
 def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> RunChoice:
     """Rank 0's choice (see the module docstring); the folder is locked and cleared of interrupted writes."""
     if resume is None and restart_count == 0:
-        return _took(series.start_new())
+        return RunChoice(series.start_new())
     if resume is None or resume == RESUME_AUTO:
         folder = series.newest()
     else:
@@ -386,9 +366,7 @@ def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> Run
         folder = series.taken_last(candidates) if restart_count > 0 else None
         if folder is None:  # a first attempt (or one whose first attempt failed before it chose)
             return _resume_from_path(resume, series)
-    folder.check_creatable()
     folder.lock()
-    _took(folder)
     found = folder.find_resume_checkpoint()
     if found is not None:
         path, state = found
@@ -399,32 +377,17 @@ def choose_run(resume: str | None, series: RunSeries, restart_count: int) -> Run
         logger.info("--resume auto: no checkpoint in %s yet, starting a new run", folder)
         return RunChoice(folder)
     logger.info("torchrun restart %d: no checkpoint in %s yet, resuming --resume %s", restart_count, folder, resume)
-    return RunChoice(folder, resume, _read_resume_file(resume))
+    return RunChoice(folder, resume, load_resume_checkpoint(resume))
 
 
 def _resume_from_path(resume: str, series: RunSeries) -> RunChoice:
     """A first attempt's --resume PATH: the folder PATH lies in when PATH holds its newest state, else a new one."""
-    state = _read_resume_file(resume)
+    state = load_resume_checkpoint(resume)
     own = series.contains(Path(resume))
     if own is None:  # a file from outside the series: nothing of the series to continue
-        return _took(series.start_new(), resume, state)
+        return RunChoice(series.start_new(), resume, state)
     # Asked before the lock too: a folder it may not continue is left untouched, and a live run's is refused.
     if own.take_if(lambda folder: folder.can_continue_from(state), in_use_is_an_error=True):
-        return _took(own, resume, state)
+        return RunChoice(own, resume, state)
     reason = f"--resume {resume} is not the newest state of {own} (continuing there would overwrite newer checkpoints)"
-    return _took(series.start_new(reason), resume, state)
-
-
-def _read_resume_file(resume: str) -> TrainingState:
-    path = Path(resume)
-    if not path.is_file():
-        raise CheckpointError(f"--resume {resume}: no such file; pass a checkpoint path or --resume auto")
-    return load_resume_checkpoint(path)
-
-
-def _took(folder: RunFolder, resume_path: str | None = None, state: TrainingState | None = None) -> RunChoice:
-    """The choice of ``folder`` (locked by this process), after clearing what killed writes left there."""
-    # Under the lock nothing else writes to the folder: a temporary file there is what a killed write left behind.
-    for path in folder.remove_partial_files():
-        logger.info("Removed %s, left behind by a checkpoint write that was interrupted", path)
-    return RunChoice(folder, resume_path, state)
+    return RunChoice(series.start_new(reason), resume, state)

@@ -23,7 +23,7 @@ from unet import UNetArgs
 from unet import build_model as build_architecture
 from utils.checkpoint.files import read_model_weights
 from utils.checkpoint.format import TrainingState, dataset_record
-from utils.checkpoint.model import check_expected, check_weight_values, key_differences, load_model, spec_of
+from utils.checkpoint.model import check_expected, load_model, spec_of, weights_mismatch
 from utils.datasets.splits import check_same_split
 from utils.errors import CheckpointError, ConfigError
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
@@ -127,9 +127,8 @@ def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str
     dropped; every other key must match the encoder exactly, so a resnet50 file given to ``--encoder resnet34`` (or a
     file that is not a ResNet's) is refused with one message naming the file. Nothing is downloaded here or anywhere
     else: the file is read and checked as every weights file is (``utils.checkpoint.files.read_model_weights``: never
-    unpickles code, refuses NaN and inf; ``module.`` prefixes and a ``state_dict`` wrapper are taken off), and its
-    values pass the checkpoints' check (``utils.checkpoint.model.check_weight_values``: dense, floating point,
-    BatchNorm variances >= 0), so a damaged file is refused naming it before a step is trained.
+    unpickles code, refuses NaN and inf, integer, sparse weights and negative BatchNorm variances; ``module.`` prefixes
+    and a ``state_dict`` wrapper are taken off), so a damaged file is refused naming it before a step is trained.
     """
     path = Path(path)
     if not path.is_file():
@@ -142,22 +141,11 @@ def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str
             f"--encoder-weights {path} is not a usable torch state dict ({error}); {HOW_TO_GET}"
         ) from None
     weights = {key: value for key, value in weights.items() if not key.startswith(DROPPED_PREFIXES)}
-    check_weight_values(weights, path, source="--encoder-weights", fix=f"make the file again: {HOW_TO_GET}")
-    own = encoder.state_dict()
-    missing, unexpected, mismatched = key_differences(own, weights)
-    if missing or unexpected or mismatched:
-        hint = ""
-        if mismatched:
-            key = mismatched[0]
-            detail = f"{key} is {tuple(weights[key].shape)} in the file but {tuple(own[key].shape)} in the model"
-            if key == "conv1.weight":
-                hint = " (ImageNet weights are for 3-channel images)"
-        elif missing:
-            detail = f"{len(missing)} encoder keys are missing, e.g. {missing[0]}"
-        else:
-            detail = f"{len(unexpected)} keys are not the encoder's, e.g. {unexpected[0]}"
+    mismatch = weights_mismatch(encoder.state_dict(), weights)
+    if mismatch is not None:
+        hint = " (ImageNet weights are for 3-channel images)" if mismatch.startswith("conv1.weight ") else ""
         raise ConfigError(
-            f"--encoder-weights {path} does not fit --encoder {encoder_name}: {detail}{hint}; pass the weights of "
+            f"--encoder-weights {path} does not fit --encoder {encoder_name}: {mismatch}{hint}; pass the weights of "
             f"a torchvision {encoder_name}, or the --encoder the file was made for"
         )
     encoder.load_state_dict(weights)
