@@ -93,7 +93,7 @@ ARGS_CASES = [
     ({**PLAIN_ARGS, "depth": 5}, r"model_args has unknown keys \['depth'\]"),
     ({"n_channels": 3, "n_classes": 2, "bilinear": False}, r"model_args has missing keys \['base_channels'\]"),
     ({**PLAIN_ARGS, "base_channels": 0}, r"describe no model \(UNet needs positive sizes"),
-    ({**PLAIN_ARGS, "encoder": "vgg"}, r"describe no model \(unknown encoder 'vgg'"),
+    ({**PLAIN_ARGS, "encoder": "vgg"}, r"describe no model \(.*its encoder is one of resnet18, resnet34, resnet50"),
     ({**PLAIN_ARGS, "encoder": "resnet18", "bilinear": True}, r"bilinear upsampling, which only the unet encoder has"),
     ([3, 2], r"model_args is a list, not a mapping"),
 ]
