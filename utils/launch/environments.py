@@ -1,20 +1,20 @@
 """Launch environments: which launcher started this process and who the process is; the only reader of the
 launcher's variables.
 
-One record per launch, ``Launcher`` (as Lightning's ClusterEnvironment: where that launcher's values are, nothing
-else), all through the same ``train.py``:
+One small interface, ``LaunchEnvironment`` (as Lightning's ClusterEnvironment), and one class per launcher, all through
+the same ``train.py``:
 
-* ``python train.py``: one process, no process group (``SINGLE``);
+* ``python train.py``: one process, no process group (``SingleProcess``);
 * ``torchrun [--nnodes M --node_rank R --rdzv-backend c10d --rdzv-endpoint HOST:PORT] --nproc_per_node N train.py
-  --ddp_mode``: rank, local rank and world size from ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` (``TORCHRUN``);
+  --ddp_mode``: rank, local rank and world size from ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` (``TorchElastic``);
 * ``python -m torch.distributed.launch --nproc_per_node N train.py --ddp_mode`` (legacy), or any launcher that sets
   ``RANK``/``WORLD_SIZE`` without torchrun's agent: the same variables, plus ``--local-rank`` on the command line
-  unless ``--use-env`` (``LEGACY``);
+  unless ``--use-env`` (``LegacyLaunch``);
 * manual: one ``python train.py --ddp_mode --rank R --world-size W`` per GPU, rendezvous through ``MASTER_ADDR`` and
-  ``MASTER_PORT`` or ``--dist-url tcp://HOST:PORT`` (``MANUAL``);
+  ``MASTER_PORT`` or ``--dist-url tcp://HOST:PORT`` (``ManualLaunch``);
 * SLURM tasks: ``srun python train.py --ddp_mode`` (one task per GPU, no torchrun): rank, world size and local rank
   from ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``, rendezvous at ``MASTER_ADDR`` or else the first host of
-  ``SLURM_JOB_NODELIST``, on ``MASTER_PORT`` or else a port derived from ``SLURM_JOB_ID`` (``SLURM``). Only with
+  ``SLURM_JOB_NODELIST``, on ``MASTER_PORT`` or else a port derived from ``SLURM_JOB_ID`` (``SlurmTasks``). Only with
   ``--ddp_mode``: a batch script's plain ``python train.py`` also sees ``SLURM_NTASKS`` but is one process. torchrun's
   variables win when both are present (torchrun started by srun). docs/CLUSTERS.md.
 
@@ -36,7 +36,6 @@ without processes. SLURM's notations (host lists, tasks per node) are parsed her
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shlex
@@ -66,29 +65,6 @@ DERIVED_PORT_SPAN = 15000
 DEFAULT_ADDRESS_HINT = "MASTER_ADDR/MASTER_PORT"
 
 
-@dataclass(frozen=True)
-class Launcher:
-    """Where one launcher tells a process who it is; a source is a flag (``--rank``) or an environment variable."""
-
-    name: str
-    rank: str = "RANK"
-    world_size: str = "WORLD_SIZE"
-    local_rank: str = "LOCAL_RANK"
-    """Wins over ``--local-rank`` (the legacy launcher without --use-env), then ``--rank`` (a manual launch: one
-    machine, by default)."""
-    address_hint: str = DEFAULT_ADDRESS_HINT
-
-
-MANUAL = Launcher("--rank/--world-size", "--rank", "--world-size")
-TORCHRUN = Launcher("torchrun")
-"""Its processes are workers of torchrun's agent, their parent (``LaunchPlan.supervised``)."""
-LEGACY = Launcher("torch.distributed.launch")
-SLURM_ADDRESS_HINT = (
-    "MASTER_ADDR (else SLURM_JOB_NODELIST's first host) and MASTER_PORT (else derived from SLURM_JOB_ID)"
-)
-SLURM = Launcher("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", address_hint=SLURM_ADDRESS_HINT)
-SINGLE = Launcher("none")
-"""``python train.py``: no launcher, one process (its ``--local-rank`` or LOCAL_RANK still picks the GPU)."""
 ENV_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 """The variables of PyTorch's ``env://`` convention (torchrun's and the legacy launcher's)."""
 
@@ -150,20 +126,148 @@ def _given(config: LaunchSection, environ: Mapping[str, str], *sources: str, def
     return Given(default if value is None else value, name)
 
 
+class LaunchEnvironment:
+    """One launcher, as Lightning's ClusterEnvironment: ``detect`` says whether it started this process, the other
+    methods who the process is and where the ranks meet. A source of a value is a flag (``--rank``) or an environment
+    variable; the defaults are PyTorch's ``env://`` convention."""
+
+    rank_source, world_size_source, local_rank_source = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+    address_hint = DEFAULT_ADDRESS_HINT
+    supervised = False
+    """Its processes are workers of a supervising agent, their parent (torchrun's): ``stop_when_orphaned``."""
+
+    def __init__(self, config: LaunchSection, environ: Mapping[str, str]) -> None:
+        self.config, self.environ = config, environ
+
+    @classmethod
+    def detect(cls, config: LaunchSection, environ: Mapping[str, str]) -> bool:
+        """Whether this launcher started the process: by default, whether it gave a rank and a world size."""
+        return None not in (_value(config, environ, cls.rank_source), _value(config, environ, cls.world_size_source))
+
+    def given(self, *sources: str, default: int) -> Given:
+        return _given(self.config, self.environ, *sources, default=default)
+
+    def rank(self) -> Given:
+        return self.given(self.rank_source, default=0)
+
+    def world_size(self) -> Given:
+        return self.given(self.world_size_source, default=1)
+
+    def local_rank(self) -> Given:
+        # --local-rank: the legacy launcher without --use-env; --rank: a manual launch (one machine, by default).
+        return self.given(self.local_rank_source, "--local-rank", "--rank", default=0)
+
+    def local_world_size(self) -> Given:
+        """The local rank's bound: LOCAL_WORLD_SIZE where the launcher sets it, else the world size."""
+        return self.given("LOCAL_WORLD_SIZE", self.world_size_source, default=1)
+
+    def processes_here(self) -> int:
+        """The ranks on this machine, which share its CPUs: where no launcher says, assuming all of them only makes the
+        per-process CPU thread count smaller, never oversubscribed."""
+        return self.local_world_size().value or 1
+
+    def rendezvous(self, host: str | None, port: int | None) -> tuple[str, str | None]:
+        """The init method, and the HOST:PORT where rank 0 (or torchrun's agent) serves it (None where none is named),
+        from MASTER_ADDR/MASTER_PORT's ``host`` and ``port``."""
+        return "env://", f"{host}:{port}" if host is not None and port is not None else None
+
+    def restart_count(self) -> int:
+        return 0
+
+    def warning(self) -> str | None:
+        world = self.world_size().value
+        if self.config.ddp_mode or world <= 1:
+            return None
+        return (
+            f"launched as {world} processes without --ddp_mode: DDP switched on so the processes train one model "
+            f"together instead of {world} runs overwriting each other's checkpoints"
+        )
+
+
+class ManualLaunch(LaunchEnvironment):
+    """``--rank R --world-size W`` on every process; the ranks meet at --dist-url or MASTER_ADDR/MASTER_PORT."""
+
+    rank_source, world_size_source = "--rank", "--world-size"
+
+    @property
+    def address_hint(self) -> str:  # type: ignore[override]
+        return "--dist-url" if self.config.dist_url else DEFAULT_ADDRESS_HINT
+
+    def rendezvous(self, host: str | None, port: int | None) -> tuple[str, str | None]:
+        if self.config.dist_url:
+            return self.config.dist_url, _dist_url_address(self.config.dist_url)
+        if host is None or port is None:
+            raise ConfigError(
+                "--rank/--world-size need a rendezvous address: set MASTER_ADDR and MASTER_PORT, or pass "
+                "--dist-url tcp://HOST:PORT (the same on every process)"
+            )
+        return super().rendezvous(host, port)
+
+    def warning(self) -> str | None:
+        return None if self.config.ddp_mode else "--rank/--world-size given without --ddp_mode: DDP switched on"
+
+
+class LegacyLaunch(LaunchEnvironment):
+    """``python -m torch.distributed.launch`` or another launcher that sets RANK/WORLD_SIZE without torchrun's agent;
+    the legacy launcher passes ``--local-rank`` too, unless ``--use-env`` (LOCAL_RANK, when set, wins)."""
+
+
+class TorchElastic(LegacyLaunch):
+    """torchrun: the same variables, and an agent that supervises the workers and restarts them (``--max-restarts``)."""
+
+    supervised = True
+
+    @classmethod
+    def detect(cls, config: LaunchSection, environ: Mapping[str, str]) -> bool:
+        return "TORCHELASTIC_RUN_ID" in environ and super().detect(config, environ)
+
+    def restart_count(self) -> int:
+        return _env_int(self.environ, "TORCHELASTIC_RESTART_COUNT", 0)
+
+
+class SlurmTasks(LaunchEnvironment):
+    """``srun python train.py --ddp_mode``: every task is one rank; the ranks meet on the job's first node. Only with
+    --ddp_mode: a batch script's own ``python train.py`` sees SLURM_NTASKS too but is one process."""
+
+    rank_source, world_size_source, local_rank_source = "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"
+    address_hint = "MASTER_ADDR (else SLURM_JOB_NODELIST's first host) and MASTER_PORT (else derived from SLURM_JOB_ID)"
+
+    @classmethod
+    def detect(cls, config: LaunchSection, environ: Mapping[str, str]) -> bool:
+        return config.ddp_mode and super().detect(config, environ)
+
+    def processes_here(self) -> int:
+        # srun says it per node: "4(x2),3" is 4 tasks on the first node.
+        per_node = self.environ.get("SLURM_STEP_TASKS_PER_NODE") or self.environ.get("SLURM_TASKS_PER_NODE") or ""
+        first_node = re.match(r"\d+", per_node.strip())
+        return int(first_node.group()) if first_node else super().processes_here()
+
+    def rendezvous(self, host: str | None, port: int | None) -> tuple[str, str | None]:
+        nodes = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+        host = host or first_host(_needed(self.environ, *nodes, why="rank 0's node is unknown; set MASTER_ADDR"))
+        if port is None:
+            port = derived_port(_needed(self.environ, "SLURM_JOB_ID", why="no port can be derived; set MASTER_PORT"))
+        return f"tcp://{host}:{port}", f"{host}:{port}"
+
+
+class SingleProcess(LaunchEnvironment):
+    """``python train.py``: no launcher, one process (its ``--local-rank`` or LOCAL_RANK still picks the GPU)."""
+
+    @classmethod
+    def detect(cls, config: LaunchSection, environ: Mapping[str, str]) -> bool:
+        return not config.ddp_mode
+
+
+LAUNCHERS = (ManualLaunch, TorchElastic, LegacyLaunch, SlurmTasks, SingleProcess)
+"""In order of precedence: the flags, then torchrun's or the legacy launcher's variables, then srun's."""
+
+
 def plan_launch(
     config: LaunchSection, *, environ: Mapping[str, str] | None = None, argv: Sequence[str] = ()
 ) -> LaunchPlan:
     """Decide single-process or DDP from the flags and the environment (pure: ``environ`` defaults to os.environ)."""
     environ = os.environ if environ is None else environ
-    given = functools.partial(_given, config, environ)
-    value = functools.partial(_value, config, environ)
-    # In order of precedence: the flags, then torchrun's or the legacy launcher's variables, then srun's.
-    found = (kind for kind in (MANUAL, LEGACY, SLURM) if None not in (value(kind.rank), value(kind.world_size)))
-    launcher = next(found, None)
-    if launcher is LEGACY and "TORCHELASTIC_RUN_ID" in environ:
-        launcher = TORCHRUN
-    if launcher in (None, SLURM) and not config.ddp_mode:
-        launcher = SINGLE  # a batch script's own python train.py sees SLURM_NTASKS too
+    launcher = next((kind(config, environ) for kind in LAUNCHERS if kind.detect(config, environ)), None)
     if launcher is None:
         shown = shlex.join([arg for arg in argv if not arg.startswith(("--local-rank", "--local_rank"))])
         raise ConfigError(
@@ -171,32 +275,23 @@ def plan_launch(
             f"torchrun --nproc_per_node=NUM_GPUS train.py {shown}".rstrip()
             + " (or give each process --rank R --world-size W with --dist-url tcp://HOST:PORT)"
         )
-    rank, world = given(launcher.rank, default=0), given(launcher.world_size, default=1)
-    local_rank = given(launcher.local_rank, "--local-rank", "--rank", default=0)
-    # The local rank's bound: LOCAL_WORLD_SIZE where the launcher sets it, else the world size.
-    local_world = given("LOCAL_WORLD_SIZE", launcher.world_size, default=1)
-    # Where no launcher says how many ranks share this machine (srun says it per node), assuming all of them only
-    # makes the per-process CPU thread count smaller, never oversubscribed.
-    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
-    first_node = re.match(r"\d+", per_node.strip()) if launcher is SLURM else None  # "4(x2),3": 4 on the first node
-    local_world_size = int(first_node.group()) if first_node else local_world.value or 1
-    _refuse_wrong_srun(launcher, environ, world.value, local_world_size)
-    warning = None
-    if not config.ddp_mode and launcher is MANUAL:
-        warning = "--rank/--world-size given without --ddp_mode: DDP switched on"
-    elif not config.ddp_mode and world.value > 1:
-        warning = (
-            f"launched as {world.value} processes without --ddp_mode: DDP switched on so the processes train one "
-            f"model together instead of {world.value} runs overwriting each other's checkpoints"
-        )
+    rank, world = launcher.rank(), launcher.world_size()
+    local_rank, local_world = launcher.local_rank(), launcher.local_world_size()
+    _refuse_wrong_srun(launcher, environ, world.value, launcher.processes_here())
+    warning = launcher.warning()
     distributed = config.ddp_mode or warning is not None
     init_method, master_address = "env://", None
     if distributed:  # a single process needs no address: a stray MASTER_PORT must not stop it
         _check_ranks(rank, world, local_rank, local_world)
-        init_method, master_address = _rendezvous(launcher, config, environ)
-    restarts = _env_int(environ, "TORCHELASTIC_RESTART_COUNT", 0) if launcher is TORCHRUN else 0
+        port = _env_int(environ, "MASTER_PORT")
+        if port is not None and not 0 < port < 65536:
+            raise LaunchValueError(
+                f"environment variable MASTER_PORT={port} is not a port (1..65535); choose a free port"
+            )
+        init_method, master_address = launcher.rendezvous(environ.get("MASTER_ADDR") or None, port)
+    restarts = launcher.restart_count()
     # A store key prefix per attempt, when the workers share the agent's store (see the module docstring).
-    shared_store = launcher is TORCHRUN and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    shared_store = launcher.supervised and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     # The job a requeue names (scontrol requeue): an array job's own task (1234_7), else SLURM_JOB_ID.
     array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
     slurm_job_id = f"{array_job}_{array_task}" if array_job and array_task else environ.get("SLURM_JOB_ID") or None
@@ -206,16 +301,16 @@ def plan_launch(
         rank=rank.value,
         local_rank=local_rank.value,
         world_size=world.value or 1,
-        local_world_size=local_world_size,
+        local_world_size=launcher.processes_here(),
         init_method=init_method,
         warning=warning,
         master_address=master_address,
         store_namespace=f"unet-ddp/attempt{restarts}/" if shared_store else None,
         restart_count=restarts,
-        supervised=launcher is TORCHRUN,
+        supervised=launcher.supervised,
         slurm_job_id=slurm_job_id,
         requeue_signal=int(signal.Signals[f"SIG{config.requeue_signal}"]) if requeue else None,
-        address_hint="--dist-url" if launcher is MANUAL and config.dist_url else launcher.address_hint,
+        address_hint=launcher.address_hint,
     )
 
 
@@ -235,28 +330,6 @@ def _check_ranks(rank: Given, world: Given, local_rank: Given, local_world: Give
             )
 
 
-def _rendezvous(launcher: Launcher, config: LaunchSection, environ: Mapping[str, str]) -> tuple[str, str | None]:
-    """The init method, and the HOST:PORT where rank 0 (or torchrun's agent) serves it (None where the init method
-    names none: a file store, say)."""
-    host, port = environ.get("MASTER_ADDR") or None, _env_int(environ, "MASTER_PORT")
-    if port is not None and not 0 < port < 65536:
-        raise LaunchValueError(f"environment variable MASTER_PORT={port} is not a port (1..65535); choose a free port")
-    if launcher is MANUAL and config.dist_url:
-        return config.dist_url, _dist_url_address(config.dist_url)
-    if launcher is SLURM:
-        nodes = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
-        host = host or first_host(_needed(environ, *nodes, why="rank 0's node is unknown; set MASTER_ADDR"))
-        if port is None:
-            port = derived_port(_needed(environ, "SLURM_JOB_ID", why="no port can be derived; set MASTER_PORT"))
-        return f"tcp://{host}:{port}", f"{host}:{port}"
-    if launcher is MANUAL and (host is None or port is None):
-        raise ConfigError(
-            "--rank/--world-size need a rendezvous address: set MASTER_ADDR and MASTER_PORT, or pass "
-            "--dist-url tcp://HOST:PORT (the same on every process)"
-        )
-    return "env://", f"{host}:{port}" if host is not None and port is not None else None
-
-
 def _dist_url_address(dist_url: str) -> str | None:
     """HOST:PORT of ``--dist-url tcp://HOST:PORT`` (None for a ``file://`` or ``env://`` store); any other form is
     refused."""
@@ -272,18 +345,18 @@ def _dist_url_address(dist_url: str) -> str | None:
     return f"{host}:{port}"
 
 
-def _refuse_wrong_srun(launcher: Launcher, environ: Mapping[str, str], world: int, local_world: int) -> None:
+def _refuse_wrong_srun(launcher: LaunchEnvironment, environ: Mapping[str, str], world: int, local_world: int) -> None:
     """Refuse what srun started wrongly, on every task: only srun steps set ``SLURM_STEP_NUM_TASKS`` (a batch script's
     own ``python train.py`` sees ``SLURM_NTASKS`` but is one process)."""
     step_tasks = _env_int(environ, "SLURM_STEP_NUM_TASKS") or 1
-    if step_tasks > 1 and launcher is TORCHRUN and world == local_world:
+    if step_tasks > 1 and isinstance(launcher, TorchElastic) and world == local_world:
         raise ConfigError(
             f"srun started {step_tasks} tasks that each run torchrun, and each torchrun formed a group of its own "
             f"{world} worker(s): run one srun task per node (--ntasks-per-node=1) with torchrun "
             "--nnodes=$SLURM_NNODES --nproc_per_node=GPUS_PER_NODE --rdzv-backend=c10d "
             "--rdzv-endpoint=FIRST_HOST:29500, or srun tasks without torchrun (srun python train.py --ddp_mode)"
         )
-    if step_tasks > 1 and launcher is SINGLE:
+    if step_tasks > 1 and isinstance(launcher, SingleProcess):
         raise ConfigError(
             f"srun started {step_tasks} tasks of train.py without --ddp_mode (each would train alone into the same "
             "run folder): add --ddp_mode so that the tasks train one model together, or run one task (srun --ntasks=1)"
