@@ -143,8 +143,8 @@ def test_overridden_file_values_are_said_and_still_checked(tmp_path: Path, caplo
 
 def test_config_yaml_goes_through_the_one_writer(tmp_path) -> None:
     """Written all or nothing like every output: a link at the path is replaced, never written through, and an
-    unwritable folder is one OutputError naming the file (not an OSError traceback)."""
-    from utils.output_files import OutputError
+    unwritable folder is a failed save's one line naming the file and --checkpoint-dir (not an OSError traceback)."""
+    from utils.errors import CheckpointError
     from utils.training.config_file import write_config_file
 
     kept = tmp_path / "input.yaml"
@@ -158,5 +158,5 @@ def test_config_yaml_goes_through_the_one_writer(tmp_path) -> None:
 
     with small_tmpfs(tmp_path / "ro", "1m") as folder:
         subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
-        with pytest.raises(OutputError, match=r"cannot write the run's config.yaml to .*config.yaml"):
+        with pytest.raises(CheckpointError, match=r"could not write .*config.yaml: .*--checkpoint-dir"):
             write_config_file(folder / "config.yaml", {"epochs": 3})

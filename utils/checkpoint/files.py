@@ -78,6 +78,12 @@ def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
         raise CheckpointError(write_failure_message(path, error.__cause__)) from error.__cause__
 
 
+def write_run_text(path: Path, text: str) -> None:
+    """A run folder's small text file (``split.json``, ``config.yaml``), all or nothing; a failure is a failed save's
+    one line (the file, the reason, ``--checkpoint-dir``)."""
+    _write_atomic(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+
+
 def _save_to(payload: Mapping[str, Any], temporary: Path) -> None:
     with open(temporary, "wb") as handle:
         try:

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from utils.checkpoint.files import write_run_text
 from utils.datasets.image_files import format_examples
 from utils.errors import ConfigError, DatasetError, shortened
 from utils.flags import MUST_MATCH, flag
-from utils.output_files import read_text, write_text
+from utils.output_files import read_text
 
 logger = logging.getLogger(__name__)
 
@@ -280,8 +281,8 @@ def check_same_split(saved_digest: str | None, record: SplitRecord, path: str) -
 
 
 def write_split_file(path: Path, record: SplitRecord) -> None:
-    """Write ``record`` as JSON to ``path`` all or nothing; a failure is one ``OutputError`` that names the file."""
-    write_text(path, json.dumps(record.as_dict(), indent=1) + "\n", "the run's split.json")
+    """Write ``record`` as JSON to ``path``, as the run folder's other files are written."""
+    write_run_text(path, json.dumps(record.as_dict(), indent=1) + "\n")
 
 
 # A split file lists ids (tens of bytes each): 64 MiB is millions of images, and bounds what a wrong path can cost.

@@ -29,9 +29,10 @@ from typing import Any
 
 import yaml
 
+from utils.checkpoint.files import write_run_text
 from utils.errors import ConfigError, shortened
 from utils.flags import FlagField, FlagParser, did_you_mean, flag_fields
-from utils.output_files import read_text, write_text
+from utils.output_files import read_text
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +144,9 @@ class _FlatLoader(yaml.SafeLoader):
 
 
 def write_config_file(path: Path, run_args: Mapping[str, Any], summary: str = "") -> None:
-    """Write ``run_args`` (a ``TrainConfig.as_dict()``) to ``path`` as YAML, all or nothing (``output_files``);
-    ``summary`` (the run's changed settings) goes above them as comment lines."""
+    """Write ``run_args`` (a ``TrainConfig.as_dict()``) to ``path`` as YAML, as the run folder's other files are
+    written; ``summary`` (the run's changed settings) goes above them as comment lines."""
     comments = "".join(f"# {line}\n" for line in summary.splitlines())
     flags = yaml.safe_dump(dict(run_args), sort_keys=False, default_flow_style=False)
     text = HEADER.format(path=path) + comments + flags
-    write_text(path, text, "the run's config.yaml")  # its folder too, if missing
+    write_run_text(path, text)
