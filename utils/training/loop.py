@@ -43,16 +43,13 @@ logger = logging.getLogger(__name__)
 class TrainParts:
     """Everything the loop works on, built (and restored from a checkpoint) by ``utils.training.setup``."""
 
-    raw_model: nn.Module
-    """The plain UNet: evaluated, and saved in checkpoints."""
     step: TrainStep
-    """The optimizer step; it holds the model as the forward pass calls it (DDP and/or compiled)."""
-    scheduler: Any
+    """The optimizer step: the model (plain, and as the forward pass calls it: DDP and/or compiled), the optimizer, its
+    schedule, the fp16 scaler and the --ema average."""
     data: TrainData
     loaders: Loaders
     """This rank's sampler, training loader and validation loader (if it validates)."""
     batch_plan: BatchPlan
-    model_args: dict[str, Any]
     config: TrainConfig
     """The run's flags (a resumed run's with its checkpoint's epoch plan)."""
     run_folder: RunFolder
@@ -61,10 +58,27 @@ class TrainParts:
     """Where the run stands: the loop moves it on; the log, the validation and the checkpoints read it."""
     resume_images_in_epoch: int
     """Global images of epoch ``position.epoch`` already trained by the run this one resumes."""
-    ema: WeightAverage | None = None
-    """--ema: the average of the weights, updated after every applied step; it validates and is saved as the model."""
     resumed: bool = False
     """Whether ``position`` is a resumed checkpoint's (TensorBoard's step axis goes on from it)."""
+
+    @property
+    def raw_model(self) -> nn.Module:
+        """The plain model: evaluated, and saved in checkpoints."""
+        return self.step.raw_model
+
+    @property
+    def model_args(self) -> dict[str, Any]:
+        """The model's constructor arguments, stored in every checkpoint."""
+        return self.raw_model.constructor_args()
+
+    @property
+    def scheduler(self) -> Any:
+        return self.step.scheduler
+
+    @property
+    def ema(self) -> WeightAverage | None:
+        """--ema: the average of the weights (``TrainStep.update``); it validates and is saved as the model."""
+        return self.step.ema
 
     @property
     def run_args(self) -> dict[str, Any]:
@@ -88,8 +102,8 @@ class TrainOutcome:
 
 class Trainer:
     """The loop over epochs and optimizer steps, reading its flags from ``parts.config``, the run's (a resumed run's
-    epoch plan is its checkpoint's: ``setup.planned_config``). It opens the run's ``RunLog`` (which may refuse the run
-    folder: a ConfigError) and its ``Validator`` and ``Checkpointer``."""
+    epoch plan is its checkpoint's: ``setup.check_resume_flags``). It opens the run's ``RunLog`` (which may refuse the
+    run folder: a ConfigError) and its ``Validator`` and ``Checkpointer``."""
 
     def __init__(self, ctx: DistributedContext, parts: TrainParts, interrupts: InterruptFlag) -> None:
         self.config = parts.config
@@ -170,8 +184,6 @@ class Trainer:
                 if not closes_group:
                     continue
                 self.step.update()
-                if self.parts.ema is not None:
-                    self.parts.ema.update()
                 self.position.global_step += 1
                 self.position.step_in_epoch = index + 1
                 if outcome := self._after_step():
@@ -210,7 +222,7 @@ class Trainer:
                 position.epoch, position.step_in_epoch = epoch, trained_steps
                 return self._stop_for_signal(stopped)
             if flags.scheduler == "plateau":
-                self.parts.scheduler.step(dice)
+                self.step.scheduler.step(dice)
             enough = dice > position.best_dice + flags.min_delta
             position.validations_without_improvement = 0 if enough else position.validations_without_improvement + 1
             improved = dice > position.best_dice

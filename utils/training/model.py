@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -69,13 +68,10 @@ def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, pat
     check_same_split(state.weights.split_digest, data.split, path)
 
 
-def starting_model(
-    config: TrainConfig, ctx: DistributedContext, data: TrainData, *, resuming: bool
-) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model (UNet, or ResNet-encoder UNet with --encoder) on ``ctx.device`` and its constructor arguments; its
-    starting weights from --load, else --encoder-weights for the encoder (a resumed run's are restored later)."""
+def starting_model(config: TrainConfig, ctx: DistributedContext, data: TrainData, *, resuming: bool) -> nn.Module:
+    """The model (UNet, or ResNet-encoder UNet with --encoder) on ``ctx.device``; its starting weights from --load,
+    else --encoder-weights for the encoder (a resumed run's are restored later)."""
     unet_args = unet_args_of(config, data)
-    model_args = unet_args.as_dict()
     load = config.checkpoint.load
     if load and not resuming:
         # Built from the file's arguments, which check_expected compared with every one of this run's.
@@ -83,7 +79,7 @@ def starting_model(
         _warn_mask_values(spec.mask_values, data.mask_values, load)
         logger.info("Model weights loaded from %s", load)
     else:
-        model = build_architecture(model_args)
+        model = build_architecture(unet_args.as_dict())
         if config.model.encoder_weights and not resuming:
             load_encoder_weights(model.encoder, config.model.encoder_weights, config.model.encoder)
     if config.performance.checkpointing:
@@ -95,7 +91,7 @@ def starting_model(
             logger.warning("--sync-bn has no effect with a single process")
     memory_format = torch.channels_last if config.performance.channels_last else torch.preserve_format
     model.to(device=ctx.device, memory_format=memory_format)
-    return model, model_args
+    return model
 
 
 def wrap_for_training(model: torch.nn.Module, ctx: DistributedContext, *, compile_model: bool) -> torch.nn.Module:
