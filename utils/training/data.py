@@ -6,11 +6,11 @@ order (``utils.training.sampler``); only global rank 0 validates, so only it has
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,19 +58,6 @@ class TrainData:
     split: SplitRecord | None = None
     """The ids on each side and the rule that made them (``split.json``, its digest in every checkpoint)."""
 
-    @functools.cached_property
-    def item_cost(self) -> tuple[float, int]:
-        """(seconds to load one training item in this process: decode or cache read, augmentation; pixels of one
-        network input), measured when first asked: the fastest of the first two items, so one-off set-up costs are
-        left out. Only the CUDA default of --num-workers needs it; decoding two items on every start bought a CPU run
-        nothing."""
-        timings, shape = [], torch.Size()
-        for index in range(min(2, len(self.train_set))):
-            started = time.perf_counter()
-            shape = self.train_set[index]["image"].shape
-            timings.append(time.perf_counter() - started)
-        return min(timings), shape[-1] * shape[-2]
-
 
 def build_data(config: TrainConfig) -> TrainData:
     """Datasets and split (from ``config.data``, the classes and --pixel-cache); a DatasetError/ConfigError names the
@@ -103,23 +90,30 @@ def build_data(config: TrainConfig) -> TrainData:
     )
 
 
-def default_num_workers(
-    device_type: str, cpus_per_process: int, item_seconds: float | None, item_pixels: int | None
-) -> int:
+def default_num_workers(device_type: str, cpus_per_process: int, item_cost: Callable[[], tuple[float, int]]) -> int:
     """Loader processes per rank when --num-workers is not given.
 
     On CPU every core already runs the model's threads: a worker process would compete with them and decoding a
     batch costs far less than a training step, so loading happens in the training process. On a GPU the CPU is free
     for decoding; one core stays with the training process, and of the others as many load as it takes to deliver
-    ``GPU_PIXELS_PER_SECOND`` at the measured cost per item (all of them when the cost is unknown).
+    ``GPU_PIXELS_PER_SECOND`` at the cost per item ``item_cost()`` measures (asked on a GPU only: it loads two items).
     """
     if device_type != "cuda":
         return 0
-    available = max(0, min(MAX_DEFAULT_WORKERS, cpus_per_process - 1))
-    if item_seconds is None or not item_pixels:
-        return available
+    item_seconds, item_pixels = item_cost()
     needed = math.ceil(item_seconds * GPU_PIXELS_PER_SECOND / item_pixels)
-    return min(available, max(1, needed))
+    return min(max(0, min(MAX_DEFAULT_WORKERS, cpus_per_process - 1)), max(1, needed))
+
+
+def item_cost(train_set: Dataset) -> tuple[float, int]:
+    """(seconds to load one training item in this process: decode or cache read, augmentation; pixels of one network
+    input): the fastest of the first two items, so one-off set-up costs are left out."""
+    timings, shape = [], torch.Size()
+    for index in range(min(2, len(train_set))):
+        started = time.perf_counter()
+        shape = train_set[index]["image"].shape
+        timings.append(time.perf_counter() - started)
+    return min(timings), shape[-1] * shape[-2]
 
 
 @dataclass
@@ -153,11 +147,8 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
     cuda = ctx.device.type == "cuda"
     num_workers = config.performance.num_workers
     if num_workers is None:
-        # The cost per item is measured (two items decoded) only where the default uses it: on CUDA.
-        item_seconds, item_pixels = data.item_cost if cuda else (None, None)
-        num_workers = default_num_workers(
-            ctx.device.type, threads_per_process(available_cpus(), ctx.local_world_size), item_seconds, item_pixels
-        )
+        cpus = threads_per_process(available_cpus(), ctx.local_world_size)
+        num_workers = default_num_workers(ctx.device.type, cpus, lambda: item_cost(data.train_set))
 
     def loader(dataset: Dataset, sampler: ResumableDistributedSampler | None = None) -> SharedMemoryGuard:
         # No drop_last (milesial's dropped the last partial batch). Workers copy the dataset when an epoch's iterator
