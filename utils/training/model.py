@@ -24,7 +24,7 @@ from utils.checkpoint.files import read_model_weights
 from utils.checkpoint.format import TrainingState, dataset_record
 from utils.checkpoint.model import check_expected, check_weight_values, key_differences, load_model, spec_of
 from utils.datasets.splits import check_same_split
-from utils.errors import CheckpointError, ConfigError
+from utils.errors import CheckpointError, ConfigError, count
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
 from utils.training.compiled import compile_blocks
 from utils.training.config import TrainConfig
@@ -107,10 +107,8 @@ def wrap_for_training(model: torch.nn.Module, ctx: DistributedContext, *, compil
 def _warn_mask_values(stored: list | None, current: list, path: str) -> None:
     if stored is not None and list(stored) != list(current):
         logger.warning(
-            "%s was trained with mask values %s but the masks now have %s: class indices may mean other things",
-            path,
-            stored,
-            current,
+            f"{path} was trained with mask values {stored} but the masks now have {current}: class indices may mean "
+            "other things"
         )
 
 
@@ -141,20 +139,14 @@ def load_encoder_weights(encoder: nn.Module, path: str | Path, encoder_name: str
     check_weight_values(weights, path, source="--encoder-weights", fix=f"make the file again: {HOW_TO_GET}")
     own = encoder.state_dict()
     missing, unexpected, mismatched = key_differences(own, weights)
-    if missing or unexpected or mismatched:
-        hint = ""
-        if mismatched:
-            key = mismatched[0]
-            detail = f"{key} is {tuple(weights[key].shape)} in the file but {tuple(own[key].shape)} in the model"
-            if key == "conv1.weight":
-                hint = " (ImageNet weights are for 3-channel images)"
-        elif missing:
-            detail = f"{len(missing)} encoder keys are missing, e.g. {missing[0]}"
-        else:
-            detail = f"{len(unexpected)} keys are not the encoder's, e.g. {unexpected[0]}"
+    if differing := [*mismatched, *missing, *unexpected]:
+        key = differing[0]  # a shape first: the likelier mistake, and the one the hint explains
+        in_file, in_model = (tuple(tensors[key].shape) if key in tensors else "absent" for tensors in (weights, own))
+        hint = " (ImageNet weights are for 3-channel images)" if key == "conv1.weight" else ""
         raise ConfigError(
-            f"--encoder-weights {path} does not fit --encoder {encoder_name}: {detail}{hint}; pass the weights of "
-            f"a torchvision {encoder_name}, or the --encoder the file was made for"
+            f"--encoder-weights {path} does not fit --encoder {encoder_name}: {key} is {in_file} in the file but "
+            f"{in_model} in the model{hint} ({count(len(differing), 'differing key')} in all); pass the weights of a "
+            f"torchvision {encoder_name}, or the --encoder the file was made for"
         )
     encoder.load_state_dict(weights)
     logger.info("Encoder weights (%s) loaded from %s", encoder_name, path)
