@@ -4,8 +4,8 @@ Built by ``utils.training.setup.build_parts`` on every rank. The weights come fr
 ``--encoder-weights``, ``load_encoder_weights``), after checking that they were made for this model
 (``utils.checkpoint.model``); a resumed
 checkpoint is checked here (``check_resume``: made for this model, on the same images) and loaded with the rest of the
-run's state (``utils.checkpoint.checkpointer.restore``). ``wrap_for_training`` then gives the model the forward pass
-calls (DDP and/or compiled).
+run's state (``utils.checkpoint.checkpointer.restore``). ``utils.training.step.TrainStep`` then gives the model the
+forward pass calls (DDP and/or compiled).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from unet import UNetArgs
 from unet import build_model as build_architecture
@@ -26,7 +25,6 @@ from utils.checkpoint.model import check_expected, check_weight_values, key_diff
 from utils.datasets.splits import check_same_split
 from utils.errors import CheckpointError, ConfigError, count
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
-from utils.training.compiled import compile_blocks
 from utils.training.config import TrainConfig
 from utils.training.data import TrainData
 
@@ -92,16 +90,6 @@ def starting_model(config: TrainConfig, ctx: DistributedContext, data: TrainData
     memory_format = torch.channels_last if config.performance.channels_last else torch.preserve_format
     model.to(device=ctx.device, memory_format=memory_format)
     return model
-
-
-def wrap_for_training(model: torch.nn.Module, ctx: DistributedContext, *, compile_model: bool) -> torch.nn.Module:
-    """The module the forward pass calls: ``model`` with its blocks compiled under --compile (sharing its tensors,
-    ``utils.training.compiled``), in DDP when distributed."""
-    train_model = compile_blocks(model) if compile_model else model
-    if ctx.is_distributed:
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        train_model = DistributedDataParallel(train_model, device_ids=device_ids)
-    return train_model
 
 
 def _warn_mask_values(stored: list | None, current: list, path: str) -> None:

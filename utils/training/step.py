@@ -34,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel
 from utils.errors import UserError
 from utils.hardware import autocast
 from utils.launch.process_group import DistributedContext, raised_on_every_rank
+from utils.training.compiled import compile_blocks
 from utils.training.config import TrainConfig
 from utils.training.ema import WeightAverage
-from utils.training.model import wrap_for_training
 from utils.training.objective import build_optimizer, build_scheduler, supervised_loss
 
 logger = logging.getLogger(__name__)
@@ -63,8 +63,13 @@ class TrainStep:
         self.config = config
         self.precision = precision
         self.raw_model = model
-        self.model = wrap_for_training(model, ctx, compile_model=config.performance.compile)
         self.device = device = ctx.device
+        # The module the forward pass calls: the model's blocks compiled under --compile, in a copy that shares its
+        # tensors (utils.training.compiled), in DDP when distributed.
+        self.model = compile_blocks(model) if config.performance.compile else model
+        if ctx.is_distributed:
+            device_ids = [device.index] if device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.model, device_ids=device_ids)
         flags = config.optimisation
         self.optimizer = build_optimizer(flags, model.parameters())
         # Stepped after every update, except ReduceLROnPlateau: the loop steps it on the validation Dice (its warmup,
@@ -106,8 +111,7 @@ class TrainStep:
         """Forward and backward of one micro-batch of a step of ``group_size``; returns its number of images."""
         images = batch["image"].to(self.device, non_blocking=True, memory_format=self._memory_format)
         masks = batch["mask"].to(self.device, non_blocking=True)
-        # DDP all-reduces gradients only on the micro-batch that closes an accumulation group (--compile compiles the
-        # blocks inside the wrapper: utils.training.compiled).
+        # DDP all-reduces gradients only on the micro-batch that closes an accumulation group.
         ddp = isinstance(self.model, DistributedDataParallel)
         with self.model.no_sync() if ddp and not sync_gradients else contextlib.nullcontext():
             with autocast(self.device, self.precision):
