@@ -38,8 +38,6 @@ MAX_DEFAULT_WORKERS = 16
 # 959x640 (2.7 TFLOP per image, forward + backward) at about 180 images/s at half its dense bf16 peak, ~1.1e8
 # pixels/s; smaller inputs go proportionally faster. Overestimating costs only idle workers' memory.
 GPU_PIXELS_PER_SECOND = 1.2e8
-WORKERS_FIX = "--num-workers 0"
-"""train.py's flag that keeps loading in the training process (see utils.hardware)."""
 
 
 @dataclass
@@ -158,7 +156,7 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
             dataset,
             batch_size=config.optimisation.batch_size,
             workers=num_workers,
-            workers_fix=WORKERS_FIX,
+            workers_fix="--num-workers 0",  # the flag that keeps loading in the training process
             processes=ctx.local_world_size,
             sampler=sampler,
             pin_memory=cuda,

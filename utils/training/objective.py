@@ -125,9 +125,7 @@ def class_weights_of(config: TrainConfig, train_class_pixels: Sequence[int]) -> 
         if sum(counts) == 0:
             raise ConfigError("--class-weights auto found no labelled pixels in the training masks; give the weights")
         weights = tuple(auto_class_weights(counts))
-        logger.info(
-            "--class-weights auto: class pixel counts %s give weights %s", counts, [round(w, 4) for w in weights]
-        )
+        logger.info(f"--class-weights auto: class pixel counts {counts} give weights {[round(w, 4) for w in weights]}")
     return weights
 
 

@@ -24,7 +24,6 @@ import importlib.util
 import json
 import logging
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -80,7 +79,7 @@ class SideOutput(NamedTuple):
 
 def bars_wanted(*, is_main: bool, no_progress: bool, stream: TextIO | None = None) -> bool:
     """Progress bars only on global rank 0, on a terminal, and unless ``--no-progress``."""
-    return is_main and not no_progress and stderr_is_terminal(sys.stderr if stream is None else stream)
+    return is_main and not no_progress and stderr_is_terminal(stream)
 
 
 class RunLog:

@@ -192,12 +192,9 @@ def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:
     The position is stored as batches of the saving run; times its batch size and world size it is a count of images
     of the epoch's order (``utils.training.sampler``), which this run skips whatever its own world size.
     """
-    saved = dataclasses.replace(
-        plan,
-        batch_size=int(state.run_args.get("batch_size", plan.batch_size)),
-        world_size=state.world_size,
-        grad_accum=int(state.run_args.get("grad_accum", plan.grad_accum)),
-    )
+    args = state.run_args  # a flag the checkpoint does not record was at this run's value
+    batch_size, grad_accum = int(args.get("batch_size", plan.batch_size)), int(args.get("grad_accum", plan.grad_accum))
+    saved = dataclasses.replace(plan, batch_size=batch_size, world_size=state.world_size, grad_accum=grad_accum)
     images = saved.images_consumed(state.position.step_in_epoch)
     if saved != plan:
         logger.warning(
