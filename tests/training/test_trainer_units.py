@@ -165,11 +165,9 @@ def make_run(
             n_channels=1,
         ),
         loaders=Loaders(
-            sampler=sampler,
             train=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
             val=None,
             val_sharded=False,
-            num_workers=0,
         ),
         batch_plan=BatchPlan(n_train=n_train, batch_size=batch_size, world_size=1, grad_accum=grad_accum),
         config=parse_config(["--epochs", str(epochs), "--log-every", "1000", *flags]),

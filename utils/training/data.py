@@ -116,14 +116,13 @@ def item_cost(train_set: Dataset) -> tuple[float, int]:
 
 @dataclass
 class Loaders:
-    sampler: ResumableDistributedSampler
     train: SharedMemoryGuard
+    """Its ``sampler`` (a ``ResumableDistributedSampler``) selects each epoch's order; ``num_workers``: loader
+    processes per rank, each loader."""
     val: SharedMemoryGuard | None
     """Global rank 0 only; every rank its part with --val-mode sharded."""
     val_sharded: bool
     """--val-mode sharded with several processes: every rank validates its part, the scores are all-reduced."""
-    num_workers: int
-    """Loader processes per rank, each loader."""
 
 
 def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData) -> Loaders:
@@ -172,7 +171,7 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
         val = loader(Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size)))
     else:
         val = loader(data.val_set) if ctx.is_main else None
-    return Loaders(sampler=sampler, train=train, val=val, val_sharded=sharded, num_workers=num_workers)
+    return Loaders(train=train, val=val, val_sharded=sharded)
 
 
 def _init_loader_worker(worker_id: int) -> None:

@@ -168,7 +168,7 @@ class Trainer:
         plan = self.parts.batch_plan
         # Global images of the epoch trained before this process started (only the resumed epoch has any).
         images_done, self.parts.resume_images_in_epoch = self.parts.resume_images_in_epoch, 0
-        self.parts.loaders.sampler.set_epoch(epoch, consumed=images_done)
+        self.parts.loaders.train.sampler.set_epoch(epoch, consumed=images_done)
         self.parts.data.train_dataset.set_epoch(epoch)
         self.step.set_epoch(epoch)  # --freeze-encoder-epochs
         batches_done = plan.batches_done(images_done)

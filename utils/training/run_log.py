@@ -114,8 +114,8 @@ class RunLog:
             f"{plan.images_per_step}, learning rate {config.optimisation.learning_rate:g}, "
             f"{len(parts.data.train_set)} training / {len(parts.data.val_set)} validation images, scale "
             f"{config.data.scale:g}, precision {parts.step.precision}, device {ctx.device}, "
-            f"{count(torch.get_num_threads(), 'CPU thread')} and {count(parts.loaders.num_workers, 'loader worker')} "
-            f"per process, run folder {run_folder}"
+            f"{count(torch.get_num_threads(), 'CPU thread')} and "
+            f"{count(parts.loaders.train.num_workers, 'loader worker')} per process, run folder {run_folder}"
         )
         settings = config.settings_block()
         logger.info("%s", settings)
