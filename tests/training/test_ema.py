@@ -17,8 +17,7 @@ from torch import nn
 from tests.conftest import TrainRunner, assert_same_training_state, finish, load_checkpoint, torchrun_prefix
 from tests.helpers import tiny_unet
 from utils.evaluation import score_batches
-from utils.training.ema import WeightAverage
-from utils.training.step import NonFiniteStepGuard
+from utils.training.step import NonFiniteStepGuard, WeightAverage
 
 DECAY = 0.5
 

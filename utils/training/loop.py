@@ -30,10 +30,9 @@ from utils.launch.process_group import DistributedContext, StopAgreement, agree_
 from utils.launch.signals import InterruptFlag
 from utils.training.config import TrainConfig
 from utils.training.data import Loaders, TrainData
-from utils.training.ema import WeightAverage
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan
-from utils.training.step import TrainStep
+from utils.training.step import TrainStep, WeightAverage
 from utils.training.validation import Validator
 
 logger = logging.getLogger(__name__)
