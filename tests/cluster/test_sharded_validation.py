@@ -20,7 +20,7 @@ from tests.helpers import tiny_unet
 from utils.evaluation import EvalResult, evaluate_segmentation, score_batches, shard_range
 from utils.launch.process_group import DistributedContext
 from utils.launch.signals import InterruptFlag
-from utils.training.validation import Validator
+from utils.training.loop import Validator
 
 N_CLASSES = 3
 

@@ -26,7 +26,8 @@ inference uses.
 After every optimizer step that was really applied, ``average = decay * average + (1 - decay) * weights`` for every
 parameter, and the buffers (BatchNorm statistics) are copied. A step skipped for non-finite gradients (above, or
 GradScaler under fp16) moves no weights and so must not move the average either; it is recognised on the device,
-without a host synchronisation, by the optimizer's own step count, which a skipped step leaves unchanged (the fused AdamW takes the skip as ``found_inf``; the other optimizers are not stepped at all).
+without a host synchronisation, by the optimizer's own step count, which a skipped step leaves unchanged (the fused
+AdamW takes the skip as ``found_inf``; the other optimizers are not stepped at all).
 
 Every rank holds the same weights after each step (DDP all-reduces the gradients, so every rank applies the same
 update) and skips the same steps, so every rank computes the same average with no communication.
