@@ -20,13 +20,7 @@ from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import SplitRecord, split_dataset
 from utils.errors import ConfigError
 from utils.evaluation import shard_range
-from utils.hardware import (
-    SharedMemoryGuard,
-    available_cpus,
-    guarded_loader,
-    reuse_large_buffers,
-    threads_per_process,
-)
+from utils.hardware import SharedMemoryGuard, available_cpus, guarded_loader, reuse_large_buffers, threads_per_process
 from utils.launch.process_group import DistributedContext
 from utils.training.config import TrainConfig
 from utils.training.sampler import ResumableDistributedSampler
