@@ -82,17 +82,17 @@ def build_data(config: TrainConfig) -> TrainData:
     )
 
 
-def default_num_workers(device_type: str, cpus_per_process: int, item_cost: Callable[[], tuple[float, int]]) -> int:
+def default_num_workers(device_type: str, cpus_per_process: int, measure: Callable[[], tuple[float, int]]) -> int:
     """Loader processes per rank when --num-workers is not given.
 
     On CPU every core already runs the model's threads: a worker process would compete with them and decoding a
     batch costs far less than a training step, so loading happens in the training process. On a GPU the CPU is free
     for decoding; one core stays with the training process, and of the others as many load as it takes to deliver
-    ``GPU_PIXELS_PER_SECOND`` at the cost per item ``item_cost()`` measures (asked on a GPU only: it loads two items).
+    ``GPU_PIXELS_PER_SECOND`` at the cost per item that ``measure()`` returns (``item_cost``: asked on a GPU only).
     """
     if device_type != "cuda":
         return 0
-    item_seconds, item_pixels = item_cost()
+    item_seconds, item_pixels = measure()
     needed = math.ceil(item_seconds * GPU_PIXELS_PER_SECOND / item_pixels)
     return min(max(0, min(MAX_DEFAULT_WORKERS, cpus_per_process - 1)), max(1, needed))
 
