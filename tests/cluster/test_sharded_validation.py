@@ -134,7 +134,7 @@ def _validate_on_rank(rank: int, store: str, results: str, signalled: bool) -> N
     try:
         cpu = torch.device("cpu")
         ctx = DistributedContext(
-            rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=cpu, backend="gloo"
+            distributed=True, rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=cpu
         )
         # --val-mode rank0: the whole set on rank 0, nothing on rank 1 (utils.training.data.build_loaders).
         val = DataLoader(_validation_set(5), batch_size=2) if rank == 0 else None
