@@ -205,7 +205,7 @@ def main(argv: list[str]) -> None:
         options = {"n_classes": trainer.config.model.classes, "precision": parts.step.precision, "progress": False}
         barrier(ctx)
         started = time.perf_counter()
-        # The same calls as Validator.validate (utils/training/validation.py), less the stop agreement (one integer
+        # The same calls as Validator.validate (utils/training/loop.py), less the stop agreement (one integer
         # all-reduce) and the reporting: in either mode the sums are all-reduced (rank0: only rank 0 has a part).
         metrics = agree_on_errors(ctx, lambda: score_batches(model, counted or [], ctx.device, **options))
         metrics.reduce(lambda sums: sum_across_ranks(ctx, sums.to(ctx.device)))

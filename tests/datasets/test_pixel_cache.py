@@ -264,7 +264,7 @@ def test_channels_must_be_one_or_three(photos, tmp_path) -> None:
 
 def test_training_data_from_a_mixed_folder_with_the_cache(tmp_path) -> None:
     from utils.training.config import parse_config
-    from utils.training.data import build_data
+    from utils.training.data import build_data, item_cost
 
     photos = write_photos(tmp_path / "data", grey=(2,))
     folders = ["--imgs", str(photos[0]), "--masks", str(photos[1]), "--pixel-cache", str(tmp_path / "pixels")]
@@ -272,8 +272,8 @@ def test_training_data_from_a_mixed_folder_with_the_cache(tmp_path) -> None:
     data = build_data(config)
     assert data.n_channels == 3 and data.train_dataset.pixel_cache is not None
     assert not (tmp_path / "pixels").exists(), "nothing is decoded before it is needed"
-    seconds, pixels = data.item_cost
-    assert seconds > 0 and pixels == (WIDTH // 2) * (HEIGHT // 2) and data.item_cost == (seconds, pixels)
+    seconds, pixels = item_cost(data.train_set)
+    assert seconds > 0 and pixels == (WIDTH // 2) * (HEIGHT // 2)
     assert entries(tmp_path / "pixels"), "measuring the first items cached them"
 
 
@@ -295,11 +295,17 @@ def test_loader_workers_follow_the_measured_cost_per_item() -> None:
 
     pixels = 959 * 640
     per_worker = GPU_PIXELS_PER_SECOND / pixels  # items/s one worker must deliver for the GPU at 1 s per item
-    assert default_num_workers("cpu", 16, 0.07, pixels) == 0, "on CPU the model's threads own every core"
-    assert default_num_workers("cuda", 1, 0.07, pixels) == 0, "one core: it stays with the training process"
-    assert default_num_workers("cuda", 64, None, None) == MAX_DEFAULT_WORKERS, "unmeasured: all that may be used"
-    uncached = default_num_workers("cuda", 64, 0.07, pixels)  # a full-size Carvana decode
-    cached = default_num_workers("cuda", 64, 0.005, pixels)  # read from the pixel cache
+
+    def unmeasured() -> tuple[float, int]:
+        raise AssertionError("the cost per item is measured (two items loaded) only on a GPU")
+
+    def workers(cpus: int, seconds: float) -> int:
+        return default_num_workers("cuda", cpus, lambda: (seconds, pixels))
+
+    assert default_num_workers("cpu", 16, unmeasured) == 0, "on CPU the model's threads own every core"
+    assert workers(1, 0.07) == 0, "one core: it stays with the training process"
+    assert workers(64, 10.0) == MAX_DEFAULT_WORKERS, "never more than the cap"
+    uncached, cached = workers(64, 0.07), workers(64, 0.005)  # a full-size Carvana decode; read from the pixel cache
     assert uncached == math.ceil(0.07 * per_worker) == 14 and cached == math.ceil(0.005 * per_worker) == 1
-    assert default_num_workers("cuda", 6, 0.07, pixels) == 5, "never more than the CPUs of the process less one"
-    assert default_num_workers("cuda", 64, 1e-6, pixels) == 1, "at least one worker on a GPU"
+    assert workers(6, 0.07) == 5, "never more than the CPUs of the process less one"
+    assert workers(64, 1e-6) == 1, "at least one worker on a GPU"

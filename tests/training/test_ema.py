@@ -17,8 +17,7 @@ from torch import nn
 from tests.conftest import TrainRunner, assert_same_training_state, finish, load_checkpoint, torchrun_prefix
 from tests.helpers import tiny_unet
 from utils.evaluation import score_batches
-from utils.training.ema import WeightAverage
-from utils.training.step import NonFiniteStepGuard
+from utils.training.step import NonFiniteStepGuard, WeightAverage
 
 DECAY = 0.5
 
@@ -121,7 +120,7 @@ def test_decay_outside_zero_one_is_refused(runner: TrainRunner, capsys: pytest.C
 def test_an_ema_run_validates_and_saves_the_average_and_resumes_bit_exactly(
     runner: TrainRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from utils.training import validation
+    from utils.training import loop
 
     validated: list[dict[str, torch.Tensor]] = []
 
@@ -129,7 +128,7 @@ def test_an_ema_run_validates_and_saves_the_average_and_resumes_bit_exactly(
         validated.append({key: value.clone() for key, value in model.state_dict().items()})
         return score_batches(model, *args, **kwargs)
 
-    monkeypatch.setattr(validation, "score_batches", spy)
+    monkeypatch.setattr(loop, "score_batches", spy)
     flags = ["-e", "2", "--ema", "0.8", "--log-every", "4"]
     assert runner.main("straight", *flags) == 0
     straight = runner.run_dir("straight")

@@ -101,4 +101,4 @@ def test_resume_says_a_changed_may_change_flag_and_refuses_a_changed_ema(
     assert runner.main("rules", "-e", "3", *TRAINED[2:], "--ema", "0.9", "--resume", "auto") == 0
     out = capsys.readouterr().out
     changed = [line for line in out.splitlines() if "The resumed run changes" in line]
-    assert len(changed) == 1 and changed[0].endswith("changes 1 flag: --patience 3 -> 0"), changed
+    assert len(changed) == 1 and changed[0].endswith("changes 1 flag: --patience 3 -> --patience 0"), changed

@@ -207,19 +207,14 @@ def test_help_texts_are_the_field_docstrings() -> None:
 
 
 def test_the_step_freezes_the_encoder_for_the_epochs_counted_from_start_from() -> None:
-    import torch
-
     from tests.helpers import CPU_CONTEXT
     from unet import UNet
-    from utils.training.objective import Optimization
     from utils.training.step import TrainStep
 
     model = UNet(3, 2, base_channels=8)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(argv: list[str]) -> TrainStep:
-        optimization = Optimization(optimizer, scheduler=None, scaler=None)
-        return TrainStep(parse_config(argv), optimization, model, CPU_CONTEXT, precision="bf16", class_weights=None)
+        return TrainStep(parse_config(argv), model, CPU_CONTEXT, precision="bf16", total_steps=10, class_weights=None)
 
     resnet = ["--encoder", "resnet18"]
     assert step([*resnet, "--freeze-encoder-epochs", "2", "--start_from", "4"]).freeze_encoder_before_epoch == 4 - 1 + 2
@@ -237,18 +232,20 @@ def test_a_resume_applies_every_flags_rule(caplog: pytest.LogCaptureFixture) -> 
     config = parse_config([])
     for item in flag_fields(TrainConfig):
         flag, rule = item.flag.name, item.flag.resume
-        state = types.SimpleNamespace(run_args={**config.as_dict(), item.dest: "recorded"})
+        recorded = 7 if item.dest in ("epochs", "start_from") else "recorded"  # the epoch plan is read as numbers
+        state = types.SimpleNamespace(run_args={**config.as_dict(), item.dest: recorded})
         caplog.clear()
         if rule == MUST_MATCH:
             with pytest.raises(ConfigError, match=rf"with {flag} recorded but this run asks for .*--load last\.pth"):
                 check_resume_flags(config, state, "last.pth")  # type: ignore[arg-type]
             continue
         with caplog.at_level("INFO", logger="utils.training.setup"):
-            check_resume_flags(config, state, "last.pth")  # type: ignore[arg-type]
+            resumed = check_resume_flags(config, state, "last.pth")  # type: ignore[arg-type]
         said = [r.getMessage() for r in caplog.records if "The resumed run changes" in r.getMessage()]
         if rule == MAY_CHANGE:
             line = f"The resumed run changes 1 flag: {flag} recorded -> "
             assert len(said) == 1 and said[0].startswith(line), (flag, said)
+            assert resumed.as_dict()[item.dest] == config.as_dict()[item.dest], f"{flag} takes this command's value"
         else:
             assert rule == NEW_PLAN and said == [], f"{flag}: resume={rule!r}, said {said}"
 
@@ -281,25 +278,24 @@ def test_the_resume_rules_of_the_objective_averages_and_plan() -> None:
 def test_a_resume_keeps_the_checkpoints_epoch_plan_for_every_component(caplog: pytest.LogCaptureFixture) -> None:
     import types
 
-    import torch
-
     from tests.helpers import CPU_CONTEXT
     from unet import UNet
-    from utils.training.objective import Optimization
-    from utils.training.setup import planned_config
+    from utils.training.setup import check_resume_flags
     from utils.training.step import TrainStep
 
     freeze = ["--encoder", "resnet18", "--freeze-encoder-epochs", "2"]
     asked = parse_config(["--start_from", "1", "--epochs", "2", *freeze])
     state = types.SimpleNamespace(run_args={**asked.as_dict(), "start_from": 4, "epochs": 3})
     with caplog.at_level("WARNING"):
-        planned = planned_config(asked, state)  # type: ignore[arg-type]
+        planned = check_resume_flags(asked, state, "last.pth")  # type: ignore[arg-type]
     assert planned.epoch_range() == (4, 6) and planned.model == asked.model
     assert "--resume continues the run's plan, epochs 4..6 (--start_from 4 --epochs 3)" in caplog.text
-    assert planned_config(asked, None) is asked  # a new run's plan is its flags
+    same_plan = types.SimpleNamespace(run_args=asked.as_dict())
+    assert check_resume_flags(asked, same_plan, "last.pth") == asked  # type: ignore[arg-type]
+    unrecorded = types.SimpleNamespace(run_args={})  # a checkpoint that records no flags is not checked
+    assert check_resume_flags(asked, unrecorded, "last.pth") is asked  # type: ignore[arg-type]
     # The frozen epochs count from the plan's --start_from, not from the one this command gave (and which it ignores).
-    model = UNet(3, 2, base_channels=8)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    optimization = Optimization(optimizer, scheduler=None, scaler=None)
-    step = TrainStep(planned, optimization, model, CPU_CONTEXT, precision="fp32", class_weights=None)
+    step = TrainStep(
+        planned, UNet(3, 2, base_channels=8), CPU_CONTEXT, precision="fp32", total_steps=6, class_weights=None
+    )
     assert step.freeze_encoder_before_epoch == 4 - 1 + 2

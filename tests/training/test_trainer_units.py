@@ -31,10 +31,9 @@ from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
 from utils.training.curves import read_series
 from utils.training.data import Loaders, TrainData
-from utils.training.loop import Trainer, TrainParts
+from utils.training.loop import Trainer, TrainParts, Validator
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
-from utils.training.validation import Validator
 
 
 class RecordingStep:
@@ -43,8 +42,10 @@ class RecordingStep:
     precision = "fp32"
 
     def __init__(self, model: nn.Module) -> None:
+        self.raw_model = model
         self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        self.scaler = None
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
+        self.scaler = self.ema = None
         self.calls: list[tuple] = []
         self.epochs: list[int] = []
         self.on_batch = lambda image_ids: None
@@ -82,6 +83,13 @@ class RecordingStep:
                 groups.append(current)
                 current = None
         return groups
+
+
+class TinyModel(nn.Linear):
+    """A model the checkpoints can describe: its constructor arguments are none."""
+
+    def constructor_args(self) -> dict[str, int]:
+        return {}
 
 
 @dataclass
@@ -141,16 +149,13 @@ def make_run(
 ) -> Run:
     """A single-process Trainer over ``n_train`` images, with ``flags``; the validation after epoch k scores
     ``dice[k - 1]``."""
-    model = nn.Linear(1, 1)
-    step = RecordingStep(model)
+    step = RecordingStep(TinyModel(1, 1))
     dataset = FakeDataset(n_train)
     sampler = ResumableDistributedSampler(n_train, rank=0, world_size=1, seed=0)
     folder = RunFolder(tmp_path / "run")
     folder.path.mkdir(parents=True)
     parts = TrainParts(
-        raw_model=model,
         step=step,  # type: ignore[arg-type]
-        scheduler=torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda _: 1.0),
         data=TrainData(
             train_set=dataset,  # type: ignore[arg-type]
             val_set=dataset,  # type: ignore[arg-type]
@@ -159,14 +164,11 @@ def make_run(
             n_channels=1,
         ),
         loaders=Loaders(
-            sampler=sampler,
             train=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
             val=None,
             val_sharded=False,
-            num_workers=0,
         ),
         batch_plan=BatchPlan(n_train=n_train, batch_size=batch_size, world_size=1, grad_accum=grad_accum),
-        model_args={},
         config=parse_config(["--epochs", str(epochs), "--log-every", "1000", *flags]),
         run_folder=folder,
         position=position or TrainPosition(),
@@ -414,9 +416,9 @@ def test_a_signal_before_the_first_validation_batch_is_a_stop_not_an_empty_valid
     tmp_path: Path, signalled: bool
 ) -> None:
     run = make_run(tmp_path, n_train=2)  # its interrupt flag is never installed: the test sets its signal
-    model = nn.Conv2d(1, 2, kernel_size=1)
+    run.step.raw_model = nn.Conv2d(1, 2, kernel_size=1)
     loaders = dataclasses.replace(run.trainer.parts.loaders, val=DataLoader(ImagesOfOnes(), batch_size=1))
-    parts = dataclasses.replace(run.trainer.parts, raw_model=model, loaders=loaders)
+    parts = dataclasses.replace(run.trainer.parts, loaders=loaders)
     validator = Validator(CPU_CONTEXT, parts, interrupts=run.interrupts, run_log=RunLog(CPU_CONTEXT, parts))
     if not signalled:
         # The control: the same validation without a signal scores both images.

@@ -47,7 +47,7 @@ KEY_TENSOR_DIGESTS = "tensor_sha256"
 KEY_INFERENCE = "inference"
 # --ema runs: ``model_state`` holds the averaged weights (what validation, best.pth and inference use) and this key the
 # weights being trained (what a resume continues), in every full-state file of the run, so a resume from any of them is
-# exact and every reader of ``model_state`` gets the average unchanged (utils.training.ema).
+# exact and every reader of ``model_state`` gets the average unchanged (utils.training.step).
 KEY_LIVE_MODEL = "live_model_state"
 # sha256 of the run's split.json (utils.datasets.splits.SplitRecord.digest): a resume on another split is refused.
 KEY_SPLIT_DIGEST = "split_sha256"

@@ -70,9 +70,8 @@ def warn_if_slower(device: torch.device, precision: str) -> None:
     """Say at the start of a --compile run when the benchmark measured compiled slower than eager on this device."""
     measured = MEASURED_SPEEDUP.get(f"{device.type}-{precision}")
     if measured is not None and measured[0] < 1:
+        speedup, where = measured
         logger.warning(
-            "--compile: on %s the compiled step measured %.2fx the eager one's images/s (%s; docs/PERFORMANCE.md); "
-            "drop --compile to train faster",
-            device.type,
-            *measured,
+            f"--compile: on {device.type} the compiled step measured {speedup:.2f}x the eager one's images/s ({where}; "
+            "docs/PERFORMANCE.md); drop --compile to train faster"
         )

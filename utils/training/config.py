@@ -170,7 +170,7 @@ class CheckpointSection:
 
 @dataclass
 class LoggingSection:
-    """What the run reports, and how often it validates (``utils.training.run_log``, ``utils.training.validation``)."""
+    """What the run reports, and how often it validates (``utils.training.run_log``, ``utils.training.loop``)."""
 
     val_every: int = flag(1, "--val-every", range="[1, inf)")
     """Validate every N epochs."""

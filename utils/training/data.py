@@ -6,11 +6,11 @@ order (``utils.training.sampler``); only global rank 0 validates, so only it has
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,13 +20,7 @@ from utils.datasets.dataset import BasicDataset
 from utils.datasets.splits import SplitRecord, split_dataset
 from utils.errors import ConfigError
 from utils.evaluation import shard_range
-from utils.hardware import (
-    SharedMemoryGuard,
-    available_cpus,
-    guarded_loader,
-    reuse_large_buffers,
-    threads_per_process,
-)
+from utils.hardware import SharedMemoryGuard, available_cpus, guarded_loader, reuse_large_buffers, threads_per_process
 from utils.launch.process_group import DistributedContext
 from utils.training.config import TrainConfig
 from utils.training.sampler import ResumableDistributedSampler
@@ -38,8 +32,6 @@ MAX_DEFAULT_WORKERS = 16
 # 959x640 (2.7 TFLOP per image, forward + backward) at about 180 images/s at half its dense bf16 peak, ~1.1e8
 # pixels/s; smaller inputs go proportionally faster. Overestimating costs only idle workers' memory.
 GPU_PIXELS_PER_SECOND = 1.2e8
-WORKERS_FIX = "--num-workers 0"
-"""train.py's flag that keeps loading in the training process (see utils.hardware)."""
 
 
 @dataclass
@@ -57,19 +49,6 @@ class TrainData:
     """Positions in ``train_set`` of the images that contain a non-background class."""
     split: SplitRecord | None = None
     """The ids on each side and the rule that made them (``split.json``, its digest in every checkpoint)."""
-
-    @functools.cached_property
-    def item_cost(self) -> tuple[float, int]:
-        """(seconds to load one training item in this process: decode or cache read, augmentation; pixels of one
-        network input), measured when first asked: the fastest of the first two items, so one-off set-up costs are
-        left out. Only the CUDA default of --num-workers needs it; decoding two items on every start bought a CPU run
-        nothing."""
-        timings, shape = [], torch.Size()
-        for index in range(min(2, len(self.train_set))):
-            started = time.perf_counter()
-            shape = self.train_set[index]["image"].shape
-            timings.append(time.perf_counter() - started)
-        return min(timings), shape[-1] * shape[-2]
 
 
 def build_data(config: TrainConfig) -> TrainData:
@@ -103,35 +82,41 @@ def build_data(config: TrainConfig) -> TrainData:
     )
 
 
-def default_num_workers(
-    device_type: str, cpus_per_process: int, item_seconds: float | None, item_pixels: int | None
-) -> int:
+def default_num_workers(device_type: str, cpus_per_process: int, measure: Callable[[], tuple[float, int]]) -> int:
     """Loader processes per rank when --num-workers is not given.
 
     On CPU every core already runs the model's threads: a worker process would compete with them and decoding a
     batch costs far less than a training step, so loading happens in the training process. On a GPU the CPU is free
     for decoding; one core stays with the training process, and of the others as many load as it takes to deliver
-    ``GPU_PIXELS_PER_SECOND`` at the measured cost per item (all of them when the cost is unknown).
+    ``GPU_PIXELS_PER_SECOND`` at the cost per item that ``measure()`` returns (``item_cost``: asked on a GPU only).
     """
     if device_type != "cuda":
         return 0
-    available = max(0, min(MAX_DEFAULT_WORKERS, cpus_per_process - 1))
-    if item_seconds is None or not item_pixels:
-        return available
+    item_seconds, item_pixels = measure()
     needed = math.ceil(item_seconds * GPU_PIXELS_PER_SECOND / item_pixels)
-    return min(available, max(1, needed))
+    return min(max(0, min(MAX_DEFAULT_WORKERS, cpus_per_process - 1)), max(1, needed))
+
+
+def item_cost(train_set: Dataset) -> tuple[float, int]:
+    """(seconds to load one training item in this process: decode or cache read, augmentation; pixels of one network
+    input): the fastest of the first two items, so one-off set-up costs are left out."""
+    timings, shape = [], torch.Size()
+    for index in range(min(2, len(train_set))):
+        started = time.perf_counter()
+        shape = train_set[index]["image"].shape
+        timings.append(time.perf_counter() - started)
+    return min(timings), shape[-1] * shape[-2]
 
 
 @dataclass
 class Loaders:
-    sampler: ResumableDistributedSampler
     train: SharedMemoryGuard
+    """Its ``sampler`` (a ``ResumableDistributedSampler``) selects each epoch's order; ``num_workers``: loader
+    processes per rank, each loader."""
     val: SharedMemoryGuard | None
     """Global rank 0 only; every rank its part with --val-mode sharded."""
     val_sharded: bool
     """--val-mode sharded with several processes: every rank validates its part, the scores are all-reduced."""
-    num_workers: int
-    """Loader processes per rank, each loader."""
 
 
 def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData) -> Loaders:
@@ -153,11 +138,8 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
     cuda = ctx.device.type == "cuda"
     num_workers = config.performance.num_workers
     if num_workers is None:
-        # The cost per item is measured (two items decoded) only where the default uses it: on CUDA.
-        item_seconds, item_pixels = data.item_cost if cuda else (None, None)
-        num_workers = default_num_workers(
-            ctx.device.type, threads_per_process(available_cpus(), ctx.local_world_size), item_seconds, item_pixels
-        )
+        cpus = threads_per_process(available_cpus(), ctx.local_world_size)
+        num_workers = default_num_workers(ctx.device.type, cpus, lambda: item_cost(data.train_set))
 
     def loader(dataset: Dataset, sampler: ResumableDistributedSampler | None = None) -> SharedMemoryGuard:
         # No drop_last (milesial's dropped the last partial batch). Workers copy the dataset when an epoch's iterator
@@ -167,7 +149,7 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
             dataset,
             batch_size=config.optimisation.batch_size,
             workers=num_workers,
-            workers_fix=WORKERS_FIX,
+            workers_fix="--num-workers 0",  # the flag that keeps loading in the training process
             processes=ctx.local_world_size,
             sampler=sampler,
             pin_memory=cuda,
@@ -183,7 +165,7 @@ def build_loaders(config: TrainConfig, ctx: DistributedContext, data: TrainData)
         val = loader(Subset(data.val_set, shard_range(len(data.val_set), rank=ctx.rank, world_size=ctx.world_size)))
     else:
         val = loader(data.val_set) if ctx.is_main else None
-    return Loaders(sampler=sampler, train=train, val=val, val_sharded=sharded, num_workers=num_workers)
+    return Loaders(train=train, val=val, val_sharded=sharded)
 
 
 def _init_loader_worker(worker_id: int) -> None:

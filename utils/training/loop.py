@@ -1,14 +1,30 @@
 """The training loop: ``Trainer.train()`` runs epochs of optimizer steps and returns how the run ended.
 
-The loop calls its components: the optimizer step (``utils.training.step``), the validation
-(``utils.training.validation``), the run's log (``utils.training.run_log``) and the checkpoint writes. Per optimizer
-step it does no host synchronisation: losses and the count of steps skipped for non-finite gradients
-(``utils.training.step``) accumulate on the device and are read every ``--log-every`` steps and at checkpoints,
-and the ranks' stop decision travels on an asynchronous CPU all-reduce (``StopAgreement``). The one wait
-between ranks it adds is on the CPU: before computing on a batch, the ranks agree that each of them loaded its own
-(``Trainer._batches``; about 85 us per batch with 2 local processes).
+The loop calls its components: the optimizer step (``utils.training.step``), the validation (``Validator``, below),
+the run's log (``utils.training.run_log``) and the checkpoint writes. Per optimizer step it does no host
+synchronisation: losses and the count of steps skipped for non-finite gradients (``utils.training.step``) accumulate
+on the device and are read every ``--log-every`` steps and at checkpoints, and the ranks' stop decision travels on an
+asynchronous CPU all-reduce (``StopAgreement``). The one wait between ranks it adds is on the CPU: before computing on
+a batch, the ranks agree that each of them loaded its own (``Trainer._batches``; about 85 us per batch with 2 local
+processes).
 The loop tells its ``Checkpointer`` (``utils.checkpoint.checkpointer``) where it stands at every step and epoch
 boundary; what to save, when, and whether the state is healthy enough to be saved is decided there.
+
+``Validator``: the validation Dice that every rank steps on, and its report on global rank 0.
+
+Every rank scores its part of the validation set with the unwrapped model, and the sums are all-reduced, so every rank
+gets the scores of the whole set (ReduceLROnPlateau must step identically everywhere). ``--val-mode rank0`` (the
+default): rank 0's part is the whole set and the others have none: they wait in the all-reduce while rank 0 scores.
+``--val-mode sharded``: every rank scores its own part (``utils.evaluation.shard_range``). Either way a file that
+fails to load stops every rank with its message.
+
+A stop signal during a rank-0 validation ends it at the next batch, so that the trained state is saved at once, not
+after it: with a short grace period (SLURM's, Kubernetes') a validation that runs to its end, followed by one more
+training batch, can lose the whole trained epoch. Rank 0 scores batches only while no signal has arrived
+(``UntilStopped``); when one arrives, the partial score is dropped, every rank learns the signal from a second
+all-reduce, and the loop saves ``INTERRUPTED.pth`` with the position of the epoch's last step (every batch trained,
+the validation not done). The resumed run has no batch of that epoch left, so it goes straight to the epoch's end and
+repeats the validation.
 """
 
 from __future__ import annotations
@@ -26,15 +42,21 @@ from utils.checkpoint.checkpointer import Checkpointer
 from utils.checkpoint.format import TrainPosition
 from utils.checkpoint.run_folder import RunFolder
 from utils.errors import DatasetError, count, user_message
-from utils.launch.process_group import DistributedContext, StopAgreement, agree_on_errors, barrier, raised_on_every_rank
+from utils.evaluation import score_batches
+from utils.launch.process_group import (
+    DistributedContext,
+    StopAgreement,
+    agree_on_errors,
+    barrier,
+    raised_on_every_rank,
+    sum_across_ranks,
+)
 from utils.launch.signals import InterruptFlag
 from utils.training.config import TrainConfig
 from utils.training.data import Loaders, TrainData
-from utils.training.ema import WeightAverage
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan
-from utils.training.step import TrainStep
-from utils.training.validation import Validator
+from utils.training.step import TrainStep, WeightAverage
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +65,13 @@ logger = logging.getLogger(__name__)
 class TrainParts:
     """Everything the loop works on, built (and restored from a checkpoint) by ``utils.training.setup``."""
 
-    raw_model: nn.Module
-    """The plain UNet: evaluated, and saved in checkpoints."""
     step: TrainStep
-    """The optimizer step; it holds the model as the forward pass calls it (DDP and/or compiled)."""
-    scheduler: Any
+    """The optimizer step: the model (plain, and as the forward pass calls it: DDP and/or compiled), the optimizer, its
+    schedule, the fp16 scaler and the --ema average."""
     data: TrainData
     loaders: Loaders
     """This rank's sampler, training loader and validation loader (if it validates)."""
     batch_plan: BatchPlan
-    model_args: dict[str, Any]
     config: TrainConfig
     """The run's flags (a resumed run's with its checkpoint's epoch plan)."""
     run_folder: RunFolder
@@ -61,10 +80,27 @@ class TrainParts:
     """Where the run stands: the loop moves it on; the log, the validation and the checkpoints read it."""
     resume_images_in_epoch: int
     """Global images of epoch ``position.epoch`` already trained by the run this one resumes."""
-    ema: WeightAverage | None = None
-    """--ema: the average of the weights, updated after every applied step; it validates and is saved as the model."""
     resumed: bool = False
     """Whether ``position`` is a resumed checkpoint's (TensorBoard's step axis goes on from it)."""
+
+    @property
+    def raw_model(self) -> nn.Module:
+        """The plain model: evaluated, and saved in checkpoints."""
+        return self.step.raw_model
+
+    @property
+    def model_args(self) -> dict[str, Any]:
+        """The model's constructor arguments, stored in every checkpoint."""
+        return self.raw_model.constructor_args()
+
+    @property
+    def scheduler(self) -> Any:
+        return self.step.scheduler
+
+    @property
+    def ema(self) -> WeightAverage | None:
+        """--ema: the average of the weights (``TrainStep.update``); it validates and is saved as the model."""
+        return self.step.ema
 
     @property
     def run_args(self) -> dict[str, Any]:
@@ -86,10 +122,75 @@ class TrainOutcome:
     interrupted_by: int = 0
 
 
+@dataclass
+class UntilStopped:
+    """``loader``'s batches while ``flag`` (None: never) has recorded no signal; ``stopped_by`` tells which signal
+    ended them. Its length is the loader's (the progress bar's total)."""
+
+    loader: Any
+    flag: InterruptFlag | None
+    stopped_by: int = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            if self.flag is not None and self.flag.signum:
+                # Stop before computing on the batch; leaving the loop lets the loader shut its workers down.
+                self.stopped_by = self.flag.signum
+                return
+            yield batch
+
+
+@dataclass
+class Validator:
+    """Scores the run's evaluated model (``TrainParts.evaluated_model``, unwrapped: no DDP collective; in eval mode:
+    BatchNorm untouched) on ``parts.loaders.val``, this rank's part of the validation set (all of it on rank 0 with
+    --val-mode rank0, nothing on the others), in the step's precision; reported at ``parts.position`` by the
+    ``RunLog``."""
+
+    ctx: DistributedContext
+    parts: TrainParts
+    interrupts: InterruptFlag
+    run_log: RunLog
+
+    def validate(self) -> tuple[float | None, int]:
+        """The validation Dice and 0, the same on every rank; or None and the signal that cut rank 0's validation short
+        (a partial score is no score: not reported). A file that failed to load raises its DatasetError on every
+        rank."""
+        ctx, loaders = self.ctx, self.parts.loaders
+        # Only a rank-0 validation stops at a signal: with --val-mode sharded every rank scores its part to the end.
+        batches = UntilStopped(loaders.val or [], None if loaders.val_sharded else self.interrupts)
+        with self.run_log.phase("validation"):
+            # Agreed before the all-reduce: a rank whose file failed would never reach it, and the others wait.
+            metrics = agree_on_errors(
+                ctx,
+                lambda: score_batches(
+                    self.parts.evaluated_model,
+                    batches,
+                    ctx.device,
+                    n_classes=self.parts.config.model.classes,
+                    precision=self.parts.step.precision,
+                    progress=self.run_log.bars,
+                ),
+            )
+            metrics.reduce(lambda sums: sum_across_ranks(ctx, sums.to(ctx.device)))
+            # Asked before scoring: a signal before the first batch leaves no image scored, which is a stop, not an
+            # empty validation set. Only rank 0 can have one: the sum is its signal.
+            stopped = int(sum_across_ranks(ctx, torch.tensor([batches.stopped_by], device=ctx.device)).item())
+            if stopped:
+                return None, stopped
+            result = metrics.compute()
+            if ctx.is_main:
+                self.run_log.log_val(result)
+        return result.dice, 0
+
+
 class Trainer:
     """The loop over epochs and optimizer steps, reading its flags from ``parts.config``, the run's (a resumed run's
-    epoch plan is its checkpoint's: ``setup.planned_config``). It opens the run's ``RunLog`` (which may refuse the run
-    folder: a ConfigError) and its ``Validator`` and ``Checkpointer``."""
+    epoch plan is its checkpoint's: ``setup.check_resume_flags``). It opens the run's ``RunLog`` (which may refuse the
+    run folder: a ConfigError) and its ``Validator`` and ``Checkpointer``."""
 
     def __init__(self, ctx: DistributedContext, parts: TrainParts, interrupts: InterruptFlag) -> None:
         self.config = parts.config
@@ -154,7 +255,7 @@ class Trainer:
         plan = self.parts.batch_plan
         # Global images of the epoch trained before this process started (only the resumed epoch has any).
         images_done, self.parts.resume_images_in_epoch = self.parts.resume_images_in_epoch, 0
-        self.parts.loaders.sampler.set_epoch(epoch, consumed=images_done)
+        self.parts.loaders.train.sampler.set_epoch(epoch, consumed=images_done)
         self.parts.data.train_dataset.set_epoch(epoch)
         self.step.set_epoch(epoch)  # --freeze-encoder-epochs
         batches_done = plan.batches_done(images_done)
@@ -170,8 +271,6 @@ class Trainer:
                 if not closes_group:
                     continue
                 self.step.update()
-                if self.parts.ema is not None:
-                    self.parts.ema.update()
                 self.position.global_step += 1
                 self.position.step_in_epoch = index + 1
                 if outcome := self._after_step():
@@ -210,7 +309,7 @@ class Trainer:
                 position.epoch, position.step_in_epoch = epoch, trained_steps
                 return self._stop_for_signal(stopped)
             if flags.scheduler == "plateau":
-                self.parts.scheduler.step(dice)
+                self.step.scheduler.step(dice)
             enough = dice > position.best_dice + flags.min_delta
             position.validations_without_improvement = 0 if enough else position.validations_without_improvement + 1
             improved = dice > position.best_dice

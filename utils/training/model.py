@@ -4,8 +4,8 @@ Built by ``utils.training.setup.build_parts`` on every rank. The weights come fr
 ``--encoder-weights``, ``load_encoder_weights``), after checking that they were made for this model
 (``utils.checkpoint.model``); a resumed
 checkpoint is checked here (``check_resume``: made for this model, on the same images) and loaded with the rest of the
-run's state (``utils.checkpoint.checkpointer.restore``). ``wrap_for_training`` then gives the model the forward pass
-calls (DDP and/or compiled).
+run's state (``utils.checkpoint.checkpointer.restore``). ``utils.training.step.TrainStep`` then gives the model the
+forward pass calls (DDP and/or compiled).
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from unet import UNetArgs
 from unet import build_model as build_architecture
@@ -27,7 +25,6 @@ from utils.checkpoint.model import check_expected, load_model, spec_of, weights_
 from utils.datasets.splits import check_same_split
 from utils.errors import CheckpointError, ConfigError
 from utils.launch.process_group import DistributedContext, convert_sync_batchnorm
-from utils.training.compiled import compile_blocks
 from utils.training.config import TrainConfig
 from utils.training.data import TrainData
 
@@ -69,13 +66,10 @@ def check_resume(config: TrainConfig, data: TrainData, state: TrainingState, pat
     check_same_split(state.weights.split_digest, data.split, path)
 
 
-def starting_model(
-    config: TrainConfig, ctx: DistributedContext, data: TrainData, *, resuming: bool
-) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model (UNet, or ResNet-encoder UNet with --encoder) on ``ctx.device`` and its constructor arguments; its
-    starting weights from --load, else --encoder-weights for the encoder (a resumed run's are restored later)."""
+def starting_model(config: TrainConfig, ctx: DistributedContext, data: TrainData, *, resuming: bool) -> nn.Module:
+    """The model (UNet, or ResNet-encoder UNet with --encoder) on ``ctx.device``; its starting weights from --load,
+    else --encoder-weights for the encoder (a resumed run's are restored later)."""
     unet_args = unet_args_of(config, data)
-    model_args = unet_args.as_dict()
     load = config.checkpoint.load
     if load and not resuming:
         # Built from the file's arguments, which check_expected compared with every one of this run's.
@@ -83,7 +77,7 @@ def starting_model(
         _warn_mask_values(spec.mask_values, data.mask_values, load)
         logger.info("Model weights loaded from %s", load)
     else:
-        model = build_architecture(model_args)
+        model = build_architecture(unet_args.as_dict())
         if config.model.encoder_weights and not resuming:
             load_encoder_weights(model.encoder, config.model.encoder_weights, config.model.encoder)
     if config.performance.checkpointing:
@@ -95,26 +89,14 @@ def starting_model(
             logger.warning("--sync-bn has no effect with a single process")
     memory_format = torch.channels_last if config.performance.channels_last else torch.preserve_format
     model.to(device=ctx.device, memory_format=memory_format)
-    return model, model_args
-
-
-def wrap_for_training(model: torch.nn.Module, ctx: DistributedContext, *, compile_model: bool) -> torch.nn.Module:
-    """The module the forward pass calls: ``model`` with its blocks compiled under --compile (sharing its tensors,
-    ``utils.training.compiled``), in DDP when distributed."""
-    train_model = compile_blocks(model) if compile_model else model
-    if ctx.is_distributed:
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        train_model = DistributedDataParallel(train_model, device_ids=device_ids)
-    return train_model
+    return model
 
 
 def _warn_mask_values(stored: list | None, current: list, path: str) -> None:
     if stored is not None and list(stored) != list(current):
         logger.warning(
-            "%s was trained with mask values %s but the masks now have %s: class indices may mean other things",
-            path,
-            stored,
-            current,
+            f"{path} was trained with mask values {stored} but the masks now have {current}: class indices may mean "
+            "other things"
         )
 
 

@@ -13,8 +13,8 @@ weight each pixel's cross-entropy by its true class, and each image's term is th
 ``sum(w[y] * ce) / sum(w[y])`` over its pixels, PyTorch's ``cross_entropy(weight=...)`` applied per image.
 
 Optimizer and schedule: AdamW + cosine (the default) or milesial's RMSprop + ReduceLROnPlateau, or nnU-Net's poly
-schedule; any of them after a linear warmup (--warmup-steps). ``build_optimization`` makes them with the gradient
-scaler, on every rank (``utils.training.setup.build_parts``), before a resumed run restores their state.
+schedule; any of them after a linear warmup (--warmup-steps). ``utils.training.step.TrainStep`` makes them
+(``build_optimizer``, ``build_scheduler``), on every rank, before a resumed run restores their state.
 """
 
 from __future__ import annotations
@@ -125,9 +125,7 @@ def class_weights_of(config: TrainConfig, train_class_pixels: Sequence[int]) -> 
         if sum(counts) == 0:
             raise ConfigError("--class-weights auto found no labelled pixels in the training masks; give the weights")
         weights = tuple(auto_class_weights(counts))
-        logger.info(
-            "--class-weights auto: class pixel counts %s give weights %s", counts, [round(w, 4) for w in weights]
-        )
+        logger.info(f"--class-weights auto: class pixel counts {counts} give weights {[round(w, 4) for w in weights]}")
     return weights
 
 
@@ -209,37 +207,3 @@ def build_scheduler(config: OptimisationSection, optimizer: optim.Optimizer, tot
             return PlateauAfterWarmup(optimizer, config.warmup_steps)
         return optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=PLATEAU_PATIENCE)
     return optim.lr_scheduler.LambdaLR(optimizer, StepSchedule(total_steps, config.warmup_steps, config.scheduler))
-
-
-@dataclass
-class Optimization:
-    """The optimizer of a run and what steps along with it."""
-
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler | None
-    """fp16 only: the gradient scaler."""
-
-
-def build_optimization(
-    config: OptimisationSection,
-    parameters: Iterable[torch.nn.Parameter],
-    *,
-    total_steps: int,
-    precision: str,
-    resumed: bool,
-) -> Optimization:
-    """Optimizer, schedule (planned over ``total_steps``) and scaler; a resumed run restores their state after."""
-    if not resumed and config.warmup_steps >= total_steps and config.scheduler != "plateau":
-        logger.warning(
-            "--warmup-steps %d is not shorter than the run's %d optimizer steps: the learning rate never reaches the "
-            "%s schedule",
-            config.warmup_steps,
-            total_steps,
-            config.scheduler,
-        )
-    optimizer = build_optimizer(config, parameters)
-    # Planned for the run's epochs; a resumed run's scheduler state brings back the plan it was made with.
-    scheduler = build_scheduler(config, optimizer, total_steps)
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    return Optimization(optimizer, scheduler, scaler)

@@ -23,11 +23,11 @@ import contextlib
 import importlib.util
 import json
 import logging
-import sys
+import math
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
 import torch
 from tqdm import tqdm
@@ -66,9 +66,20 @@ SCALARS = {
 list (per class) is one score per class, numbered in both names."""
 
 
+class SideOutput(NamedTuple):
+    """TensorBoard or wandb, as the run's log writes to it: ``write(scalars, samples, step)`` with a record's scores
+    (TensorBoard tag -> (wandb name, value)) and a validation's samples (else None)."""
+
+    flag: str
+    failure: str
+    """What a failure to write means, the start of its one warning."""
+    write: Callable[[dict[str, tuple[str, float]], dict[str, Any] | None, int], None]
+    close: Callable[[], object]
+
+
 def bars_wanted(*, is_main: bool, no_progress: bool, stream: TextIO | None = None) -> bool:
     """Progress bars only on global rank 0, on a terminal, and unless ``--no-progress``."""
-    return is_main and not no_progress and stderr_is_terminal(sys.stderr if stream is None else stream)
+    return is_main and not no_progress and stderr_is_terminal(stream)
 
 
 class RunLog:
@@ -88,11 +99,11 @@ class RunLog:
         self._first_epoch, self._last_epoch = config.epoch_range()
         # Losses summed over ranks as [sum, count]: since the last train line (a window may span an epoch's end), and
         # of this epoch (for the epoch line's mean).
-        self._window, self._epoch = [0.0, 0.0], [0.0, 0.0]
+        self._losses = {"line": [0.0, 0.0], "epoch": [0.0, 0.0]}
         self._last_validation: EvalResult | None = None
         self._zero_dice_explained = False
         self._curves_current = False  # whether curves.png shows every record of metrics.jsonl already
-        self._wandb_run = self._tensorboard = None  # the side outputs of rank 0 (below)
+        self._side_outputs: list[SideOutput] = []  # rank 0's (below)
         # The run's summary: ``Starting training: epochs 1..6, ...``, or for a resumed run where in its plan it goes on
         plan, position = parts.batch_plan, parts.position
         done = f"step {position.global_step} ({position.step_in_epoch} batches of the epoch done)"
@@ -103,15 +114,14 @@ class RunLog:
             f"{plan.images_per_step}, learning rate {config.optimisation.learning_rate:g}, "
             f"{len(parts.data.train_set)} training / {len(parts.data.val_set)} validation images, scale "
             f"{config.data.scale:g}, precision {parts.step.precision}, device {ctx.device}, "
-            f"{count(torch.get_num_threads(), 'CPU thread')} and {count(parts.loaders.num_workers, 'loader worker')} "
-            f"per process, run folder {run_folder}"
+            f"{count(torch.get_num_threads(), 'CPU thread')} and "
+            f"{count(parts.loaders.train.num_workers, 'loader worker')} per process, run folder {run_folder}"
         )
         settings = config.settings_block()
         logger.info("%s", settings)
         if not ctx.is_main:
             return
         try:
-            run_folder.path.mkdir(parents=True, exist_ok=True)
             write_config_file(run_folder.config_file, parts.run_args, settings)
             # Appending keeps the history of a resumed run in the same file; the curves keep the last value per step.
             # A torn last line (a crash mid-write) is dropped first, so it cannot swallow the next record.
@@ -121,8 +131,9 @@ class RunLog:
                 f"cannot write to the run folder {run_folder}: {error.strerror or error}; choose a writable "
                 f"--checkpoint-dir"
             ) from error
-        self._tensorboard = _start_tensorboard(parts) if config.logging.tensorboard else None
-        self._wandb_run = _start_wandb(parts) if config.logging.wandb != "disabled" else None
+        tensorboard = _start_tensorboard(parts) if config.logging.tensorboard else None
+        wandb_run = _start_wandb(parts) if config.logging.wandb != "disabled" else None
+        self._side_outputs = [output for output in (tensorboard, wandb_run) if output is not None]
 
     # ------------------------------------------------------------------------------------------------ training
 
@@ -155,20 +166,20 @@ class RunLog:
         self._images_seen += images * self.ctx.world_size
         self._bar.update(images * self.ctx.world_size)
 
-    def _add_losses(self) -> None:
-        """Count the step's ``[loss sum, count]`` since the last read into the window and the epoch; on every rank (an
+    def _mean_loss(self, window: str) -> float:
+        """The mean loss of ``window`` (``line``: since the last train line; ``epoch``: of this epoch), which starts
+        again; NaN when it holds none. On every rank: it counts the step's losses since the last read into both (an
         all-reduce)."""
         losses = sum_across_ranks(self.ctx, self.parts.step.take_losses()).tolist()
-        self._window = [total + value for total, value in zip(self._window, losses, strict=True)]
-        self._epoch = [total + value for total, value in zip(self._epoch, losses, strict=True)]
+        for totals in self._losses.values():
+            totals[:] = [total + value for total, value in zip(totals, losses, strict=True)]
+        (total, count), self._losses[window] = self._losses[window], [0.0, 0.0]
+        return total / count if count else float("nan")
 
     def log_train(self) -> None:
         """The train line of the window since the previous one (bar, log line, metrics.jsonl, TensorBoard, wandb); on
         every rank (the losses' all-reduce)."""
-        self._add_losses()
-        (loss_sum, count), self._window = self._window, [0.0, 0.0]
-        loss = loss_sum / count if count else float("nan")
-        lr = self.parts.step.optimizer.param_groups[0]["lr"]
+        loss, lr = self._mean_loss("line"), self.parts.step.optimizer.param_groups[0]["lr"]
         now, position = time.perf_counter(), self.parts.position
         images_per_s = (self._images_seen - self._images_at_last_line) / max(now - self._last_train_line, 1e-9)
         self._last_train_line, self._images_at_last_line = now, self._images_seen
@@ -195,12 +206,11 @@ class RunLog:
     def epoch_line(self) -> None:
         """Log the epoch's mean training loss and its validation (Dice, IoU) if it validated; resets both. On every
         rank: it reads the epoch's remaining losses (an all-reduce), whether or not it logs."""
-        self._add_losses()
-        (total, count), self._epoch = self._epoch, [0.0, 0.0]
+        loss = self._mean_loss("epoch")
         validation, self._last_validation = self._last_validation, None
         if not self._log_lines:
             return
-        mean = f"{total / count:.4f}" if count else "n/a"
+        mean = "n/a" if math.isnan(loss) else f"{loss:.4f}"
         scores = f"; validation Dice {validation.dice:.4f}, IoU {validation.iou:.4f}" if validation else ""
         position = self.parts.position
         logger.info(
@@ -230,34 +240,26 @@ class RunLog:
         # The scores as evaluate.py writes them: the headline macro (per-image mean) Dice and IoU, and both reductions
         # (with micro: dataset-level), per class and averaged; see utils.evaluation.
         record = {"epoch": position.epoch, "global_step": position.global_step, **result.as_dict()}
-        wanted = self._wandb_run is not None or self._tensorboard is not None
-        self._write("val", record, self._samples(len(result.per_class_dice)) if wanted else None)
+        self._write("val", record, self._samples(len(result.per_class_dice)) if self._side_outputs else None)
         self.draw_curves()  # after every validation, so a long run's curves.png is always current
 
     @torch.inference_mode()
-    def _samples(self, n_classes: int) -> dict[str, Any]:
+    def _samples(self, n_classes: int) -> dict[str, torch.Tensor]:
         """A few validation images with their true and predicted masks (grey images, classes spread out over [0, 1]
-        so that they are visible; void pixels black like class 0), plus weight/gradient histograms (wandb's)."""
-        model = self.parts.evaluated_model
-        batch = next(iter(self.parts.loaders.val))
+        so that they are visible; void pixels black like class 0)."""
+        model, batch = self.parts.evaluated_model, next(iter(self.parts.loaders.val))
+        images = batch["image"][:SAMPLE_IMAGES]
         model.eval()
         try:
-            logits = model(batch["image"][:SAMPLE_IMAGES].to(self.ctx.device))
+            logits = model(images.to(self.ctx.device))
         finally:
             model.train()
-        histograms: dict[str, torch.Tensor] = {}
-        for name, parameter in model.named_parameters():
-            tag = name.replace("/", ".")
-            if torch.isfinite(parameter).all():
-                histograms[f"Weights/{tag}"] = parameter.detach()
-            if parameter.grad is not None and torch.isfinite(parameter.grad).all():
-                histograms[f"Gradients/{tag}"] = parameter.grad.detach()
         masks = {"true": batch["mask"][:SAMPLE_IMAGES], "pred": predict_classes(logits)}
         samples = {
             name: (classes.cpu().clamp(min=0).float() / max(n_classes - 1, 1)).clamp(max=1).unsqueeze(1)
             for name, classes in masks.items()
         }
-        return {"image": batch["image"][:SAMPLE_IMAGES], **samples, "histograms": histograms}
+        return {"image": images.float().clamp(0, 1), **samples}
 
     # ------------------------------------------------------------------------------------------ files and runs
 
@@ -286,11 +288,9 @@ class RunLog:
         if not self.ctx.is_main:
             return
         self._metrics_file.close()
-        if self._tensorboard is not None:
+        for output in self._side_outputs:
             with contextlib.suppress(OSError):  # a full disk was said by the write that met it
-                self._tensorboard.close()
-        if self._wandb_run is not None:
-            self._wandb_run.finish()
+                output.close()
 
     def _write(self, event: str, fields: dict[str, Any], samples: dict[str, Any] | None = None) -> None:
         """One record of metrics.jsonl (rank 0); a train or val record's scores go to TensorBoard and wandb too, at its
@@ -303,52 +303,24 @@ class RunLog:
         if event == "phase":
             return
         self._curves_current = False
-        step, scalars = fields["global_step"], {}  # TensorBoard tag -> (wandb name, value)
+        scalars = {}  # TensorBoard tag -> (wandb name, value)
         for key, (tag, name) in SCALARS.items():
             if isinstance(fields.get(key), list):
                 scalars |= {tag.format(k): (name.format(k), value) for k, value in enumerate(fields[key])}
             elif key in fields:
                 scalars[tag] = (name, fields[key])
-        if self._tensorboard is not None:
-            writer = self._tensorboard
-            try:  # a side output: a full or failing disk is one warning, and the run goes on without it
-                for tag, (_, value) in scalars.items():
-                    writer.add_scalar(tag, value, step)
-                if samples is not None:
-                    writer.add_images("val/image", samples["image"].detach().float().cpu().clamp(0, 1), step)
-                    writer.add_images("val/truth", samples["true"], step)
-                    writer.add_images("val/prediction", samples["pred"], step)
-                writer.flush()  # a write error of the writer's thread surfaces here
-            except OSError as error:
-                logger.warning(
-                    f"cannot write TensorBoard events to {self.run_folder.tensorboard}: {error.strerror or error}; "
-                    "training continues without --tensorboard"
-                )
-                with contextlib.suppress(Exception):
-                    self._tensorboard.close()
-                self._tensorboard = None
-        if self._wandb_run is not None:
-            try:  # telemetry must never end a training run: on any wandb failure, warn once and continue without it
-                self._wandb_run.log(_wandb_record(scalars, samples), step=step)
+        for output in list(self._side_outputs):
+            try:  # telemetry must never end a training run: a full disk, wandb's network... are one warning each
+                output.write(scalars, samples, fields["global_step"])
             except Exception as error:
-                logger.warning("wandb logging failed (%s); continuing without wandb", error)
-                self._wandb_run = None
+                reason = getattr(error, "strerror", None) or error
+                logger.warning(f"{output.failure}: {reason}; training continues without {output.flag}")
+                self._side_outputs.remove(output)
+                with contextlib.suppress(Exception):
+                    output.close()
 
 
-def _wandb_record(scalars: dict[str, tuple[str, float]], samples: dict | None) -> dict[str, Any]:
-    import wandb
-
-    record: dict[str, Any] = dict(scalars.values())
-    if samples is not None:
-        # The first of the samples (TensorBoard shows them all).
-        record["images"] = wandb.Image(samples["image"][0].float().cpu().permute(1, 2, 0).numpy())
-        record["masks"] = {name: wandb.Image((samples[name][0, 0] * 255).byte().numpy()) for name in ("true", "pred")}
-        for name, values in samples["histograms"].items():
-            record[name] = wandb.Histogram(values.float().cpu())
-    return record
-
-
-def _start_tensorboard(parts: TrainParts) -> Any:
+def _start_tensorboard(parts: TrainParts) -> SideOutput | None:
     if importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard, or drop --tensorboard")
     from torch.utils.tensorboard import SummaryWriter
@@ -357,10 +329,22 @@ def _start_tensorboard(parts: TrainParts) -> Any:
     try:
         folder = side_output_folder(parts.run_folder.tensorboard, "--tensorboard")
         # A resumed run hides what the run it continues logged after its checkpoint: see the module's docstring.
-        return SummaryWriter(log_dir=str(folder), purge_step=parts.position.global_step + 1 if parts.resumed else None)
+        writer = SummaryWriter(
+            log_dir=str(folder), purge_step=parts.position.global_step + 1 if parts.resumed else None
+        )
     except (OutputError, OSError) as error:  # the folder refused (a link, a file), or a full disk already
         logger.warning("%s; training continues without --tensorboard", error)
         return None
+
+    def write(scalars: dict[str, tuple[str, float]], samples: dict[str, Any] | None, step: int) -> None:
+        for tag, (_, value) in scalars.items():
+            writer.add_scalar(tag, value, step)
+        if samples is not None:
+            for tag, name in (("val/image", "image"), ("val/truth", "true"), ("val/prediction", "pred")):
+                writer.add_images(tag, samples[name], step)
+        writer.flush()  # a write error of the writer's thread surfaces here
+
+    return SideOutput("--tensorboard", f"cannot write TensorBoard events to {folder}", write, writer.close)
 
 
 def _quiet_event_writer_threads() -> None:
@@ -380,12 +364,12 @@ def _quiet_event_writer_threads() -> None:
     threading.excepthook = hook
 
 
-def _start_wandb(parts: TrainParts) -> Any:
+def _start_wandb(parts: TrainParts) -> SideOutput | None:
     mode = parts.config.logging.wandb
     try:
         import wandb
 
-        return wandb.init(
+        run = wandb.init(
             project=WANDB_PROJECT,
             name=parts.config.checkpoint.exp_name,
             config=parts.run_args,
@@ -396,3 +380,20 @@ def _start_wandb(parts: TrainParts) -> Any:
         fix = " (pip install wandb)" if isinstance(error, ImportError) else ""
         logger.warning("--wandb %s: wandb could not start (%s); continuing without it%s", mode, error, fix)
         return None
+
+    def write(scalars: dict[str, tuple[str, float]], samples: dict[str, Any] | None, step: int) -> None:
+        record: dict[str, Any] = dict(scalars.values())
+        if samples is not None:
+            # The first of the samples (TensorBoard shows them all), and the evaluated model's weight and gradient
+            # histograms (the finite ones).
+            record["images"] = wandb.Image(samples["image"][0].permute(1, 2, 0).numpy())
+            record["masks"] = {
+                name: wandb.Image((samples[name][0, 0] * 255).byte().numpy()) for name in ("true", "pred")
+            }
+            for name, parameter in parts.evaluated_model.named_parameters():
+                for kind, values in (("Weights", parameter), ("Gradients", parameter.grad)):
+                    if values is not None and torch.isfinite(values).all():
+                        record[f"{kind}/{name.replace('/', '.')}"] = wandb.Histogram(values.detach().float().cpu())
+        run.log(record, step=step)
+
+    return SideOutput("--wandb", "wandb logging failed", write, run.finish)

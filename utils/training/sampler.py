@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import Sampler
 
 
 def epoch_order(
@@ -142,44 +142,39 @@ class BatchPlan:
         return epochs * self.steps_per_epoch
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler (shuffle by ``seed + epoch``, no dropping) that can start part-way through an epoch.
+@dataclass
+class ResumableDistributedSampler(Sampler[int]):
+    """DistributedSampler's shards (shuffled by ``seed + epoch``, none dropped) that can start part-way through an
+    epoch, with --oversample-foreground's order (``epoch_order``).
 
     Also used with one process, so single-process order depends only on ``(seed, epoch)`` like the distributed one.
     """
 
-    def __init__(
-        self,
-        dataset_len: int,
-        *,
-        rank: int,
-        world_size: int,
-        seed: int,
-        foreground: Sequence[int] = (),
-        oversample_foreground: float = 0.0,
-    ) -> None:
-        """``foreground``: the indices whose images contain a non-background class, for ``oversample_foreground``."""
-        # DistributedSampler only needs len(dataset); a range stands in so the sampler never touches the images.
-        super().__init__(range(dataset_len), num_replicas=world_size, rank=rank, seed=seed)
-        self._consumed = 0
-        self.foreground = list(foreground)
-        self.oversample_foreground = oversample_foreground
+    dataset_len: int
+    rank: int
+    world_size: int
+    seed: int
+    foreground: Sequence[int] = ()
+    """The indices whose images contain a non-background class, for ``oversample_foreground``."""
+    oversample_foreground: float = 0.0
+    epoch: int = 0
+    consumed: int = 0
+    """Global images of the epoch's order already done: skipped."""
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
         """Select the epoch's order and skip its first ``consumed`` global images."""
-        super().set_epoch(epoch)
-        self._consumed = consumed
+        self.epoch, self.consumed = epoch, consumed
 
     def __iter__(self) -> Iterator[int]:
         order = epoch_order(
-            len(self.dataset),
+            self.dataset_len,
             seed=self.seed,
             epoch=self.epoch,
             foreground=self.foreground,
             fraction=self.oversample_foreground,
-            world_size=self.num_replicas,
+            world_size=self.world_size,
         )
-        return iter(shard_indices(order, rank=self.rank, world_size=self.num_replicas, consumed=self._consumed))
+        return iter(shard_indices(order, rank=self.rank, world_size=self.world_size, consumed=self.consumed))
 
     def __len__(self) -> int:
-        return images_per_rank(len(self.dataset), world_size=self.num_replicas, consumed=self._consumed)
+        return images_per_rank(self.dataset_len, world_size=self.world_size, consumed=self.consumed)

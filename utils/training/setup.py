@@ -35,10 +35,9 @@ from utils.launch.signals import InterruptFlag
 from utils.training.compiled import use_compile_cache, warn_if_slower
 from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, describe_flag
 from utils.training.data import build_data, build_loaders
-from utils.training.ema import WeightAverage
 from utils.training.loop import Trainer, TrainParts
 from utils.training.model import check_resume, starting_model
-from utils.training.objective import build_optimization, class_weights_of
+from utils.training.objective import class_weights_of
 from utils.training.sampler import BatchPlan
 from utils.training.step import TrainStep
 
@@ -65,33 +64,6 @@ def build_trainer(config: TrainConfig, ctx: DistributedContext, interrupts: Inte
     except BaseException:
         choice.folder.unlock()
         raise
-
-
-# ------------------------------------------------------------------------------------------------ epoch plan
-
-
-def planned_config(config: TrainConfig, state: TrainingState | None) -> TrainConfig:
-    """The run's config, as its checkpoints store it: a resumed run keeps the epoch plan its checkpoint records.
-
-    The plan is made once, when the run starts: resuming continues it whatever --epochs/--start_from say now (to
-    train on with another plan, start a new run from the weights with --load and --start_from).
-    """
-    saved = state.run_args if state is not None else {}
-    if "epochs" not in saved or "start_from" not in saved:
-        return config
-    planned = dataclasses.replace(
-        config,
-        checkpoint=dataclasses.replace(config.checkpoint, start_from=int(saved["start_from"])),
-        optimisation=dataclasses.replace(config.optimisation, epochs=int(saved["epochs"])),
-    )
-    if planned != config:
-        first, last = planned.epoch_range()
-        logger.warning(
-            f"--resume continues the run's plan, epochs {first}..{last} (--start_from {planned.checkpoint.start_from} "
-            f"--epochs {planned.optimisation.epochs}); this command's --start_from {config.checkpoint.start_from} "
-            f"--epochs {config.optimisation.epochs} are ignored"
-        )
-    return planned
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -121,14 +93,10 @@ def build_parts(config: TrainConfig, ctx: DistributedContext, choice: RunChoice)
     if resume_path is not None:
         state = state or load_resume_checkpoint(resume_path)
         logger.info("Resuming from %s", resume_path)
-        check_resume_flags(config, state, resume_path)
-    config = planned_config(config, state)
-    data = build_data(config)
+        config = check_resume_flags(config, state, resume_path)
+    data, flags = build_data(config), config.optimisation
     plan = BatchPlan(
-        n_train=len(data.train_set),
-        batch_size=config.optimisation.batch_size,
-        world_size=ctx.world_size,
-        grad_accum=config.optimisation.grad_accum,
+        n_train=len(data.train_set), batch_size=flags.batch_size, world_size=ctx.world_size, grad_accum=flags.grad_accum
     )
     if plan.batch_size > (per_rank := plan.images_per_rank()):
         raise ConfigError(
@@ -142,60 +110,46 @@ def build_parts(config: TrainConfig, ctx: DistributedContext, choice: RunChoice)
         warn_if_slower(ctx.device, precision)
     if state is not None:
         check_resume(config, data, state, resume_path)
-    model, model_args = starting_model(config, ctx, data, resuming=state is not None)
+    model = starting_model(config, ctx, data, resuming=state is not None)
     if ctx.is_main:
         write_split_file(run_folder.split, data.split)
-    optimization = build_optimization(
-        config.optimisation,
-        model.parameters(),
-        total_steps=plan.total_steps(config.optimisation.epochs),
-        precision=precision,
-        resumed=state is not None,
-    )
+    # The schedule's plan; a resumed run's scheduler state brings back the plan it was made with.
+    total_steps = plan.total_steps(flags.epochs)
+    if state is None and flags.warmup_steps >= total_steps and flags.scheduler != "plateau":
+        logger.warning(
+            f"--warmup-steps {flags.warmup_steps} is not shorter than the run's {total_steps} optimizer steps: the "
+            f"learning rate never reaches the {flags.scheduler} schedule"
+        )
     class_weights = class_weights_of(config, data.train_class_pixels)
-    step = TrainStep(config, optimization, model, ctx, precision=precision, class_weights=class_weights)
-    # After DDP's wrapping, which broadcasts rank 0's weights: every rank's average starts from the same ones.
-    decay = config.optimisation.ema
-    ema = WeightAverage(model, decay, optimization.optimizer) if decay is not None else None
+    step = TrainStep(config, model, ctx, precision=precision, total_steps=total_steps, class_weights=class_weights)
     position, resume_images = TrainPosition(epoch=config.checkpoint.start_from - 1), 0
     if state is not None:
-        restore(state, {"model": model, "ema": ema, **vars(optimization)})
+        stepped = {"optimizer": step.optimizer, "scheduler": step.scheduler, "scaler": step.scaler, "ema": step.ema}
+        restore(state, {"model": model, **stepped})
         position, resume_images = state.position, _resumed_images_in_epoch(plan, state)
-    parts = TrainParts(
-        raw_model=model,
-        step=step,
-        scheduler=optimization.scheduler,
-        data=data,
-        loaders=build_loaders(config, ctx, data),
-        batch_plan=plan,
-        model_args=model_args,
-        config=config,
-        run_folder=run_folder,
-        position=position,
-        resume_images_in_epoch=resume_images,
-        ema=ema,
-        resumed=state is not None,
-    )
-    return parts
+    loaders = build_loaders(config, ctx, data)
+    return TrainParts(step, data, loaders, plan, config, run_folder, position, resume_images, resumed=state is not None)
 
 
-def check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> None:
-    """Apply the resume rules (each flag's ``resume=``, ``utils.training.config``) to this command's flags.
+def check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> TrainConfig:
+    """The config of a run that resumes ``state``: the resume rules (each flag's ``resume=``, ``utils.flags``) applied
+    to this command's flags.
 
     A ``must match`` flag that differs from the run's, set or unset alike, is refused: the optimizer restores its own
     learning rate, weight decay and momentum from the checkpoint (a new value would be logged but not used), the data
     flags decide which images are trained and which validate (a larger --validation would move trained images into
     the validation set), the objective's flags decide what the loss measures, --ema's decay made the average the
     checkpoint holds, and the model's arguments made its weights. A ``may change`` flag takes its new value, said in
-    one line; a ``new plan`` flag is the run's (``planned_config``). docs/RELIABILITY.md, "What a resume takes".
+    one line. A ``new plan`` flag is the run's: the epoch plan is made once, when the run starts, and resuming
+    continues it whatever --epochs/--start_from say now (to train on with another plan, start a new run from the
+    weights with --load and --start_from). docs/RELIABILITY.md, "What a resume takes".
 
     A flag missing from the checkpoint's record (saved before the flag existed) counts as its default, the behaviour
     that run had; a checkpoint recording no flags at all is not checked.
     """
-    saved_args = state.run_args
+    saved_args, wanted_args = state.run_args, config.as_dict()
     if not saved_args:
-        return
-    wanted_args = config.as_dict()
+        return config
     changed = []
     for item in flag_fields(TrainConfig):
         rule, flag = item.flag.resume, item.flag.name
@@ -208,17 +162,21 @@ def check_resume_flags(config: TrainConfig, state: TrainingState, path: str) -> 
                 f"{describe_flag(flag, wanted)}; resume with {describe_flag(flag, saved)}, or start a new run from "
                 f"its weights with --load {path}"
             )
-        changed.append(f"{flag} {_show_value(saved)} -> {_show_value(wanted)}")
+        changed.append(f"{describe_flag(flag, saved)} -> {describe_flag(flag, wanted)}")
     if changed:
         logger.info("The resumed run changes %s: %s", count(len(changed), "flag"), ", ".join(changed))
-
-
-def _show_value(value: Any) -> str:
-    if value is None or (isinstance(value, list | tuple) and not value):
-        return "none"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+    if "epochs" not in saved_args or "start_from" not in saved_args:
+        return config
+    plan = {"epochs": int(saved_args["epochs"]), "start_from": int(saved_args["start_from"])}
+    planned = TrainConfig.from_dict(wanted_args | plan)
+    if planned != config:
+        first, last = planned.epoch_range()
+        logger.warning(
+            f"--resume continues the run's plan, epochs {first}..{last} (--start_from {plan['start_from']} --epochs "
+            f"{plan['epochs']}); this command's --start_from {config.checkpoint.start_from} --epochs "
+            f"{config.optimisation.epochs} are ignored"
+        )
+    return planned
 
 
 def _as_recorded(value: Any) -> Any:
@@ -234,12 +192,9 @@ def _resumed_images_in_epoch(plan: BatchPlan, state: TrainingState) -> int:
     The position is stored as batches of the saving run; times its batch size and world size it is a count of images
     of the epoch's order (``utils.training.sampler``), which this run skips whatever its own world size.
     """
-    saved = dataclasses.replace(
-        plan,
-        batch_size=int(state.run_args.get("batch_size", plan.batch_size)),
-        world_size=state.world_size,
-        grad_accum=int(state.run_args.get("grad_accum", plan.grad_accum)),
-    )
+    args = state.run_args  # a flag the checkpoint does not record was at this run's value
+    batch_size, grad_accum = int(args.get("batch_size", plan.batch_size)), int(args.get("grad_accum", plan.grad_accum))
+    saved = dataclasses.replace(plan, batch_size=batch_size, world_size=state.world_size, grad_accum=grad_accum)
     images = saved.images_consumed(state.position.step_in_epoch)
     if saved != plan:
         logger.warning(
