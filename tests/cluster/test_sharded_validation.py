@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Subset
-from utils.training.loop import Validator
 
 from tests.helpers import tiny_unet
 from utils.evaluation import EvalResult, evaluate_segmentation, score_batches, shard_range
 from utils.launch.process_group import DistributedContext
 from utils.launch.signals import InterruptFlag
+from utils.training.loop import Validator
 
 N_CLASSES = 3
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import random_split
 
+from utils.checkpoint.files import write_run_text
 from utils.datasets import splits
 from utils.datasets.splits import (
     MAX_SPLIT_FILE_BYTES,
@@ -25,7 +26,6 @@ from utils.datasets.splits import (
     read_split_file,
     split_dataset,
     split_positions,
-    write_split_file,
 )
 from utils.errors import ConfigError, DatasetError
 from utils.inference.config import EvaluateConfig
@@ -150,7 +150,7 @@ def test_split_file_round_trip_digest_and_evaluate_positions(tmp_path: Path) -> 
     ids = carvana_ids(6, 2)
     _, _, record = split_dataset(ids, SplitFlags(split_by="prefix", validation=30.0), tmp_path)
     path = tmp_path / "split.json"
-    write_split_file(path, record)
+    write_run_text(path, record.file_text())
     assert [p.name for p in tmp_path.iterdir()] == ["split.json"]  # no temporary file left
     raw = json.loads(path.read_text())
     assert raw["rule"] == "prefix" and raw["seed"] == 0 and raw["validation"] == list(record.validation)

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from utils.checkpoint.files import write_run_text
 from utils.datasets.image_files import format_examples
 from utils.errors import ConfigError, DatasetError, shortened
 from utils.flags import MUST_MATCH, flag
@@ -84,6 +83,10 @@ class SplitRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {"version": SPLIT_FILE_VERSION, **dataclasses.asdict(self)}
+
+    def file_text(self) -> str:
+        """What the run writes to its ``split.json`` (``read_split_file`` reads it back)."""
+        return json.dumps(self.as_dict(), indent=1) + "\n"
 
     @functools.cached_property
     def digest(self) -> str:
@@ -278,11 +281,6 @@ def check_same_split(saved_digest: str | None, record: SplitRecord, path: str) -
             f"--group-pattern, --validation, --folds, --fold, or other image ids); resume with the run's split flags "
             f"(its split.json records them), or start a new run from its weights with --load {path}"
         )
-
-
-def write_split_file(path: Path, record: SplitRecord) -> None:
-    """Write ``record`` as JSON to ``path``, as the run folder's other files are written."""
-    write_run_text(path, json.dumps(record.as_dict(), indent=1) + "\n")
 
 
 # A split file lists ids (tens of bytes each): 64 MiB is millions of images, and bounds what a wrong path can cost.

@@ -22,10 +22,9 @@ import numpy as np
 import torch
 
 from utils.checkpoint.checkpointer import restore
-from utils.checkpoint.files import load_resume_checkpoint
+from utils.checkpoint.files import load_resume_checkpoint, write_run_text
 from utils.checkpoint.format import TrainingState, TrainPosition
 from utils.checkpoint.run_folder import RunChoice, RunSeries, agree_on_run, series_name
-from utils.datasets.splits import write_split_file
 from utils.errors import ConfigError, count
 from utils.flags import flag_fields
 from utils.hardware import resolve_precision, reuse_large_buffers, warn_if_emulated
@@ -112,7 +111,7 @@ def build_parts(config: TrainConfig, ctx: DistributedContext, choice: RunChoice)
         check_resume(config, data, state, resume_path)
     model = starting_model(config, ctx, data, resuming=state is not None)
     if ctx.is_main:
-        write_split_file(run_folder.split, data.split)
+        write_run_text(run_folder.split, data.split.file_text())
     # The schedule's plan; a resumed run's scheduler state brings back the plan it was made with.
     total_steps = plan.total_steps(flags.epochs)
     if state is None and flags.warmup_steps >= total_steps and flags.scheduler != "plateau":
