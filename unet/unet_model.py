@@ -79,7 +79,7 @@ class SegmentationNet(nn.Module):
     are 1x1 convolutions used only by training-mode forward passes, which then return ``[logits, logits at 1/2, logits
     at 1/4]``; every such pass uses every head, so DistributedDataParallel finds no unused parameters. Evaluation-mode
     passes (validation, predict, evaluate, export) return the full-resolution logits alone, exactly what a model
-    without heads returns. The loss side is ``utils.training.objective.deep_supervision_loss``.
+    without heads returns. The loss side is ``utils.training.objective.supervised_loss``.
     """
 
     aux_heads: AuxiliaryHeads | None

@@ -15,7 +15,7 @@ makes the same activations at every step: ``train.py`` asks for the same at star
 images/s on that machine, docs/PERFORMANCE.md).
 
 Bounds (``check_threads``, ``check_workers``, ``check_model_fits``): upper bounds that come from the machine rather
-than from a flag's meaning (threads, loader workers, model size). A flag's ``Range`` (``utils.flags``) knows what a
+than from a flag's meaning (threads, loader workers, model size). A flag's ``range=`` (``utils.flags``) knows what a
 value means; how many threads or processes this machine
 can run, or whether a model fits its memory, only the machine knows. Each check here runs before anything is built
 or created (no run folder, no model), and its error names the flag, the bound and where the bound comes from.

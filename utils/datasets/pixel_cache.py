@@ -4,7 +4,7 @@
 
 Each image and mask is decoded and resized once into the folder that train.py's and predict.py's ``--pixel-cache``
 then read, memory-mapped, instead of decoding. Errors end it as they end predict.py and evaluate.py
-(``utils.launch.runner``): a bad flag or folder is one ``Error:`` line and exit status 2.
+(``utils.launch.process_group.run_single_process``): a bad flag or folder is one ``Error:`` line and exit status 2.
 """
 
 from __future__ import annotations

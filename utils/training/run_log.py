@@ -1,7 +1,7 @@
 """What a run tells while it trains: progress bars or log lines, ``metrics.jsonl``, TensorBoard, wandb and curves.png.
 
-Only global rank 0 writes or draws anything; other ranks log warnings only, and take part in the one collective of
-logging (the all-reduce of the losses, ``add_losses``). Log lines go to stdout so that stderr carries progress bars
+Only global rank 0 writes or draws anything; other ranks log errors only, and take part in the one collective of
+logging (the all-reduce of the losses, in ``_mean_loss``). Log lines go to stdout so that stderr carries progress bars
 and, on failure, the one ``Error: ...`` line.
 
 Progress bars redraw one line with carriage returns: in a file that is thousands of fragments and no loss at all.

@@ -46,7 +46,7 @@ def epoch_order(
     permutation in order (its tail, as many images as were forced, waits for another epoch).
 
     ``fraction`` in [0, 1] and, above 0, at least one ``foreground`` image: checked where the flag is parsed
-    (``Range``) and where the loaders are built (``build_loaders`` names the flag).
+    (its ``range=``, ``utils.flags.check_range``) and where the loaders are built (``build_loaders`` names the flag).
     """
     generator = torch.Generator().manual_seed(seed + epoch)
     permutation = torch.randperm(dataset_len, generator=generator).numpy()
