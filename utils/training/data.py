@@ -1,7 +1,8 @@
 """Training data: the dataset, the train/validation split (identical on every rank) and the data loaders.
 
 Built by ``utils.training.setup.build_parts`` on every rank: the sampler deals each rank its share of the epoch's
-order (``utils.training.sampler``); only global rank 0 validates, so only it has a validation loader.
+order (``utils.training.sampler``); with --val-mode rank0 only global rank 0 has a validation loader, with
+--val-mode sharded every rank has one over its share.
 """
 
 from __future__ import annotations

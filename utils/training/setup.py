@@ -1,8 +1,8 @@
 """Wiring a training run from the parsed flags: the builders that read ``TrainConfig`` are called from here.
 
 ``build_parts`` wires three builders, each handed the config sections it reads: the model
-(``utils.training.model``), the optimisation (``utils.training.objective``) and the loaders
-(``utils.training.data``). The batch arithmetic (``BatchPlan``) is made once here and handed down.
+(``utils.training.model``), the step with its optimisation (``utils.training.step``, from ``objective``'s builders)
+and the loaders (``utils.training.data``). The batch arithmetic (``BatchPlan``) is made once here and handed down.
 
 Every rank builds its own copy (per the PyTorch DDP tutorial: each rank loads the checkpoint before wrapping the model
 in DDP). Decisions that depend on the run folder (which checkpoint to resume, whether the folder is taken) are made
