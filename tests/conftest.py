@@ -35,9 +35,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests run first (in collection order otherwise): with several workers (``scripts/test.sh``) the long
-    ones start early and the short ones fill the workers' last minutes, instead of one long test running alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The slow tests run first, the compile tests (minutes each on a CPU) first among them, in collection order
+    otherwise: with several workers (``scripts/test.sh``) the long ones start early and the short ones fill the
+    workers' last minutes, instead of one long test running alone."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "compile" not in item.path.name))
 
 
 @dataclass(frozen=True)
