@@ -12,10 +12,10 @@ import pytest
 
 from tests.conftest import REPO_ROOT, SyntheticData, TrainRunner, child_env
 from tests.helpers import one_error_line, save_checkpoint, tiny_unet
+from unet import UNetArgs
 from utils import hardware
 from utils.errors import ConfigError
 from utils.hardware import MIN_WORKERS_BOUND, WORKERS_PER_CPU, available_cpus
-from utils.training.config import ModelSection
 
 
 @pytest.mark.slow
@@ -65,9 +65,9 @@ def test_the_parameter_count_is_the_models(monkeypatch: pytest.MonkeyPatch) -> N
     count = sum(tensor.numel() for tensor in [*model.parameters(), *model.buffers()])
     monkeypatch.setattr(hardware, "memory_bytes", lambda: 4 * count - 1)
     with pytest.raises(ConfigError, match=re.escape(f"--base-channels 8 makes a UNet of {count:.3g} weights")):
-        hardware.check_model_fits(ModelSection(classes=2, base_channels=8))
+        hardware.check_model_fits(UNetArgs(3, 2, base_channels=8))
     monkeypatch.setattr(hardware, "memory_bytes", lambda: 4 * count)
-    hardware.check_model_fits(ModelSection(classes=2, base_channels=8))
+    hardware.check_model_fits(UNetArgs(3, 2, base_channels=8))
 
 
 def test_the_memory_bound_is_the_least_of_the_machine_the_cgroup_and_the_address_space(monkeypatch) -> None:

@@ -77,3 +77,19 @@ def shortened(value: object, limit: int = 80) -> str:
 def count(number: int, noun: str, plural: str | None = None) -> str:
     """``number`` and ``noun``, the noun in the plural (``plural``, else ``noun + "s"``) unless the number is 1."""
     return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
+def refused_code(error: BaseException) -> str | None:
+    """Why ``torch.load(weights_only=True)`` refused a file whose pickle imports code (the global torch's ``error``
+    names), without torch's advice to load it with ``weights_only=False``; None when ``error`` is about anything else.
+
+    The one wording of such a refusal: checkpoints (``utils.checkpoint.files``), dataset tensor files
+    (``utils.datasets.image_files``).
+    """
+    imported = re.search(r"GLOBAL (\S+)", str(error))
+    if imported is None:
+        return None
+    return (
+        f"it contains code (pickled objects: {imported.group(1)}), refused: unpickling them could run code, so only "
+        "tensors, numbers, strings and containers are accepted"
+    )

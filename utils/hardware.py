@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader, Dataset
 from utils.errors import ConfigError, user_message
 
 if TYPE_CHECKING:
-    from utils.training.config import ModelSection
+    from unet import UNetArgs
 
 logger = logging.getLogger(__name__)
 
@@ -238,20 +238,18 @@ def _number(path: str, field: str | None = None) -> int | None:
     return None if found is None else int(found.group(1)) * (1024 if field else 1)
 
 
-def check_model_fits(model: ModelSection) -> None:
+def check_model_fits(args: UNetArgs) -> None:
     """Refuse a UNet whose fp32 weights alone exceed this machine's memory (it is built in RAM before anything else;
     training needs about four times that: weights, gradients and two optimizer moments)."""
     from unet import UNet  # the model package imports torch's nn stack: only needed when counting
 
-    # Counted on the meta device (nothing is allocated), for 3 channels: the photos' are not known yet (the first
-    # layer's share of the weights is negligible).
-    with torch.device("meta"):
-        unet = UNet(3, model.classes, model.bilinear, model.base_channels)
+    with torch.device("meta"):  # counted on the meta device: nothing is allocated
+        unet = UNet(args.n_channels, args.n_classes, args.bilinear, args.base_channels)
     count = sum(tensor.numel() for tensor in [*unet.parameters(), *unet.buffers()])
     needed, memory = count * BYTES_PER_WEIGHT, memory_bytes()
     if memory is not None and needed > memory:
         raise ConfigError(
-            f"--base-channels {model.base_channels} makes a UNet of {count:.3g} weights, {_gib(needed)} in fp32 (about "
+            f"--base-channels {args.base_channels} makes a UNet of {count:.3g} weights, {_gib(needed)} in fp32 (about "
             f"{_gib(4 * needed)} to train), more than this machine's {_gib(memory)} of memory; use a smaller "
             f"--base-channels (64 is the classic model, {_gib(4 * 31_000_000 * BYTES_PER_WEIGHT)} to train)"
         )

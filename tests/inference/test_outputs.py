@@ -11,7 +11,8 @@ from PIL import Image
 from utils.checkpoint.format import InferenceRecord
 from utils.checkpoint.model import ModelSpec, check_mask_values_of
 from utils.errors import CheckpointError
-from utils.inference.writer import mask_to_image, mask_values_to_write
+from utils.inference.engine import mask_values_to_write
+from utils.inference.writer import mask_to_image
 
 CLASSES = np.array([[0, 1, 1], [1, 0, 0]], dtype=np.uint8)
 THREE_CLASSES = np.array([[0, 1, 2], [2, 1, 0]], dtype=np.uint8)

@@ -31,7 +31,8 @@ from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
 from utils.training.curves import read_series
 from utils.training.data import Loaders, TrainData
-from utils.training.loop import Trainer, TrainParts, Validator
+from utils.training.loop import Trainer, Validator
+from utils.training.parts import TrainParts
 from utils.training.run_log import RunLog
 from utils.training.sampler import BatchPlan, ResumableDistributedSampler
 

@@ -47,7 +47,7 @@ from utils.launch.process_group import DistributedContext, agree_on_errors, rais
 
 if TYPE_CHECKING:
     from utils.training.config import CheckpointSection
-    from utils.training.loop import TrainParts
+    from utils.training.parts import TrainParts
 
 logger = logging.getLogger(__name__)
 

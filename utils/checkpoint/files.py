@@ -7,9 +7,9 @@ moment a crash happens. A state saved under several names is serialised once and
 another. Files get the mode any file the user creates gets (0666 minus the umask).
 
 Reads always use ``weights_only=True``: a checkpoint can hold tensors, numbers, strings and containers, never objects
-whose unpickling runs code (``refused_code`` names the code a refused file would import, as torch's refusal does,
-without its advice to load the file unsafely). Every read checks the format version, the digests and the weights'
-values (``utils.checkpoint.format``).
+whose unpickling runs code (``utils.errors.refused_code`` names the code a refused file would import, as torch's
+refusal does, without its advice to load the file unsafely). Every read checks the format version, the digests and
+the weights' values (``utils.checkpoint.format``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from utils.checkpoint.format import (
     verify_checkpoint,
     weights_of,
 )
-from utils.errors import CheckpointError
+from utils.errors import CheckpointError, refused_code
 from utils.output_files import OutputError, replacing
 
 
@@ -94,21 +94,6 @@ def _save_to(payload: Mapping[str, Any], temporary: Path) -> None:
             if not isinstance(error.__context__, OSError):
                 raise
             raise error.__context__ from error
-
-
-def refused_code(error: pickle.UnpicklingError) -> str | None:
-    """Why ``torch.load(weights_only=True)`` refused a file whose pickle imports code (the global torch's ``error``
-    names), without torch's advice to load it with ``weights_only=False``; None when ``error`` is about anything else.
-
-    The one wording of such a refusal: checkpoints here, dataset tensor files (``utils.datasets.image_files``).
-    """
-    imported = re.search(r"GLOBAL (\S+)", str(error))
-    if imported is None:
-        return None
-    return (
-        f"it contains code (pickled objects: {imported.group(1)}), refused: unpickling them could run code, so only "
-        "tensors, numbers, strings and containers are accepted"
-    )
 
 
 def load_checkpoint_file(path: str | Path) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 from PIL import Image, ImageOps
 
-from utils.errors import ConfigError, DatasetError
+from utils.errors import ConfigError, DatasetError, refused_code
 
 logger = logging.getLogger(__name__)
 
@@ -426,8 +426,6 @@ def _load_pt(path: str | Path) -> np.ndarray:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
         # Not torch's message: it suggests weights_only=False, exactly what must not be done with data files.
-        from utils.checkpoint.files import refused_code
-
         reason = refused_code(err) or "it is corrupt or holds objects other than tensors"
         raise DatasetError(
             f"{path} cannot be loaded safely: {reason}; save one tensor per file with torch.save"

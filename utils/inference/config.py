@@ -19,8 +19,9 @@ from utils.flags import FlagParser, flag
 from utils.hardware import PRECISIONS, check_workers
 from utils.inference.export import EXPORT_FORMATS
 from utils.inference.tiling import DEFAULT_TILE_OVERLAP, TileSettings
-from utils.inference.writer import MASK_FORMATS
 
+# Masks must be stored losslessly: a JPEG would blur class values into each other.
+MASK_FORMATS = (".png", ".gif", ".bmp", ".tif", ".tiff")
 # Probability above which a one-logit model's pixel is foreground (milesial's -t default).
 DEFAULT_MASK_THRESHOLD = 0.5
 _export_size = partial(parse_size, flag="--export-size")  # (width, height), as export_model takes it

@@ -35,13 +35,12 @@ from utils.checkpoint import model as model_spec
 from utils.datasets.dataset import BasicDataset, PixelCache, cached_image, image_tensor, resized_image, unit_float
 from utils.datasets.image_files import FileInfo, format_examples, image_header, load_image, mode_channels
 from utils.datasets.splits import read_split_file
-from utils.errors import ConfigError, DatasetError
+from utils.errors import CheckpointError, ConfigError, DatasetError
 from utils.evaluation import predict_classes
 from utils.hardware import SharedMemoryGuard, guarded_loader, pick_device, warn_if_emulated
 from utils.inference.config import DEFAULT_MASK_THRESHOLD, EvaluateConfig, InferenceConfig, PredictConfig
 from utils.inference.export import Preprocessing
 from utils.inference.tiling import MemoryPlanner, forward_logits, predict_logits_tiled
-from utils.inference.writer import mask_values_to_write
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +75,37 @@ def load_predictor(config: PredictConfig) -> tuple[torch.device, UNet, Preproces
         )
     preprocessing = Preprocessing(scale, mask_values, model.n_channels, inference.ignore_values, inference.class_names)
     return device, model.eval(), preprocessing
+
+
+MAX_PNG_GREY_VALUE = 2**16 - 1
+
+
+def mask_values_to_write(spec: model_spec.ModelSpec, checkpoint: Path) -> list:
+    """The mask value each class is written as: the checkpoint's, else ``[0, 1]`` for a binary model (milesial's
+    default) and the class numbers for more classes, with one warning.
+
+    ``CheckpointError`` for values a mask file cannot hold: a grey value too wide for a 16-bit PNG (written as it is
+    it would wrap around: another class's value, silently), or a void value (``--ignore-value`` in training), which
+    would read back as "not labelled". Everything else about them (one per class, unique, integers or colours of 2-4
+    channels of 0..255) is checked where the file is read (``utils.checkpoint.model``).
+    """
+    mask_values = spec.mask_values
+    if mask_values is None:
+        mask_values = [0, 1] if spec.n_classes <= 2 else list(range(spec.n_classes))
+        logger.warning("%s stores no mask_values; writing classes as %s", checkpoint, mask_values)
+    too_wide = [value for value in mask_values if not isinstance(value, Sequence) and value > MAX_PNG_GREY_VALUE]
+    if too_wide:
+        raise CheckpointError(
+            f"the checkpoint's mask value {too_wide[0]} does not fit a 16-bit PNG mask (at most {MAX_PNG_GREY_VALUE}); "
+            f"evaluate.py scores this model, but its masks cannot be written as images"
+        )
+    void = sorted(set(spec.inference.ignore_values) & {value for value in mask_values if isinstance(value, int)})
+    if void:
+        raise CheckpointError(
+            f"{checkpoint} maps classes to mask value(s) {void} that it was trained to ignore (--ignore-value); "
+            "its mask_values are inconsistent, retrain or fix the checkpoint"
+        )
+    return mask_values
 
 
 @dataclass

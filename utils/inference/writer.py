@@ -51,20 +51,16 @@ from utils.datasets.image_files import (
     index_folder,
     load_image,
 )
-from utils.errors import CheckpointError, ConfigError, UserError, count
+from utils.errors import ConfigError, UserError, count
+from utils.inference.config import MASK_FORMATS, EvaluateConfig, PredictConfig
 from utils.output_files import OutputError, check_outputs, write_file, write_text
 
-if TYPE_CHECKING:  # utils.inference.config imports MASK_FORMATS, and utils.inference.engine the mask values, from here
-    from utils.checkpoint.model import ModelSpec
+if TYPE_CHECKING:
     from utils.evaluation import EvalResult
-    from utils.inference.config import EvaluateConfig, PredictConfig
     from utils.inference.engine import InputItem
     from utils.inference.export import Preprocessing
 
 logger = logging.getLogger(__name__)
-
-# Masks must be stored losslessly: a JPEG would blur class values into each other.
-MASK_FORMATS = (".png", ".gif", ".bmp", ".tif", ".tiff")
 
 
 def collect_inputs(patterns: Sequence[str]) -> list[Path]:
@@ -178,36 +174,6 @@ def check_writable(folders: set[Path]) -> None:
 MAX_FOLDERS_NAMED = 3
 # Predictions written at most this many images ahead of the writer threads, to bound memory.
 MAX_PENDING_WRITES = 16
-
-MAX_PNG_GREY_VALUE = 2**16 - 1
-
-
-def mask_values_to_write(spec: ModelSpec, checkpoint: Path) -> list:
-    """The mask value each class is written as: the checkpoint's, else ``[0, 1]`` for a binary model (milesial's
-    default) and the class numbers for more classes, with one warning.
-
-    ``CheckpointError`` for values a mask file cannot hold: a grey value too wide for a 16-bit PNG (written as it is
-    it would wrap around: another class's value, silently), or a void value (``--ignore-value`` in training), which
-    would read back as "not labelled". Everything else about them (one per class, unique, integers or colours of 2-4
-    channels of 0..255) is checked where the file is read (``utils.checkpoint.model``).
-    """
-    mask_values = spec.mask_values
-    if mask_values is None:
-        mask_values = [0, 1] if spec.n_classes <= 2 else list(range(spec.n_classes))
-        logger.warning("%s stores no mask_values; writing classes as %s", checkpoint, mask_values)
-    too_wide = [value for value in mask_values if not isinstance(value, Sequence) and value > MAX_PNG_GREY_VALUE]
-    if too_wide:
-        raise CheckpointError(
-            f"the checkpoint's mask value {too_wide[0]} does not fit a 16-bit PNG mask (at most {MAX_PNG_GREY_VALUE}); "
-            f"evaluate.py scores this model, but its masks cannot be written as images"
-        )
-    void = sorted(set(spec.inference.ignore_values) & {value for value in mask_values if isinstance(value, int)})
-    if void:
-        raise CheckpointError(
-            f"{checkpoint} maps classes to mask value(s) {void} that it was trained to ignore (--ignore-value); "
-            "its mask_values are inconsistent, retrain or fix the checkpoint"
-        )
-    return mask_values
 
 
 def mask_to_image(class_mask: np.ndarray, mask_values: Sequence) -> Image.Image:

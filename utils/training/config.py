@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from unet import ENCODERS
+from unet import ENCODERS, UNetArgs
 from utils.cli import device_flag
 from utils.datasets.splits import SplitFlags, check_split_flags
 from utils.errors import ConfigError
@@ -285,7 +285,8 @@ def validate_config(config: TrainConfig) -> None:
     check_threads(config.performance.threads)
     if config.performance.num_workers is not None:
         check_workers(config.performance.num_workers, "--num-workers")
-    check_model_fits(model)
+    # For 3 channels: the photos' are not known yet (the first layer's share of the weights is negligible).
+    check_model_fits(UNetArgs(3, model.classes, model.bilinear, model.base_channels))
     check_split_flags(data.split_by, data.group_pattern, data.folds, data.fold)
     check_class_flags(data.class_names, config.optimisation.class_weights, model.classes)
     exp_name, load = config.checkpoint.exp_name, config.checkpoint.load

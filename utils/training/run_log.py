@@ -42,7 +42,7 @@ from utils.training.config_file import write_config_file
 from utils.training.curves import write_curves_if_possible
 
 if TYPE_CHECKING:
-    from utils.training.loop import TrainParts
+    from utils.training.parts import TrainParts
 
 logger = logging.getLogger(__name__)
 

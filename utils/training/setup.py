@@ -34,9 +34,10 @@ from utils.launch.signals import InterruptFlag
 from utils.training.compiled import use_compile_cache, warn_if_slower
 from utils.training.config import MUST_MATCH, NEW_PLAN, TrainConfig, describe_flag
 from utils.training.data import build_data, build_loaders
-from utils.training.loop import Trainer, TrainParts
+from utils.training.loop import Trainer
 from utils.training.model import check_resume, starting_model
 from utils.training.objective import class_weights_of
+from utils.training.parts import TrainParts
 from utils.training.sampler import BatchPlan
 from utils.training.step import TrainStep
 
