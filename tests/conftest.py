@@ -206,13 +206,16 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def assert_same_training_state(first: Path, second: Path) -> None:
-    """Bit-identical model weights (every tensor), optimizer state and position of two checkpoints."""
+    """Bit-identical model weights (every tensor; with --ema the average and the trained weights), optimizer state and
+    position of two checkpoints."""
     a, b = load_checkpoint(first), load_checkpoint(second)
     assert a["global_step"] == b["global_step"]
     assert (a["epoch"], a["step_in_epoch"]) == (b["epoch"], b["step_in_epoch"])
-    assert a["model_state"].keys() == b["model_state"].keys()
-    for key, tensor in a["model_state"].items():
-        assert torch.equal(tensor, b["model_state"][key]), f"model tensor {key} differs"
+    assert ("live_model_state" in a) == ("live_model_state" in b)
+    for weights in ("model_state", "live_model_state")[: 2 if "live_model_state" in a else 1]:
+        assert a[weights].keys() == b[weights].keys()
+        for key, tensor in a[weights].items():
+            assert torch.equal(tensor, b[weights][key]), f"{weights} tensor {key} differs"
     state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
     assert state_a.keys() == state_b.keys()
     for index in state_a:

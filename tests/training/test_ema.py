@@ -1,5 +1,6 @@
 """--ema: the average of the weights (hand values, skipped steps), what validates and is saved, exact resume, and
-identical averages on two real processes."""
+identical averages on two real processes (a two-process run killed and restarted with --ema ends bit-identical:
+``tests/training/test_faults_elastic.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.conftest import TrainRunner, assert_same_training_state, finish, load_checkpoint, torchrun_prefix
+from tests.conftest import TrainRunner, assert_same_training_state, load_checkpoint
 from tests.helpers import tiny_unet
 from utils.evaluation import score_batches
 from utils.training.step import NonFiniteStepGuard, WeightAverage
@@ -206,19 +207,3 @@ def test_two_real_processes_hold_the_same_average_without_talking(tmp_path: Path
     # The ranks' data differ, so only the synchronised gradients can make the averages equal; and they moved.
     assert not torch.equal(first["average"][weight], start[weight])
     assert not torch.equal(first["average"][weight], first["live"][weight])
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun on 127.0.0.1")
-def test_a_two_process_ema_run_stopped_and_resumed_ends_bit_identical(runner: TrainRunner) -> None:
-    # 16 images, 25 % validation: 12 training images = 3 global batches of 2 x 2 per epoch; 6 steps in all.
-    flags = ["-v", "25", "-e", "2", "-c", "1", "-b", "2", "--ema", "0.9", "--ddp_mode", "--log-every", "1"]
-    for exp_name, extra in (("straight", []), ("stopped", ["--max-steps", "4"]), ("stopped", ["--resume", "auto"])):
-        process = runner.popen(torchrun_prefix(2), exp_name, *flags, *extra)
-        out, err = finish(process)
-        assert process.returncode == 0, out + err
-    straight, resumed = (load_checkpoint(runner.run_dir(name) / "last.pth") for name in ("straight", "stopped"))
-    assert straight["world_size"] == 2 and straight["global_step"] == 6
-    assert_same_training_state(runner.run_dir("straight") / "last.pth", runner.run_dir("stopped") / "last.pth")
-    for key, value in straight["live_model_state"].items():
-        assert torch.equal(value, resumed["live_model_state"][key]), key

@@ -91,18 +91,20 @@ def kill_rank_0_after_a_step_checkpoint(
 
 
 def test_torchrun_restarts_after_a_killed_worker_and_the_run_ends_bit_exact(runner: TrainRunner) -> None:
-    for process in manual_launch(runner, "reference", "--max-steps", str(STOP_AT)):
+    # With --ema: the average (saved as the model) and the trained weights both come back exactly.
+    for process in manual_launch(runner, "reference", "--max-steps", str(STOP_AT), "--ema", "0.9"):
         out, err = finish(process)
         assert process.returncode == 0, out + err
 
     # The same run under torchrun, allowed one restart, with a step checkpoint every 2 steps.
     run_dir = runner.run_dir("elastic")
-    seen, out, err = kill_rank_0_after_a_step_checkpoint(runner, "elastic", STOP_AT, "--resume", "auto")
+    seen, out, err = kill_rank_0_after_a_step_checkpoint(runner, "elastic", STOP_AT, "--resume", "auto", "--ema", "0.9")
 
     # torchrun restarted both workers; they took the newest complete checkpoint, at or after the one seen.
     resumed = re.findall(r"\[rank 0\] INFO Resuming at epoch \d+, step (\d+)", out)
     assert len(resumed) == 1, out + err
     assert seen["global_step"] <= int(resumed[0]) < STOP_AT
+    assert "live_model_state" in load_checkpoint(run_dir / "last.pth")  # --ema's two sets of weights
     assert_same_training_state(runner.run_dir("reference") / "last.pth", run_dir / "last.pth")
     assert not list(run_dir.glob(".*.tmp")), "the restart removes what a killed write left behind"
 
