@@ -212,7 +212,7 @@ def assert_same_training_state(first: Path, second: Path) -> None:
     assert a["global_step"] == b["global_step"]
     assert (a["epoch"], a["step_in_epoch"]) == (b["epoch"], b["step_in_epoch"])
     assert ("live_model_state" in a) == ("live_model_state" in b)
-    for weights in ("model_state", "live_model_state")[: 2 if "live_model_state" in a else 1]:
+    for weights in ["model_state", *(["live_model_state"] if "live_model_state" in a else [])]:
         assert a[weights].keys() == b[weights].keys()
         for key, tensor in a[weights].items():
             assert torch.equal(tensor, b[weights][key]), f"{weights} tensor {key} differs"
