@@ -1,4 +1,4 @@
-"""curves.png from a real train.py process (headless) and its resume: redrawn at each validation, one continuous curve
+"""curves.png from a real train.py process (headless) and its resume: drawn at the end of each, one continuous curve
 after resume."""
 
 from __future__ import annotations

@@ -383,8 +383,10 @@ def test_patience_counts_the_validations_without_an_improvement_above_min_delta(
     assert full.trainer.position.validations_without_improvement == 3
 
 
-def test_the_curves_are_drawn_again_only_after_a_record_they_show(tmp_path: Path) -> None:
-    # Drawing costs the training process about half a second; the loop draws after every validation and at its end.
+def test_the_curves_are_drawn_again_only_after_a_record_they_show_and_by_a_validation_once_a_minute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Drawing costs the training process about 0.4 s: a validation redraws at most once a minute, the loop's end always.
     run = make_run(tmp_path, n_train=2)
     run_log, png = run.trainer.run_log, run.folder.curves
     Image.new("RGB", (4, 4)).save(png)  # an older run's figure: the first draw replaces it
@@ -396,10 +398,18 @@ def test_the_curves_are_drawn_again_only_after_a_record_they_show(tmp_path: Path
         pass
     assert run_log.draw_curves()
     assert (png.stat().st_ino, png.stat().st_mtime_ns) == (drawn.st_ino, drawn.st_mtime_ns)
-    scores = [0.9, 0.5]
-    run_log.log_val(EvalResult(scores, scores, n_images=2, micro_per_class_dice=scores, micro_per_class_iou=scores))
-    assert png.stat().st_ino != drawn.st_ino, "a validation draws the curves again"
-    assert read_series(run.folder.metrics).dice == [(0, 0.5)]
+
+    def validate(dice: float) -> None:
+        scores = [0.9, dice]
+        run_log.log_val(EvalResult(scores, scores, n_images=2, micro_per_class_dice=scores, micro_per_class_iou=scores))
+
+    validate(0.5)  # within a minute of the last draw: not drawn again
+    assert png.stat().st_ino == drawn.st_ino and read_series(run.folder.metrics).dice == [(0, 0.5)]
+    assert run_log.draw_curves() and png.stat().st_ino != drawn.st_ino, "the end of the run draws what is new"
+    monkeypatch.setattr(run_log, "_curves_due", 0.0)  # as a minute after that draw
+    drawn = png.stat()
+    validate(0.6)
+    assert png.stat().st_ino != drawn.st_ino, "a validation a minute after the last draw draws the curves again"
 
 
 class ImagesOfOnes:

@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 WANDB_PROJECT = "U-Net"
 SAMPLE_IMAGES = 4  # validation images (with true and predicted masks) shown per validation
+# curves.png is drawn again after a validation at most this often (a draw costs about 0.4 s of CPU: a run of short
+# epochs would spend a large part of its time drawing), and once more at the end of the run.
+CURVES_EVERY_S = 60.0
 
 ZERO_DICE_HINT = (
     "Dice 0.0000 in the first validations is expected: a model early in training predicts no foreground pixel at "
@@ -103,6 +106,7 @@ class RunLog:
         self._last_validation: EvalResult | None = None
         self._zero_dice_explained = False
         self._curves_current = False  # whether curves.png shows every record of metrics.jsonl already
+        self._curves_due = time.monotonic() + CURVES_EVERY_S  # when a validation may draw them again
         self._side_outputs: list[SideOutput] = []  # rank 0's (below)
         # The run's summary: ``Starting training: epochs 1..6, ...``, or for a resumed run where in its plan it goes on
         plan, position = parts.batch_plan, parts.position
@@ -241,7 +245,8 @@ class RunLog:
         # (with micro: dataset-level), per class and averaged; see utils.evaluation.
         record = {"epoch": position.epoch, "global_step": position.global_step, **result.as_dict()}
         self._write("val", record, self._samples(len(result.per_class_dice)) if self._side_outputs else None)
-        self.draw_curves()  # after every validation, so a long run's curves.png is always current
+        if time.monotonic() >= self._curves_due:  # so that a long run's curves.png is at most a minute behind
+            self.draw_curves()
 
     @torch.inference_mode()
     def _samples(self, n_classes: int) -> dict[str, torch.Tensor]:
@@ -264,11 +269,12 @@ class RunLog:
     # ------------------------------------------------------------------------------------------ files and runs
 
     def draw_curves(self) -> bool:
-        """curves.png from metrics.jsonl (rank 0), unless it shows every record already (drawing takes about half a
-        second); False when there was nothing to draw or it could not be written."""
+        """curves.png from metrics.jsonl (rank 0), unless it shows every record already; False when there was nothing
+        to draw or it could not be written."""
         with self.phase("curves"):
             if self.ctx.is_main and not self._curves_current:
                 self._curves_current = write_curves_if_possible(self.run_folder.metrics, self.run_folder.curves)
+                self._curves_due = time.monotonic() + CURVES_EVERY_S
             return self._curves_current
 
     @contextlib.contextmanager
