@@ -343,13 +343,16 @@ class SharedMemoryGuard(DataLoader):
         try:
             yield from iterator
             return
-        except RuntimeError as error:
-            if (cause := _shared_memory_cause(error)) is None:
+        except Exception as error:
+            if self.num_workers:
+                # A worker's error re-raised by torch carries a traceback through the iterator (torch's frames: the
+                # worker's own traceback is in the message). Whoever holds the error would keep the workers up, and
+                # an iterator left to the cyclic garbage collector waits 5 s per worker to shut them down (its queues
+                # are finalised first). Dropped, with this frame's reference, the workers shut down now.
+                error.__traceback__ = None
+            cause = _shared_memory_cause(error) if isinstance(error, RuntimeError) else None
+            if cause is None:
+                del iterator
                 raise
-            # A worker's error re-raised by torch sits in a reference cycle through its traceback, which holds the
-            # iterator: dropped, the iterator can shut its workers down at once (see below).
-            error.__traceback__ = None
-        # Raised outside the handler, and its traceback holds this frame: without its iterator, whose workers shut
-        # down now (idle workers ignoring SIGTERM would otherwise keep the process from exiting).
         del iterator
         raise ConfigError(shortage_message(self.workers_fix, cause))
