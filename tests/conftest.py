@@ -145,6 +145,15 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def run_ranks(rank_main: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """``rank_main(rank, *args)`` in ``nprocs`` processes forked from this one, joined; a rank's error fails the test.
+
+    Forked, not spawned: a spawned rank imports torch and the test module again (seconds of CPU each). Each rank sets
+    one thread before computing (a forked child must not enter the OpenMP pool its parent may have started).
+    """
+    torch.multiprocessing.start_processes(rank_main, args=args, nprocs=nprocs, join=True, start_method="fork")
+
+
 def free_port() -> int:
     """A port free now (for addresses another process must know in advance; it may be taken before it is bound)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

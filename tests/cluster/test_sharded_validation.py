@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Subset
 
+from tests.conftest import run_ranks
 from tests.helpers import tiny_unet
 from utils.evaluation import EvalResult, evaluate_segmentation, score_batches, shard_range
 from utils.launch.process_group import DistributedContext
@@ -67,7 +67,7 @@ def _score_on_rank(rank: int, world_size: int, n_items: int, store: str, results
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="spawned gloo processes")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked gloo processes")
 @pytest.mark.parametrize(("world_size", "n_items"), [(2, 5), (3, 4)])  # uneven; (3, 4): the last rank has no image
 def test_sharded_scores_equal_rank0_scores(tmp_path: Path, world_size: int, n_items: int) -> None:
     whole = evaluate_segmentation(
@@ -77,9 +77,7 @@ def test_sharded_scores_equal_rank0_scores(tmp_path: Path, world_size: int, n_it
         n_classes=N_CLASSES,
         progress=False,
     ).as_dict()
-    mp.spawn(
-        _score_on_rank, args=(world_size, n_items, str(tmp_path / "store"), str(tmp_path)), nprocs=world_size, join=True
-    )
+    run_ranks(_score_on_rank, (world_size, n_items, str(tmp_path / "store"), str(tmp_path)), world_size)
     for rank in range(world_size):
         sharded = torch.load(tmp_path / f"rank{rank}.pth", weights_only=False)
         assert sharded["n_images"] == whole["n_images"] == n_items
@@ -156,10 +154,10 @@ def _validate_on_rank(rank: int, store: str, results: str, signalled: bool) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="spawned gloo processes")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked gloo processes")
 @pytest.mark.parametrize("signalled", [False, True])
 def test_a_rank0_validation_gives_every_rank_its_score_or_its_stop(tmp_path: Path, signalled: bool) -> None:
-    mp.spawn(_validate_on_rank, args=(str(tmp_path / "store"), str(tmp_path), signalled), nprocs=2, join=True)
+    run_ranks(_validate_on_rank, (str(tmp_path / "store"), str(tmp_path), signalled), 2)
     first, second = (torch.load(tmp_path / f"{rank}.pth", weights_only=False) for rank in range(2))
     if signalled:
         # The signal rank 0 saw before its first batch stops both ranks, and a partial score is not reported.

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from tests.conftest import TrainRunner, assert_same_training_state, load_checkpoint
+from tests.conftest import TrainRunner, assert_same_training_state, load_checkpoint, run_ranks
 from tests.helpers import tiny_unet
 from utils.evaluation import score_batches
 from utils.training.step import NonFiniteStepGuard, WeightAverage
@@ -188,9 +187,9 @@ def _average_on_rank(rank: int, store_path: str, results: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="spawned gloo processes")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked gloo processes")
 def test_two_real_processes_hold_the_same_average_without_talking(tmp_path: Path) -> None:
-    mp.spawn(_average_on_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_average_on_rank, (str(tmp_path / "store"), str(tmp_path)), 2)
     first, second = (load_checkpoint(tmp_path / f"rank{rank}.pth") for rank in range(2))
     start = tiny_unet(0)
     parameters = {name for name, _ in start.named_parameters()}
