@@ -90,39 +90,32 @@ def kill_rank_0_after_a_step_checkpoint(
     return seen, out, err
 
 
-def test_torchrun_restarts_after_a_killed_worker_and_the_run_ends_bit_exact(runner: TrainRunner) -> None:
-    # With --ema: the average (saved as the model) and the trained weights both come back exactly.
-    for process in manual_launch(runner, "reference", "--max-steps", str(STOP_AT), "--ema", "0.9"):
+def test_torchrun_restarts_after_a_killed_worker_and_the_run_ends_bit_exact_in_the_attempts_folder(
+    runner: TrainRunner,
+) -> None:
+    # Another experiment's checkpoint (one process, step 2) starts both runs with --resume PATH, and --ema: the average
+    # (saved as the model) and the trained weights must both come back exactly.
+    assert runner.main("donor", *ARGS, "--max-steps", "2", "--ema", "0.9") == 0
+    donor = runner.run_dir("donor") / "last.pth"
+    flags = ("--resume", str(donor), "--ema", "0.9")
+    for process in manual_launch(runner, "reference", "--max-steps", str(STOP_AT), *flags):
         out, err = finish(process)
         assert process.returncode == 0, out + err
 
     # The same run under torchrun, allowed one restart, with a step checkpoint every 2 steps.
     run_dir = runner.run_dir("elastic")
-    seen, out, err = kill_rank_0_after_a_step_checkpoint(runner, "elastic", STOP_AT, "--resume", "auto", "--ema", "0.9")
+    seen, out, err = kill_rank_0_after_a_step_checkpoint(runner, "elastic", STOP_AT, *flags)
 
-    # torchrun restarted both workers; they took the newest complete checkpoint, at or after the one seen.
-    resumed = re.findall(r"\[rank 0\] INFO Resuming at epoch \d+, step (\d+)", out)
-    assert len(resumed) == 1, out + err
-    assert seen["global_step"] <= int(resumed[0]) < STOP_AT
+    # torchrun restarted both workers. The restart has the same --resume on its command line, yet continues the
+    # attempt's progress in its folder (resuming the donor again would throw that away), from the newest complete
+    # checkpoint, at or after the one seen.
+    resumed = [int(step) for step in re.findall(r"\[rank 0\] INFO Resuming at epoch \d+, step (\d+)", out)]
+    assert len(resumed) == 2 and resumed[0] == 2, out + err
+    assert seen["global_step"] <= resumed[1] < STOP_AT
+    assert not runner.run_dir("elastic-2").exists()
     assert "live_model_state" in load_checkpoint(run_dir / "last.pth")  # --ema's two sets of weights
     assert_same_training_state(runner.run_dir("reference") / "last.pth", run_dir / "last.pth")
     assert not list(run_dir.glob(".*.tmp")), "the restart removes what a killed write left behind"
-
-
-def test_a_restart_of_resume_path_continues_the_first_attempts_folder_not_path(runner: TrainRunner) -> None:
-    # Another experiment's checkpoint (one process, step 2): the first attempt resumes it into the empty "elastic".
-    assert runner.main("donor", *ARGS, "--max-steps", "2") == 0
-    donor = runner.run_dir("donor") / "last.pth"
-    run_dir = runner.run_dir("elastic")
-    seen, out, err = kill_rank_0_after_a_step_checkpoint(runner, "elastic", 8, "--resume", str(donor))
-
-    # The restart has the same --resume on its command line, yet continues the attempt's progress in its folder
-    # (resuming the donor again would throw that away; before, it was refused as another run's folder).
-    resumed = [int(step) for step in re.findall(r"\[rank 0\] INFO Resuming at epoch \d+, step (\d+)", out)]
-    assert len(resumed) == 2 and resumed[0] == 2, out + err
-    assert seen["global_step"] <= resumed[1] < 8
-    assert load_checkpoint(run_dir / "last.pth")["global_step"] == 8
-    assert not runner.run_dir("elastic-2").exists()
 
 
 def test_a_dead_rank_outside_torchrun_ends_the_others_with_an_error(runner: TrainRunner) -> None:
