@@ -49,8 +49,12 @@ def test_an_unresolvable_dist_url_host_is_one_line_without_waiting(runner: Train
 
 
 def test_a_failed_rendezvous_is_one_line_without_cpp_stack_frames(runner: TrainRunner) -> None:
-    url = f"tcp://127.0.0.1:{free_port()}"  # rank 0 never comes
+    # Rank 1 alone: nobody listens at the address, as when rank 0 never started or --dist-url names the wrong host.
+    url = f"tcp://127.0.0.1:{free_port()}"
     code, err = _run(runner, "--rank", "1", "--world-size", "2", "--dist-url", url, "--dist-timeout", "3")
     assert code == 2, err
-    assert "could not join the other 1 process(es)" in one_error_line(err), err
+    line = one_error_line(err)
+    assert f"could not join the other 1 process(es) at {url[len('tcp://') :]}" in line, err
+    assert "--dist-url" in line and "--dist-timeout 3" in line, err
     assert "frame #" not in err and "[c10d]" not in err, err
+    assert not runner.run_dir("launch").exists()  # it failed before any process group or run folder existed
