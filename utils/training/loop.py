@@ -158,11 +158,8 @@ class Trainer:
                     epoch = self.position.epoch
                     outcome = self._stop_at_max_steps() or self._run_epoch(epoch) or self._end_epoch(epoch)
             except DatasetError as error:
-                # A file that failed to load, in training or validation. A worker's error carries the loader's
-                # iterator in its traceback: dropping the traceback lets the iterator shut its workers down now; kept
-                # alive with the error, its idle workers (which ignore SIGTERM, see utils.training.data) would block
-                # the interpreter's exit forever.
-                error.__traceback__ = None
+                # A file that failed to load, in training or validation (the loader has shut its workers down
+                # already: utils.hardware.SharedMemoryGuard).
                 # Every rank saves INTERRUPTED.pth together (nothing trained is lost: the state of the last whole
                 # optimizer step), then stops with the file's error.
                 kept = f"the newest checkpoint in {self.parts.run_folder} holds the last saved state"
@@ -316,12 +313,10 @@ class Trainer:
 def _next_batch(iterator: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
     """The next batch (None at the end); a load failure as a DatasetError holding just its message.
 
-    The message is what the other ranks receive, so a DataLoader worker's traceback text is cut off here; and the new
-    error holds no traceback through the loader's iterator (see ``Trainer.train``).
+    The message is what the other ranks receive, so a DataLoader worker's traceback text is cut off here.
     """
     try:
         return next(iterator, None)
     except DatasetError as error:
-        error.__traceback__ = None
         message = user_message(error)
     raise DatasetError(message)
