@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -45,6 +46,18 @@ def one_error_line(err: str) -> str:
     assert lines, "stderr is empty: no error was reported"
     assert [line for line in lines if line.startswith("Error: ")] == lines[-1:], err
     return lines[-1]
+
+
+def torchrun_root_cause(output: str) -> str:
+    """torchrun's "Root Cause (first observed failure)" section of its ChildFailedError summary."""
+    assert "ChildFailedError" in output, output
+    return output.split("Root Cause (first observed failure):", 1)[1]
+
+
+def names_rank_0_with_status_2(cause: str) -> bool:
+    """Whether a torchrun root cause is global rank 0 ending with the user-error status (2): the rank that printed a
+    shared error, leaving before the others."""
+    return bool(re.search(r"rank\s*: 0 ", cause) and re.search(r"exitcode\s*: 2 ", cause))
 
 
 METRICS_FILE = "metrics.jsonl"  # the documented name in a run folder (README); the tests' one spelling of it

@@ -43,7 +43,7 @@ import pickle
 import re
 import resource
 import shutil
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -338,7 +338,7 @@ class SharedMemoryGuard(DataLoader):
         super().__init__(dataset, **options)
         self.workers_fix = workers_fix
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def __iter__(self) -> Generator[Any, None, None]:  # type: ignore[override]
         iterator = super().__iter__()
         try:
             yield from iterator

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import SyntheticData, TrainRunner, finish, load_checkpoint, torchrun_prefix
-from tests.helpers import one_error_line
+from tests.helpers import names_rank_0_with_status_2, one_error_line, torchrun_root_cause
 from utils.datasets.dataset import BasicDataset
 from utils.errors import DatasetError
 from utils.training.config import parse_config
@@ -107,6 +107,9 @@ def test_with_two_processes_a_bad_file_stops_every_rank_after_saving(
     assert launcher.returncode != 0
     errors = [line for line in err.splitlines() if line.startswith("Error: ")]
     assert len(errors) == 1 and str(victim) in errors[0] and "INTERRUPTED.pth" in errors[0], out + err
+    # Rank 0 printed the error and left first. Every rank shuts its loader workers down at once: a rank that took
+    # another's error used to leave them to the garbage collector, 5 s each, and torchrun then named the wrong rank.
+    assert names_rank_0_with_status_2(torchrun_root_cause(err)), err
     state = load_checkpoint(runner.run_dir("bad2") / "INTERRUPTED.pth")
     # 12 training images, 2 processes x batch 2: 3 steps per epoch.
     if split == "validation":

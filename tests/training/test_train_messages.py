@@ -13,7 +13,13 @@ import sys
 import pytest
 
 from tests.conftest import REPO_ROOT, TrainRunner, child_env, torchrun_prefix
-from tests.helpers import read_metrics, tensorboard_reader, tensorboard_scalars
+from tests.helpers import (
+    names_rank_0_with_status_2,
+    read_metrics,
+    tensorboard_reader,
+    tensorboard_scalars,
+    torchrun_root_cause,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -37,12 +43,6 @@ def error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("Error: ")]
 
 
-def root_cause(output: str) -> str:
-    """torchrun's "Root Cause (first observed failure)" section of its ChildFailedError summary."""
-    assert "ChildFailedError" in output, output
-    return output.split("Root Cause (first observed failure):", 1)[1]
-
-
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -62,8 +62,8 @@ def test_a_user_error_is_printed_once_and_torchrun_names_rank_0_as_the_root_caus
     assert error_lines(output)[0].startswith(message), output
     # The Error line comes before torchrun's own report, whose root cause is rank 0 with the user-error status 2.
     assert output.index("Error: ") < output.index("ChildFailedError")
-    cause = root_cause(output)
-    assert re.search(r"rank\s*: 0 ", cause) and re.search(r"exitcode\s*: 2 ", cause), cause
+    cause = torchrun_root_cause(output)
+    assert names_rank_0_with_status_2(cause), cause
     assert "[rank 1]" not in output, output
     # The waiting rank ends on torchrun's SIGTERM; it used to sleep on until torchrun killed it 30 s later.
     assert "Unable to shutdown process" not in output, output  # torchrun: "... via 15, forcefully exiting via 9"

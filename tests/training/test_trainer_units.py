@@ -27,6 +27,7 @@ from utils.checkpoint import checkpointer
 from utils.checkpoint.format import TrainPosition
 from utils.checkpoint.run_folder import RunFolder
 from utils.evaluation import EvalResult
+from utils.hardware import SharedMemoryGuard
 from utils.launch.signals import InterruptFlag
 from utils.training.config import parse_config
 from utils.training.curves import read_series
@@ -165,7 +166,7 @@ def make_run(
             n_channels=1,
         ),
         loaders=Loaders(
-            train=DataLoader(dataset, batch_size=batch_size, sampler=sampler),  # type: ignore[arg-type]
+            train=SharedMemoryGuard(dataset, "--num-workers 0", batch_size=batch_size, sampler=sampler),
             val=None,
             val_sharded=False,
         ),

@@ -29,6 +29,7 @@ repeats the validation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 from collections.abc import Iterator
@@ -222,11 +223,13 @@ class Trainer:
         With several processes a rank whose batch failed cannot join the gradient all-reduce the others wait in, so
         the ranks agree on every fetch before any of them computes on it (one integer all-reduce on the CPU control
         group per batch, next to a forward and backward pass). Every sampler gives every rank the same number of
-        batches, so all of them reach the end of the epoch together.
+        batches, so all of them reach the end of the epoch together. The loader's iterator is closed on the way out:
+        left to an error's traceback, it would keep the workers up until the cyclic garbage collector, whose shutdown
+        of them waits 5 s per worker.
         """
-        iterator = iter(self.parts.loaders.train)
-        while (batch := agree_on_errors(self.ctx, lambda: _next_batch(iterator))) is not None:
-            yield batch
+        with contextlib.closing(iter(self.parts.loaders.train)) as iterator:
+            while (batch := agree_on_errors(self.ctx, lambda: _next_batch(iterator))) is not None:
+                yield batch
 
     def _end_epoch(self, epoch: int) -> TrainOutcome | None:
         """Validate, save, and stop early when --patience validations in a row did not improve the validation Dice by
