@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -39,10 +40,26 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests run first, the compile tests (minutes each on a CPU) first among them, in collection order
-    otherwise: with several workers (``scripts/test.sh``) the long ones start early and the short ones fill the
-    workers' last minutes, instead of one long test running alone."""
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "compile" not in item.path.name))
+    """Each pytest-xdist worker starts with its share of the slow tests and ends with short ones.
+
+    ``scripts/test.sh`` runs ``--dist worksteal``, which hands the workers consecutive chunks of this order, sized as
+    below, and lets an idle worker take the end of a busy one's queue (but never its last two tests). So each chunk
+    opens with every N-th slow test (the compile tests, minutes each on a CPU, first: one per worker) and is filled up
+    with short tests: the long ones start early, the short ones are what moves between workers, and no worker is left
+    running slow tests alone at the end. Without xdist the slow tests simply run first.
+    """
+    slow = sorted(
+        (item for item in items if item.get_closest_marker("slow")), key=lambda i: "compile" not in i.path.name
+    )
+    short = iter([item for item in items if not item.get_closest_marker("slow")])
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    ordered, remaining = [], len(items)
+    for worker in range(workers):
+        size = remaining // (workers - worker)  # worksteal's first split of the queue
+        remaining -= size
+        share = slow[worker::workers]
+        ordered += [*share, *itertools.islice(short, max(0, size - len(share)))]
+    items[:] = [*ordered, *short]
 
 
 @dataclass(frozen=True)
@@ -145,13 +162,16 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_ranks(rank_main: Callable[..., None], args: tuple, nprocs: int) -> None:
-    """``rank_main(rank, *args)`` in ``nprocs`` processes forked from this one, joined; a rank's error fails the test.
+def run_ranks(rank_main: Callable[..., None], args: tuple, nprocs: int, *, backward: bool = False) -> None:
+    """``rank_main(rank, *args)`` in ``nprocs`` processes started from this one, joined; a rank's error fails the test.
 
-    Forked, not spawned: a spawned rank imports torch and the test module again (seconds of CPU each). Each rank sets
-    one thread before computing (a forked child must not enter the OpenMP pool its parent may have started).
+    Forked where they can be: a spawned rank imports torch and the test module again (seconds of CPU each). Each rank
+    sets one thread before computing (a forked child must not enter the OpenMP pool its parent may have started).
+    Ranks that run a ``backward`` are spawned: torch refuses a backward in a child forked after the parent ran one,
+    which an earlier test in this pytest worker may have done.
     """
-    torch.multiprocessing.start_processes(rank_main, args=args, nprocs=nprocs, join=True, start_method="fork")
+    method = "spawn" if backward else "fork"
+    torch.multiprocessing.start_processes(rank_main, args=args, nprocs=nprocs, join=True, start_method=method)
 
 
 def free_port() -> int:
