@@ -44,9 +44,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     ``scripts/test.sh`` runs ``--dist worksteal``, which hands the workers consecutive chunks of this order, sized as
     below, and lets an idle worker take the end of a busy one's queue (but never its last two tests). So each chunk
-    opens with every N-th slow test (the compile tests, minutes each on a CPU, first: one per worker) and is filled up
-    with short tests: the long ones start early, the short ones are what moves between workers, and no worker is left
-    running slow tests alone at the end. Without xdist the slow tests simply run first.
+    opens with every N-th slow test (the compile tests, a minute each on a CPU, first) and is filled up with short
+    tests: the long ones start early, the short ones are what moves between workers, and no worker is left running
+    slow tests alone at the end. Without xdist the slow tests simply run first.
     """
     slow = sorted(
         (item for item in items if item.get_closest_marker("slow")), key=lambda i: "compile" not in i.path.name
