@@ -159,8 +159,9 @@ class Trainer:
                     epoch = self.position.epoch
                     outcome = self._stop_at_max_steps() or self._run_epoch(epoch) or self._end_epoch(epoch)
             except DatasetError as error:
-                # A file that failed to load, in training or validation (the loader has shut its workers down
-                # already: utils.hardware.SharedMemoryGuard).
+                # A file that failed to load, in training or validation. The loaders' workers are down already: on
+                # the rank whose file failed, utils.hardware.SharedMemoryGuard shut them; on the others, the epoch
+                # closed its loader on the way out (_batches).
                 # Every rank saves INTERRUPTED.pth together (nothing trained is lost: the state of the last whole
                 # optimizer step), then stops with the file's error.
                 kept = f"the newest checkpoint in {self.parts.run_folder} holds the last saved state"
