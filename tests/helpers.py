@@ -295,10 +295,12 @@ def fill_disk(folder: Path) -> None:
                 handle.flush()
 
 
-def save_checkpoint_trained_at(path: Path, model: UNet, scale: float, mask_values: Sequence | None = (0, 1)) -> Path:
-    """Our format with the run's ``args["scale"]`` recorded, as ``train.py`` writes it."""
+def save_checkpoint_trained_at(
+    path: Path, model: UNet, scale: float, mask_values: Sequence | None = (0, 1), **run_args: Any
+) -> Path:
+    """Our format with the run's ``args["scale"]`` (and any other ``run_args``) recorded, as ``train.py`` writes it."""
     payload = checkpoint_payload(model, mask_values)
-    payload["args"] = {"scale": scale}
+    payload["args"] = {"scale": scale, **run_args}
     save_checkpoint_atomic(payload, path)
     return path
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -85,15 +86,22 @@ def test_onnx_without_its_packages_says_how_to_install_them(tmp_path, monkeypatc
     assert not (tmp_path / "m.onnx").exists()
 
 
-def test_onnx_export_is_one_file_that_matches_pytorch_and_carries_its_preprocessing(tmp_path):
+@pytest.mark.slow
+def test_predict_exports_onnx_as_one_file_that_matches_pytorch_and_carries_the_checkpoints_preprocessing(
+    tmp_path, capsys
+):
     pytest.importorskip("onnx")
     pytest.importorskip("onnxscript")
     onnxruntime = pytest.importorskip("onnxruntime")
+    # What train.py records beside the weights: the scale, the void values and the class names of its flags.
+    checkpoint = save_checkpoint_trained_at(
+        tmp_path / "m.pth", make_model(2), 0.25, [0, 255], ignore_values=[128], class_names="bg,car"
+    )
     folder = tmp_path / "out"
     path = folder / "model.onnx"
-    record = Preprocessing(scale=0.25, mask_values=[0, 255], channels=3, ignore_values=[128], class_names=["bg", "car"])
-    difference = export_model(make_model(2), "onnx", path, (32, 48), record)
-    assert difference is not None and difference < 1e-4  # compared in onnxruntime
+    assert predict.main(["-m", str(checkpoint), "--export", "onnx", str(path), "--export-size", "48x32"]) == 0
+    compared = re.search(r"checked with onnxruntime, max \|difference\| (\S+)\)", capsys.readouterr().out)
+    assert compared and float(compared[1]) < 1e-4
     assert [child.name for child in folder.iterdir()] == ["model.onnx"]  # no side file, no temporary left
     recorded = read_preprocessing(path)
     assert {key: recorded[key] for key in ("scale", "mask_values", "channels", "ignore_values", "class_names")} == {
@@ -143,17 +151,6 @@ def test_onnx_above_the_protobuf_limit_keeps_its_weights_beside_it_and_says_so(t
     shutil.copytree(path.parent, moved)
     session = onnxruntime.InferenceSession(str(moved / "model.onnx"), providers=["CPUExecutionProvider"])
     assert session.run(None, {"image": torch.rand(1, 3, 32, 32).numpy()})[0].shape == (1, 2, 32, 32)
-
-
-@pytest.mark.slow
-def test_predict_export_onnx_records_the_checkpoints_preprocessing(tmp_path):
-    pytest.importorskip("onnx")
-    pytest.importorskip("onnxscript")
-    checkpoint = save_checkpoint_trained_at(tmp_path / "m.pth", make_model(2), 0.25, [0, 255])
-    path = tmp_path / "model.onnx"
-    assert predict.main(["-m", str(checkpoint), "--export", "onnx", str(path), "--export-size", "32x32"]) == 0
-    recorded = read_preprocessing(path)
-    assert (recorded["scale"], recorded["mask_values"], recorded["channels"]) == (0.25, [0, 255], 3)
 
 
 def test_hub_builds_a_model_from_local_code_only(tmp_path):
