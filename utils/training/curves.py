@@ -105,8 +105,11 @@ def build_figure(series: Series) -> Figure:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(14.0, 8.0), dpi=80, layout="constrained")
-    grid = figure.add_gridspec(2, 6)
+    # Fixed margins, wide enough for six-character tick labels and an axis label between the panels (matplotlib
+    # writes longer numbers with an offset or exponent above the axis): the "constrained" layout fitted them to the
+    # labels, at 0.6 s of CPU per draw against 0.37 s (five panels of 400 steps), paid at every run's end.
+    figure = Figure(figsize=(14.0, 8.0), dpi=80)
+    grid = figure.add_gridspec(2, 6, left=0.055, right=0.99, bottom=0.07, top=0.96, wspace=0.5, hspace=0.28)
 
     def panel(where, title: str, y_label: str, x_label: str = "optimizer step"):
         axes = figure.add_subplot(where)

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 WANDB_PROJECT = "U-Net"
 SAMPLE_IMAGES = 4  # validation images (with true and predicted masks) shown per validation
-# curves.png is drawn again after a validation at most this often (a draw costs about 0.4 s of CPU: a run of short
+# curves.png is drawn again after a validation at most this often (a draw costs 0.2-0.4 s of CPU: a run of short
 # epochs would spend a large part of its time drawing), and once more at the end of the run.
 CURVES_EVERY_S = 60.0
 
