@@ -86,7 +86,6 @@ def test_onnx_without_its_packages_says_how_to_install_them(tmp_path, monkeypatc
     assert not (tmp_path / "m.onnx").exists()
 
 
-@pytest.mark.slow
 def test_predict_exports_onnx_as_one_file_that_matches_pytorch_and_carries_the_checkpoints_preprocessing(
     tmp_path, capsys
 ):
